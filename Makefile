@@ -1,0 +1,36 @@
+# One entry point. Every target sets itself up (a .venv, torch only if missing) and skips what is done.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup test lint demo bench bench-quick clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[dev,uvloop]"
+	touch $(STAMP)
+
+lint: setup
+	$(VPY) -m ruff format --check aioloader tests benchmarks examples
+	$(VPY) -m ruff check aioloader tests benchmarks examples
+	$(VPY) -m mypy
+
+test: setup lint
+	$(VPY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+demo: setup
+	$(VPY) examples/demo.py
+
+bench-quick: setup
+	$(VPY) benchmarks/serialization_tax.py --quick
+
+bench: setup
+	$(VPY) benchmarks/serialization_tax.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

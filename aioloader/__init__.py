@@ -1,0 +1,37 @@
+"""aioloader: an asyncio data loader for PyTorch.
+
+One event loop fetches samples concurrently; a pool decodes them; batches are collated into recycled
+buffers and handed to `for batch in loader` or `async for batch in loader`.
+"""
+
+from . import sources as sources
+from ._collate import BufferPool as BufferPool
+from ._collate import default_collate as default_collate
+from ._exceptions import AioloaderError as AioloaderError
+from ._exceptions import CollateError as CollateError
+from ._exceptions import DecodeError as DecodeError
+from ._exceptions import FetchError as FetchError
+from ._exceptions import InvalidKeyError as InvalidKeyError
+from ._exceptions import LoaderClosedError as LoaderClosedError
+from ._exceptions import LoaderTimeout as LoaderTimeout
+from ._exceptions import SampleError as SampleError
+from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
+from ._loader import Loader as Loader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_COLLATE",
+    "AioloaderError",
+    "BufferPool",
+    "CollateError",
+    "DecodeError",
+    "FetchError",
+    "InvalidKeyError",
+    "Loader",
+    "LoaderClosedError",
+    "LoaderTimeout",
+    "SampleError",
+    "default_collate",
+    "sources",
+]

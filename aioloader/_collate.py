@@ -1,0 +1,151 @@
+"""Batch stage: the default collate, and the recycled buffers it stacks samples into.
+
+`default_collate` returns what `torch.utils.data.default_collate` returns for the same samples (it walks
+the structure with torch's own `collate` so dicts, namedtuples, sequences, numbers and strings behave the
+same), with one difference: where every tensor or array of a leaf has the same shape and dtype, it stacks
+into a buffer taken from a `BufferPool` instead of allocating a batch-sized tensor per batch. Fresh pages
+cost ~11 µs each on the project's machines, so a 150 MB batch written into new memory takes ~0.5 s and
+into a recycled one ~10 ms (shared/DESIGN.md).
+
+A buffer is handed out again only when nothing outside the pool refers to it: no Python reference to the
+batch tensor, and no view or numpy array over its storage. A consumer that keeps batches therefore makes
+the pool allocate, never overwrite.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate as _torch_collate
+from torch.utils.data._utils.collate import default_collate_fn_map as _torch_fn_map
+
+from ._exceptions import CollateError
+
+__all__ = ["BufferPool", "default_collate", "make_collate"]
+
+_CollateFnMap = dict[type | tuple[type, ...], Callable[..., Any]]
+
+# References to a pooled tensor while `_is_free` inspects it: the pool's list, the loop variable and
+# getrefcount's own argument.
+_REFS_WHEN_FREE = 3
+# StorageImpl uses of a tensor with no views: its TensorImpl and the temporary UntypedStorage object.
+_STORAGE_USES_WHEN_FREE = 2
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+class BufferPool:
+    """Recycled batch buffers, keyed by shape and dtype.
+
+    Thread-safe. `take` never blocks: it returns a free buffer of the shape, or allocates one (and keeps
+    it for reuse while fewer than `per_shape` buffers of that shape exist).
+
+    Example:
+        >>> pool = BufferPool(per_shape=2)
+        >>> a = pool.take((4, 3), torch.float32)
+        >>> b = pool.take((4, 3), torch.float32)  # `a` is still referenced: a new buffer
+        >>> a is b
+        False
+    """
+
+    def __init__(self, per_shape: int = 4) -> None:
+        if per_shape < 0:
+            raise ValueError(f"per_shape must be >= 0, got {per_shape}")
+        self.per_shape = per_shape
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.allocated = 0
+        self.reused = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Return a buffer of `shape` and `dtype` that nobody else refers to."""
+        with self._lock:
+            buffers = self._buffers.setdefault((shape, dtype), [])
+            for buf in buffers:
+                if sys.getrefcount(buf) == _REFS_WHEN_FREE and (
+                    _storage_uses(buf) == _STORAGE_USES_WHEN_FREE
+                ):
+                    self.reused += 1
+                    return buf
+            self.allocated += 1
+            fresh = torch.empty(shape, dtype=dtype)
+            if len(buffers) < self.per_shape:
+                buffers.append(fresh)
+            return fresh
+
+    def clear(self) -> None:
+        """Forget every pooled buffer (batches the consumer still holds stay valid)."""
+        with self._lock:
+            self._buffers.clear()
+
+
+def _stackable(batch: Sequence[torch.Tensor]) -> bool:
+    first = batch[0]
+    if first.device.type != "cpu" or first.layout != torch.strided or first.is_nested:
+        return False
+    return all(
+        t.shape == first.shape
+        and t.dtype == first.dtype
+        and t.device == first.device
+        and t.layout == torch.strided
+        and not t.requires_grad
+        for t in batch
+    )
+
+
+def _check_shapes(batch: Sequence[torch.Tensor]) -> None:
+    shapes = {tuple(t.shape) for t in batch}
+    if len(shapes) > 1:
+        listed = ", ".join(f"[{i}]={tuple(t.shape)}" for i, t in enumerate(batch))
+        raise CollateError(f"cannot stack samples of different shapes into one batch: {listed}")
+
+
+def _make_fn_map(pool: BufferPool | None) -> _CollateFnMap:
+    torch_tensor_fn = _torch_fn_map[torch.Tensor]
+
+    def tensor_fn(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+        _check_shapes(batch)
+        if pool is None or not _stackable(batch):
+            return torch_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+        out = pool.take((len(batch), *batch[0].shape), batch[0].dtype)
+        return torch.stack(list(batch), 0, out=out)
+
+    def ndarray_fn(batch: Sequence[np.ndarray[Any, Any]], *, collate_fn_map: Any = None) -> Any:
+        if batch[0].dtype.kind in "SaUO":
+            raise CollateError(
+                f"default_collate cannot batch numpy arrays of dtype {batch[0].dtype}"
+            )
+        return tensor_fn([torch.as_tensor(b) for b in batch], collate_fn_map=collate_fn_map)
+
+    fn_map: _CollateFnMap = dict(_torch_fn_map)
+    fn_map[torch.Tensor] = tensor_fn
+    fn_map[np.ndarray] = ndarray_fn
+    return fn_map
+
+
+def make_collate(pool: BufferPool | None) -> Callable[[Sequence[Any]], Any]:
+    """Build a default collate that stacks into `pool`'s buffers (or allocates, when `pool` is None)."""
+    fn_map = _make_fn_map(pool)
+
+    def collate(batch: Sequence[Any]) -> Any:
+        try:
+            return _torch_collate(batch, collate_fn_map=fn_map)
+        except CollateError:
+            raise
+        except TypeError as exc:
+            raise CollateError(str(exc), stage="collate") from exc
+
+    return collate
+
+
+default_collate = make_collate(None)
+default_collate.__doc__ = (
+    """Collate samples as `torch.utils.data.default_collate` does, without recycling."""
+)

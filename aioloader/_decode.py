@@ -1,0 +1,70 @@
+"""Decode stage: raw sample -> sample, inline on the loop or in a pool of threads.
+
+One interface, `Executor.run(fn, arg)`, whatever runs the call. "inline" calls the function on the
+event loop (right for cheap decodes: no hand-off cost); "thread" runs it in `workers` threads, which
+pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or the GIL is off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from ._threads import LazyThreadPool
+
+__all__ = ["EXECUTORS", "Executor", "InlineExecutor", "ThreadExecutor", "make_executor"]
+
+T = TypeVar("T")
+
+EXECUTORS = ("inline", "thread")
+
+
+class Executor(Protocol):
+    """Where decode (and collate) calls run."""
+
+    async def run(self, fn: Callable[[Any], T], arg: Any) -> T:
+        """Run `fn(arg)`; safe to cancel."""
+        ...
+
+    def close(self) -> None:
+        """Release threads or processes; idempotent."""
+        ...
+
+
+class InlineExecutor:
+    """Runs each call directly on the event loop."""
+
+    async def run(self, fn: Callable[[Any], T], arg: Any) -> T:
+        return fn(arg)
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadExecutor:
+    """Runs each call in a pool of `workers` threads."""
+
+    def __init__(self, workers: int, name: str = "aioloader-decode") -> None:
+        self.workers = workers
+        self._threads = LazyThreadPool(workers, name)
+
+    async def run(self, fn: Callable[[Any], T], arg: Any) -> T:
+        return await self._threads.run(fn, arg)
+
+    def close(self) -> None:
+        self._threads.close()
+
+
+def default_workers() -> int:
+    """The default decode pool size: the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def make_executor(name: str, workers: int | None) -> Executor:
+    """Build the executor called `name` ("inline" or "thread")."""
+    if name == "inline":
+        return InlineExecutor()
+    if name == "thread":
+        return ThreadExecutor(workers or default_workers())
+    raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")

@@ -1,0 +1,75 @@
+"""The errors aioloader raises.
+
+The hierarchy::
+
+    AioloaderError
+    ├── LoaderClosedError     the loader was closed by its user; it cannot be iterated again
+    ├── LoaderTimeout         no batch arrived within the `timeout` the user set (also a TimeoutError)
+    ├── InvalidKeyError       a key names something outside its source (also a ValueError)
+    └── SampleError           one sample failed in a stage; carries `.key` and `.stage`
+        ├── FetchError        the source could not produce the raw bytes
+        ├── DecodeError       the decode callable failed and its error could not be kept as it was
+        └── CollateError      the samples of one batch cannot be put together (also a TypeError)
+
+Errors raised by user callables (fetch, decode, collate) reach the consumer with their own type and
+traceback and a note naming the stage and the key; the classes above are for failures aioloader itself
+detects. Closed by the user, end of data (plain `StopIteration`/`StopAsyncIteration`) and broken by a
+peer are kept apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AioloaderError",
+    "CollateError",
+    "DecodeError",
+    "FetchError",
+    "InvalidKeyError",
+    "LoaderClosedError",
+    "LoaderTimeout",
+    "SampleError",
+]
+
+
+class AioloaderError(Exception):
+    """Base class of every error aioloader raises on its own account."""
+
+
+class LoaderClosedError(AioloaderError, RuntimeError):
+    """The loader was closed (by `close()`/`aclose()` or its context manager) and cannot be used."""
+
+
+class LoaderTimeout(AioloaderError, TimeoutError):
+    """No batch arrived within the configured `timeout`."""
+
+
+class InvalidKeyError(AioloaderError, ValueError):
+    """A key is not valid for its source, e.g. a path that escapes the source's root."""
+
+
+class SampleError(AioloaderError):
+    """One sample failed in one stage of the pipeline.
+
+    Attributes:
+        key: the sample's key, as the order stage produced it.
+        stage: the pipeline stage: "fetch", "decode" or "collate".
+    """
+
+    def __init__(self, message: str, *, key: Any = None, stage: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+        self.stage = stage
+
+
+class FetchError(SampleError):
+    """The source failed to produce a sample's raw data."""
+
+
+class DecodeError(SampleError):
+    """The decode callable failed in a way that could not be re-raised with its own type."""
+
+
+class CollateError(SampleError, TypeError):
+    """The samples of one batch cannot be collated (mixed types, mismatched shapes)."""

@@ -1,0 +1,52 @@
+"""Fetch stage: key -> raw sample, with at most `concurrency` fetches in flight.
+
+Coroutine functions run on the pipeline's event loop; plain functions run in a pool of `concurrency`
+threads named "aioloader-fetch". The bound itself is kept by the pipeline (`_pipeline.py`), which
+acquires a slot before it calls the fetcher.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ._threads import LazyThreadPool
+
+__all__ = ["Fetcher", "is_async_callable"]
+
+
+def is_async_callable(fn: object) -> bool:
+    """True for coroutine functions and for objects whose `__call__` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004
+    )
+
+
+class Fetcher:
+    """Calls the user's fetch function the right way for its kind.
+
+    Args:
+        fn: key -> raw sample; a coroutine function or a plain function.
+        concurrency: size of the thread pool used for a plain function.
+        initializer: run once in each fetch thread as it starts (plain functions only).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        concurrency: int,
+        initializer: Callable[[], None] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.is_async = is_async_callable(fn)
+        self._threads = LazyThreadPool(concurrency, "aioloader-fetch", initializer)
+
+    async def __call__(self, key: Any) -> Any:
+        if self.is_async:
+            return await self.fn(key)
+        return await self._threads.run(self.fn, key)
+
+    def close(self) -> None:
+        """Stop the fetch threads (idempotent; a later call starts new ones)."""
+        self._threads.close()

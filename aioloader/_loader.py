@@ -1,0 +1,335 @@
+"""Loader: wires the stages, iterates them (sync and async) and owns their lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+from ._collate import BufferPool, make_collate
+from ._decode import EXECUTORS, ThreadExecutor, make_executor
+from ._exceptions import LoaderClosedError, LoaderTimeout
+from ._fetch import Fetcher
+from ._order import KeyOrder, KeyPlan, Plan
+from ._pipeline import END, Epoch, Stages
+from ._sync import STOP_TIMEOUT_S, LoopThread
+from ._validate import check_callable, check_int, check_timeout
+from .sources import Source
+
+__all__ = ["DEFAULT_COLLATE", "Loader"]
+
+T = TypeVar("T")
+
+
+class _DefaultCollate:
+    def __repr__(self) -> str:
+        return "DEFAULT_COLLATE"
+
+
+DEFAULT_COLLATE: Any = _DefaultCollate()
+"""Collate like torch's default_collate, into recycled batch buffers (the default)."""
+
+# Batch buffers kept per shape beyond `prefetch`: one the consumer holds, one being collated, one spare.
+_SPARE_BUFFERS = 3
+
+
+class Loader(Generic[T]):
+    """Fetch, decode and batch samples concurrently; iterate with `for` or `async for`.
+
+    Args:
+        keys: a sequence or iterable of keys, or a `Source` (its keys and its `fetch`).
+        fetch: key -> raw sample; a coroutine function (runs on the event loop, `concurrency` at a time)
+            or a plain function (runs in `concurrency` threads). Defaults to the source's fetch.
+        decode: raw -> sample, run by `executor`; None keeps the raw sample.
+        collate: list of samples -> batch. The default matches torch's default_collate and stacks
+            into recycled buffers; None yields the list itself; any other callable is used as given.
+        batch_size: samples per batch; None yields samples one by one.
+        drop_last: drop a last batch smaller than `batch_size`.
+        shuffle, seed: permute the keys per epoch with a generator seeded from (seed, epoch).
+        concurrency: fetches in flight at most.
+        prefetch: batches made ready ahead of the consumer. Samples held at most:
+            `prefetch * batch_size + concurrency`.
+        in_order: deliver batches in key order (True) or whole batches as they complete (False).
+        executor: where decode runs: "inline" (on the event loop) or "thread".
+        workers: decode threads for executor="thread" (default: the usable cores).
+        timeout: seconds to wait for one batch before raising `LoaderTimeout` (None: no limit).
+        use_caller_loop: for `async for`, run the pipeline in the caller's event loop instead of the
+            loader's own loop thread. Cheaper hand-over, but a consumer that blocks its loop (a model
+            step that does not await) then stalls fetching; keep the default unless your steps await.
+
+    The loader's threads and connections live across epochs until `close()`/`aclose()` or the end of a
+    `with`/`async with` block. Each full iteration is one epoch; `set_epoch(n)` picks the next one.
+
+    Example:
+        >>> async def fetch(i: int) -> int:
+        ...     return i * i
+        >>> with Loader(range(6), fetch, batch_size=3, collate=None) as loader:
+        ...     [batch for batch in loader]
+        [[0, 1, 4], [9, 16, 25]]
+    """
+
+    def __init__(
+        self,
+        keys: Source | Sequence[Any] | Iterable[Any],
+        fetch: Callable[[Any], Any] | None = None,
+        *,
+        decode: Callable[[Any], Any] | None = None,
+        collate: Callable[[list[Any]], Any] | None = DEFAULT_COLLATE,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        shuffle: bool = False,
+        seed: int = 0,
+        concurrency: int = 16,
+        prefetch: int = 2,
+        in_order: bool = True,
+        executor: str = "inline",
+        workers: int | None = None,
+        timeout: float | None = None,
+        use_caller_loop: bool = False,
+    ) -> None:
+        self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
+        self._source: Source | None = None
+        if isinstance(keys, Source):
+            self._source = keys
+            fetch = fetch or keys.fetch
+            keys = keys.keys()
+        if fetch is None:
+            raise TypeError("fetch: a fetch function is required unless keys is a Source")
+        if batch_size is not None:
+            check_int("batch_size", batch_size, minimum=1)
+        check_int("seed", seed, minimum=0)
+        order = KeyOrder(keys, shuffle=bool(shuffle), seed=seed)
+        self._setup(
+            KeyPlan(order, batch_size, drop_last), fetch, decode=decode, collate=collate,
+            concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
+            workers=workers, timeout=timeout, use_caller_loop=use_caller_loop,
+        )  # fmt: skip
+
+    def _setup(
+        self,
+        plan: Plan,
+        fetch: Callable[[Any], Any],
+        *,
+        decode: Callable[[Any], Any] | None,
+        collate: Callable[[list[Any]], Any] | None,
+        concurrency: int,
+        prefetch: int,
+        in_order: bool,
+        executor: str,
+        workers: int | None,
+        timeout: float | None,
+        use_caller_loop: bool,
+        fetch_initializer: Callable[[], None] | None = None,
+    ) -> None:
+        check_callable("fetch", fetch)
+        check_callable("decode", decode, optional=True)
+        check_int("concurrency", concurrency, minimum=1)
+        check_int("prefetch", prefetch, minimum=1)
+        if workers is not None:
+            check_int("workers", workers, minimum=1)
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        self._pool: BufferPool | None = None
+        if collate is DEFAULT_COLLATE:
+            self._pool = BufferPool(per_shape=prefetch + _SPARE_BUFFERS)
+            collate = make_collate(self._pool)
+        check_callable("collate", collate, optional=True)
+        self._plan = plan
+        self._stages = Stages(
+            fetch=Fetcher(fetch, concurrency, fetch_initializer),
+            decode=decode,
+            decoder=make_executor(executor, workers),
+            collate=collate,
+            collator=ThreadExecutor(1, "aioloader-collate"),
+            concurrency=concurrency,
+            prefetch=prefetch,
+            in_order=bool(in_order),
+            group_size=plan.group_size,
+        )
+        self._timeout = check_timeout("timeout", timeout)
+        self._use_caller_loop = use_caller_loop
+        self._epoch = 0
+        self._loop_thread: LoopThread | None = None
+        self._live: set[Epoch] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- epochs ------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch (samples when unbatched); TypeError when the keys have no length."""
+        return len(self._plan)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration will run."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration run `epoch` (which decides its shuffle)."""
+        check_int("epoch", epoch, minimum=0)
+        self._epoch = epoch
+
+    def _start(self) -> int:
+        if self._closed:
+            raise LoaderClosedError("this loader was closed; create a new one")
+        with self._lock:
+            epoch, self._epoch = self._epoch, self._epoch + 1
+        return epoch
+
+    async def _open(self, epoch: int) -> Epoch:
+        run = Epoch(self._stages, self._plan.groups(epoch))
+        self._live.add(run)
+        return run
+
+    async def _close_epoch(self, run: Epoch) -> None:
+        self._live.discard(run)
+        await run.aclose()
+
+    def _runner(self) -> LoopThread:
+        with self._lock:
+            if self._loop_thread is None:
+                self._loop_thread = LoopThread()
+            return self._loop_thread
+
+    # -- sync iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[T]:
+        epoch = self._start()
+        runner = self._runner()
+        run = runner.run(self._open(epoch))
+        try:
+            while True:
+                try:
+                    batch = runner.run(run.get(), self._timeout)
+                except TimeoutError:
+                    raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
+                if batch is END:
+                    return
+                yield batch
+                del batch
+        finally:
+            if runner.alive and not runner.in_loop_thread():
+                with contextlib.suppress(TimeoutError):
+                    runner.run(self._close_epoch(run), STOP_TIMEOUT_S)
+            else:
+                self._live.discard(run)
+                runner.call_soon(run.cancel)
+
+    # -- async iteration ---------------------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[T]:
+        epoch = self._start()
+        if self._use_caller_loop:
+            run = await self._open(epoch)
+            try:
+                async for batch in self._batches(run.get):
+                    yield batch
+            finally:
+                await self._close_epoch(run)
+            return
+        runner = self._runner()
+        run = await asyncio.wrap_future(runner.submit(self._open(epoch)))
+        try:
+            async for batch in self._batches(lambda: asyncio.wrap_future(runner.submit(run.get()))):
+                yield batch
+        finally:
+            if runner.alive:
+                await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
+
+    async def _batches(self, get: Callable[[], Any]) -> AsyncIterator[T]:
+        while True:
+            try:
+                batch = await asyncio.wait_for(get(), self._timeout)
+            except TimeoutError:
+                raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
+            if batch is END:
+                return
+            yield batch
+            del batch
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop every epoch, thread and connection of this loader. Idempotent; blocks up to ~2 s."""
+        if self._closed:
+            return
+        self._closed = True
+        runner, self._loop_thread = self._loop_thread, None
+        for run in list(self._live):
+            run.loop.call_soon_threadsafe(run.cancel)
+        self._live.clear()
+        if runner is not None and runner.alive and not runner.in_loop_thread():
+            if self._source is not None:
+                with contextlib.suppress(Exception):
+                    runner.run(self._source.aclose(), STOP_TIMEOUT_S)
+            runner.stop()
+        elif self._source is not None and not _loop_running():
+            with contextlib.suppress(Exception):
+                asyncio.run(self._source.aclose())
+        self._stages.fetch.close()
+        self._stages.decoder.close()
+        self._stages.collator.close()
+        if self._pool is not None:
+            self._pool.clear()
+
+    async def aclose(self) -> None:
+        """`close()` without blocking the caller's event loop. Idempotent."""
+        if self._closed:
+            return
+        here = asyncio.get_running_loop()
+        for run in [r for r in self._live if r.loop is here]:
+            await self._close_epoch(run)
+        if self._use_caller_loop and self._source is not None and self._loop_thread is None:
+            await self._source.aclose()
+            self._source = None
+        done: asyncio.Future[None] = here.create_future()
+
+        def close_then_wake() -> None:
+            try:
+                self.close()
+            finally:
+                with contextlib.suppress(RuntimeError):
+                    here.call_soon_threadsafe(_wake, done)
+
+        threading.Thread(target=close_then_wake, name="aioloader-close").start()
+        await done
+
+    def __enter__(self) -> Loader[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Loader[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):
+                self.close()
+
+
+def _wake(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -1,0 +1,112 @@
+"""The event-loop thread behind `for batch in loader`, and the hand-over to the consumer's thread.
+
+One `LoopThread` per loader runs an event loop (uvloop when installed) on a daemon thread named
+"aioloader-loop". The consumer's thread submits coroutines to it and waits on their futures; that wait
+is interruptible (KeyboardInterrupt lands in the consumer, which then closes the epoch).
+Every live loop thread is stopped before the interpreter joins its threads at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread", "new_event_loop"]
+
+T = TypeVar("T")
+
+STOP_TIMEOUT_S = 2.0
+
+_live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed, else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class LoopThread:
+    """An event loop running forever on its own thread, until `stop()`.
+
+    Example:
+        >>> async def answer() -> int:
+        ...     return 42
+        >>> lt = LoopThread()
+        >>> lt.run(answer())
+        42
+        >>> lt.stop()
+    """
+
+    def __init__(self, name: str = "aioloader-loop") -> None:
+        self.loop = new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    def _main(self) -> None:
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self.loop.is_closed()
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; returns a thread-safe future (cancelling it cancels the task)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and block until it ends. Raises TimeoutError after `timeout`."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the loop soon; a no-op once the loop has stopped."""
+        if not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed between the check and the call
+                self.loop.call_soon_threadsafe(fn)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Cancel every task, stop the loop and join the thread. Idempotent."""
+        self.call_soon(self.loop.stop)
+        if not self.in_loop_thread():
+            self._thread.join(timeout)
+        _live.discard(self)
+
+
+def _stop_all() -> None:
+    for loop_thread in list(_live):
+        loop_thread.stop()
+
+
+# Runs before the interpreter joins non-daemon threads (as concurrent.futures does for its pools), so
+# a loader left open at exit never keeps the process alive.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_stop_all)
