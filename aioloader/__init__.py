@@ -17,6 +17,7 @@ from ._exceptions import LoaderTimeout as LoaderTimeout
 from ._exceptions import SampleError as SampleError
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
+from .dataloader import DataLoader as DataLoader
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "AioloaderError",
     "BufferPool",
     "CollateError",
+    "DataLoader",
     "DecodeError",
     "FetchError",
     "InvalidKeyError",

@@ -90,21 +90,23 @@ class Loader(Generic[T]):
         use_caller_loop: bool = False,
     ) -> None:
         self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
-        self._source: Source | None = None
+        source: Source | None = None
+        key_list: Sequence[Any] | Iterable[Any]
         if isinstance(keys, Source):
-            self._source = keys
+            source, key_list = keys, keys.keys()
             fetch = fetch or keys.fetch
-            keys = keys.keys()
+        else:
+            key_list = keys
         if fetch is None:
             raise TypeError("fetch: a fetch function is required unless keys is a Source")
         if batch_size is not None:
             check_int("batch_size", batch_size, minimum=1)
         check_int("seed", seed, minimum=0)
-        order = KeyOrder(keys, shuffle=bool(shuffle), seed=seed)
+        order = KeyOrder(key_list, shuffle=bool(shuffle), seed=seed)
         self._setup(
             KeyPlan(order, batch_size, drop_last), fetch, decode=decode, collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
-            workers=workers, timeout=timeout, use_caller_loop=use_caller_loop,
+            workers=workers, timeout=timeout, use_caller_loop=use_caller_loop, source=source,
         )  # fmt: skip
 
     def _setup(
@@ -122,6 +124,7 @@ class Loader(Generic[T]):
         timeout: float | None,
         use_caller_loop: bool,
         fetch_initializer: Callable[[], None] | None = None,
+        source: Source | None = None,
     ) -> None:
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
@@ -137,6 +140,7 @@ class Loader(Generic[T]):
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
         self._plan = plan
+        self._source = source
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, fetch_initializer),
             decode=decode,

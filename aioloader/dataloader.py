@@ -1,0 +1,317 @@
+"""The torch-compatible front door: `aioloader.DataLoader`, built on `Loader`.
+
+Switching a training script is one import: `from aioloader import DataLoader`. The same arguments mean
+the same things and fail the same way, and for the same dataset, sampler and generator the batches
+come in the same order as torch's DataLoader. What changes is how samples are fetched: `__getitem__`
+calls run concurrently (`concurrency` at a time) instead of one after another per worker process.
+
+What `num_workers` means here: it is validated as torch validates it, sets the default
+`concurrency` (`max(16, num_workers * prefetch_factor)`), and `worker_init_fn(i)` runs once in each
+fetch thread as it starts. No worker processes are started: samples are fetched by threads (plain
+`__getitem__`) or on the event loop (a coroutine `__getitem__`), which is what pays when the dataset
+waits on disk or network. `multiprocessing_context` and `persistent_workers` are accepted and have
+no effect; the threads always persist until `close()`.
+
+Async datasets: a map-style dataset whose `__getitem__` is a coroutine function
+(`async def __getitem__(self, index)`) is fetched on the loader's event loop, `concurrency` at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    default_convert,
+)
+
+from ._collate import BufferPool, default_collate, make_collate
+from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
+from ._order import Group, KeyOrder, KeyPlan, Plan
+
+__all__ = ["DataLoader"]
+
+_DEFAULT_CONCURRENCY = 16
+
+
+class _SamplerPlan:
+    """Groups of a map-style dataset as torch's DataLoader forms them: from its (batch) sampler.
+
+    Each epoch draws one int64 from `generator` before the sampler runs, as torch's iterator does, so
+    that a shared generator is consumed identically and the shuffles match torch's.
+    """
+
+    def __init__(
+        self, index_sampler: Iterable[Any], batched: bool, generator: torch.Generator | None
+    ) -> None:
+        self.index_sampler = index_sampler
+        self.batched = batched
+        self.generator = generator
+        self.group_size = getattr(index_sampler, "batch_size", None) or 1
+
+    def groups(self, epoch: int) -> Iterable[Group]:
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        indices = iter(self.index_sampler)
+        first = list(itertools.islice(indices, 1))  # draw the sampler's own seed on this thread
+        return self._number(itertools.chain(first, indices))
+
+    def _number(self, indices: Iterator[Any]) -> Iterator[Group]:
+        for i, index in enumerate(indices):
+            if self.batched:
+                yield Group(i, [(i, j) for j in index], True)
+            else:
+                yield Group(i, [(i, index)], False)
+
+    def __len__(self) -> int:
+        return len(self.index_sampler)  # type: ignore[arg-type]
+
+
+class _WorkerIds:
+    """Calls `worker_init_fn(0)`, `worker_init_fn(1)`, ... once in each fetch thread as it starts."""
+
+    def __init__(self, fn: Callable[[int], None]) -> None:
+        self.fn = fn
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            worker_id = next(self._next)
+        self.fn(worker_id)
+
+
+def _check_arguments(
+    dataset: Any, batch_size: int | None, shuffle: bool | None, sampler: Any,
+    batch_sampler: Any, num_workers: int, drop_last: bool, timeout: float,
+    prefetch_factor: int | None, persistent_workers: bool,
+) -> None:  # fmt: skip
+    """Raise the errors torch's DataLoader raises, with its words."""
+    if num_workers < 0:
+        raise ValueError(
+            "num_workers option should be non-negative; use num_workers=0 to disable multiprocessing."
+        )
+    if timeout < 0:
+        raise ValueError("timeout option should be non-negative")
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ValueError(
+            "prefetch_factor option could only be specified in multiprocessing."
+            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+        )
+    if prefetch_factor is not None and prefetch_factor < 0:
+        raise ValueError("prefetch_factor option should be non-negative")
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers option needs num_workers > 0")
+    if isinstance(dataset, IterableDataset):
+        if shuffle not in {False, None}:
+            raise ValueError(
+                "DataLoader with IterableDataset: expected unspecified shuffle option, "
+                f"but got shuffle={shuffle}"
+            )
+        if sampler is not None:
+            raise ValueError(
+                "DataLoader with IterableDataset: expected unspecified sampler option, "
+                f"but got sampler={sampler}"
+            )
+        if batch_sampler is not None:
+            raise ValueError(
+                "DataLoader with IterableDataset: expected unspecified batch_sampler option, "
+                f"but got batch_sampler={batch_sampler}"
+            )
+    if sampler is not None and shuffle:
+        raise ValueError("sampler option is mutually exclusive with shuffle")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                "and drop_last"
+            )
+    elif batch_size is None and drop_last:
+        raise ValueError(
+            "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
+        )
+
+
+async def _same(item: Any) -> Any:
+    return item
+
+
+class DataLoader(Loader[Any]):
+    """A drop-in for `torch.utils.data.DataLoader` whose `__getitem__` calls run concurrently.
+
+    Takes torch's arguments (see the module docstring for `num_workers`) plus:
+
+    Args:
+        concurrency: dataset reads in flight at most (default `max(16, num_workers * prefetch_factor)`).
+
+    Map-style datasets (with `__getitems__` too), IterableDataset, any Sampler or BatchSampler
+    (DistributedSampler included: call its `set_epoch`, or this loader's) and async datasets work.
+
+    Example:
+        >>> ds = list(range(10))
+        >>> [b.tolist() for b in DataLoader(ds, batch_size=4)]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        concurrency: int | None = None,
+    ) -> None:
+        _check_arguments(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, drop_last,
+            timeout, prefetch_factor, persistent_workers,
+        )  # fmt: skip
+        if num_workers > 0 and prefetch_factor is None:
+            prefetch_factor = 2
+        if batch_sampler is not None:
+            batch_size, drop_last = None, False
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.persistent_workers = persistent_workers
+        self.in_order = in_order
+        self._warn_pin_memory()
+        iterable = isinstance(dataset, IterableDataset)
+        if sampler is None and not iterable:
+            sampler = (
+                RandomSampler(dataset, generator=generator)  # type: ignore[arg-type]
+                if shuffle
+                else SequentialSampler(dataset)  # type: ignore[arg-type]
+            )
+        if batch_size is not None and batch_sampler is None and not iterable:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        auto_collation = batch_sampler is not None or (iterable and batch_size is not None)
+        if concurrency is None:
+            concurrency = max(_DEFAULT_CONCURRENCY, num_workers * (prefetch_factor or 0))
+        if collate_fn is None and auto_collation:
+            self.collate_fn: Callable[[Any], Any] = default_collate
+            collate_fn = DEFAULT_COLLATE
+        else:
+            self.collate_fn = collate_fn = collate_fn or default_convert
+        fetch, plan = self._plan_for(dataset, iterable, auto_collation, collate_fn, concurrency)
+        self._setup(
+            plan, fetch, decode=None,
+            collate=collate_fn if auto_collation else None,
+            concurrency=concurrency, prefetch=max(2, prefetch_factor or 2), in_order=in_order,
+            executor="inline", workers=None, timeout=timeout or None, use_caller_loop=False,
+            fetch_initializer=_WorkerIds(worker_init_fn) if worker_init_fn else None,
+        )  # fmt: skip
+
+    def _plan_for(
+        self,
+        dataset: Any,
+        iterable: bool,
+        auto_collation: bool,
+        collate_fn: Callable[..., Any],
+        concurrency: int,
+    ) -> tuple[Callable[[Any], Any], Plan]:
+        plan: Plan
+        if iterable:
+            # Items come from the dataset's own iterator, in order; "fetching" one is taking it.
+            plan = KeyPlan(
+                KeyOrder(dataset, shuffle=False, seed=0), self.batch_size, self.drop_last
+            )
+            return (_same if auto_collation else _converting(collate_fn)), plan
+        index_sampler = self.batch_sampler if auto_collation else self.sampler
+        getitems = getattr(dataset, "__getitems__", None)
+        if auto_collation and getitems:
+            # One call per batch, as torch makes it; batches run concurrently.
+            plan = _SamplerPlan(index_sampler, False, self.generator)  # type: ignore[arg-type]
+            if collate_fn is DEFAULT_COLLATE:  # batches are collated in fetch threads, many at once
+                collate_fn = make_collate(BufferPool(per_shape=concurrency + _SPARE_BUFFERS))
+            return _batch_reader(getitems, collate_fn), plan
+        plan = _SamplerPlan(index_sampler, auto_collation, self.generator)  # type: ignore[arg-type]
+        getitem = dataset.__getitem__
+        if auto_collation or inspect.iscoroutinefunction(getitem):
+            return getitem, plan
+        return _converting(collate_fn, getitem), plan
+
+    def _warn_pin_memory(self) -> None:
+        if self.pin_memory and self.pin_memory_device:
+            warnings.warn(
+                "pin_memory_device is deprecated, the current accelerator will be used as the "
+                f"device, ignore pin_memory_device='{self.pin_memory_device}'.",
+                stacklevel=3,
+            )
+        if self.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pick the next epoch, and pass it on to a sampler that has `set_epoch` (DistributedSampler)."""
+        super().set_epoch(epoch)
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            set_sampler_epoch = getattr(sampler, "set_epoch", None)
+            if set_sampler_epoch is not None:
+                set_sampler_epoch(epoch)
+                break
+
+    def __len__(self) -> int:
+        if not isinstance(self.dataset, IterableDataset):
+            return super().__len__()
+        length = len(self.dataset)  # type: ignore[arg-type]
+        if self.batch_size is None:
+            return length
+        return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
+
+
+def _converting(
+    convert: Callable[[Any], Any], read: Callable[[Any], Any] | None = None
+) -> Callable[[Any], Any]:
+    """Apply torch's per-sample `collate_fn` (default_convert) when auto-collation is off."""
+
+    def fetch(key: Any) -> Any:
+        return convert(read(key) if read is not None else key)
+
+    return fetch
+
+
+def _batch_reader(
+    getitems: Callable[[list[Any]], list[Any]], collate_fn: Callable[[list[Any]], Any]
+) -> Callable[[list[Any]], Any]:
+    def fetch(indices: list[Any]) -> Any:
+        return collate_fn(getitems(indices))
+
+    return fetch
