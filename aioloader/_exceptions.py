@@ -6,6 +6,7 @@ The hierarchy::
     ├── LoaderClosedError     the loader was closed by its user; it cannot be iterated again
     ├── LoaderTimeout         no batch arrived within the `timeout` the user set (also a TimeoutError)
     ├── InvalidKeyError       a key names something outside its source (also a ValueError)
+    ├── StateError            a saved state does not fit this loader; `.field` names where (ValueError)
     └── SampleError           one sample failed in a stage; carries `.key` and `.stage`
         ├── FetchError        the source could not produce the raw bytes
         ├── DecodeError       the decode callable failed and its error could not be kept as it was
@@ -30,6 +31,7 @@ __all__ = [
     "LoaderClosedError",
     "LoaderTimeout",
     "SampleError",
+    "StateError",
 ]
 
 
@@ -47,6 +49,18 @@ class LoaderTimeout(AioloaderError, TimeoutError):
 
 class InvalidKeyError(AioloaderError, ValueError):
     """A key is not valid for its source, e.g. a path that escapes the source's root."""
+
+
+class StateError(AioloaderError, ValueError):
+    """A saved state cannot be loaded into this loader.
+
+    Attributes:
+        field: the state or config field that differs (e.g. "batch_size", "keys", "version").
+    """
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class SampleError(AioloaderError):

@@ -5,15 +5,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, Generic, TypeVar
 
 from ._collate import BufferPool, make_collate
 from ._decode import EXECUTORS, ThreadExecutor, make_executor
-from ._exceptions import LoaderClosedError, LoaderTimeout
+from ._distributed import resolve_rank
+from ._exceptions import LoaderClosedError, LoaderTimeout, StateError
 from ._fetch import Fetcher
-from ._order import KeyOrder, KeyPlan, Plan
+from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._pipeline import END, Epoch, Stages
+from ._ranges import Ranges
+from ._state import (
+    STATE_VERSION,
+    Progress,
+    Resume,
+    check_config,
+    elastic_consumed,
+    keys_digest,
+    pick_own,
+)
 from ._sync import STOP_TIMEOUT_S, LoopThread
 from ._validate import check_callable, check_int, check_timeout
 from .sources import Source
@@ -48,6 +67,10 @@ class Loader(Generic[T]):
         batch_size: samples per batch; None yields samples one by one.
         drop_last: drop a last batch smaller than `batch_size`.
         shuffle, seed: permute the keys per epoch with a generator seeded from (seed, epoch).
+        rank, world_size: this process's share of every epoch (default: from an initialised
+            torch.distributed process group, else RANK / WORLD_SIZE, else 0 and 1). Every rank
+            gets the same number of batches: the epoch is padded by wrapping around, or cut with
+            `drop_last`.
         concurrency: fetches in flight at most.
         prefetch: batches made ready ahead of the consumer. Samples held at most:
             `prefetch * batch_size + concurrency`.
@@ -72,7 +95,7 @@ class Loader(Generic[T]):
 
     def __init__(
         self,
-        keys: Source | Sequence[Any] | Iterable[Any],
+        keys: Source | Sequence[Any] | Iterable[Any] | AsyncIterable[Any],
         fetch: Callable[[Any], Any] | None = None,
         *,
         decode: Callable[[Any], Any] | None = None,
@@ -88,10 +111,12 @@ class Loader(Generic[T]):
         workers: int | None = None,
         timeout: float | None = None,
         use_caller_loop: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
         source: Source | None = None
-        key_list: Sequence[Any] | Iterable[Any]
+        key_list: Sequence[Any] | Iterable[Any] | AsyncIterable[Any]
         if isinstance(keys, Source):
             source, key_list = keys, keys.keys()
             fetch = fetch or keys.fetch
@@ -102,7 +127,11 @@ class Loader(Generic[T]):
         if batch_size is not None:
             check_int("batch_size", batch_size, minimum=1)
         check_int("seed", seed, minimum=0)
-        order = KeyOrder(key_list, shuffle=bool(shuffle), seed=seed)
+        rank, world_size = resolve_rank(rank, world_size)
+        order = KeyOrder(
+            key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
+            drop_last=drop_last,
+        )  # fmt: skip
         self._setup(
             KeyPlan(order, batch_size, drop_last), fetch, decode=decode, collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
@@ -155,6 +184,9 @@ class Loader(Generic[T]):
         self._timeout = check_timeout("timeout", timeout)
         self._use_caller_loop = use_caller_loop
         self._epoch = 0
+        self._progress: Progress | None = None
+        self._resume: Resume | None = None
+        self._plan_state: dict[str, Any] = {}
         self._loop_thread: LoopThread | None = None
         self._live: set[Epoch] = set()
         self._lock = threading.Lock()
@@ -176,21 +208,85 @@ class Loader(Generic[T]):
         check_int("epoch", epoch, minimum=0)
         self._epoch = epoch
 
-    def _start(self) -> int:
+    def _start(self) -> Iterable[Group] | AsyncIterable[Group]:
+        """Begin the next epoch (in the caller's thread: a plan may draw from a generator here)."""
         if self._closed:
             raise LoaderClosedError("this loader was closed; create a new one")
         with self._lock:
             epoch, self._epoch = self._epoch, self._epoch + 1
-        return epoch
+            resume, self._resume = self._resume, None
+        if resume is None or resume.epoch != epoch:
+            resume = Resume(epoch, Ranges(), set())
+        self._plan_state = self._plan.snapshot()
+        groups = self._plan.groups(epoch, resume.consumed)
+        self._progress = Progress(epoch, resume.consumed, set(resume.skip))
+        return _skip(groups, resume.skip) if resume.skip else groups
 
-    async def _open(self, epoch: int) -> Epoch:
-        run = Epoch(self._stages, self._plan.groups(epoch))
+    def _finished(self, progress: Progress) -> None:
+        if self._progress is progress:
+            self._progress = None
+
+    async def _open(self, groups: Iterable[Group] | AsyncIterable[Group]) -> Epoch:
+        run = Epoch(self._stages, groups)
         self._live.add(run)
         return run
 
     async def _close_epoch(self, run: Epoch) -> None:
         self._live.discard(run)
         await run.aclose()
+
+    # -- saved state -------------------------------------------------------------------------------
+
+    def _state_config(self) -> dict[str, Any]:
+        plan = self._plan
+        assert isinstance(plan, KeyPlan)
+        order = plan.order
+        return {
+            "keys": keys_digest(order.keys), "batch_size": plan.batch_size,
+            "drop_last": plan.drop_last, "shuffle": order.shuffle, "seed": order.seed,
+        }  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: the epoch and what of it was delivered (small, JSON-ready).
+
+        Safe to call at any step, from the consumer's thread or task; see `_state.py` for the rule.
+        """
+        progress = self._progress or Progress(self._epoch)
+        rank, world_size = self._plan.rank_and_world()
+        return {
+            "version": STATE_VERSION, "kind": type(self).__name__,
+            "config": self._state_config(), "epoch": progress.epoch, "rank": rank,
+            "world_size": world_size, "in_order": self._stages.in_order,
+            "consumed": progress.consumed.pairs, "delivered": Ranges.of(progress.delivered).pairs,
+            **self._plan_state,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue from a saved state (or from every rank's states, for another world size).
+
+        Raises StateError naming the field when a state does not fit this loader.
+        """
+        states = [state] if isinstance(state, Mapping) else list(state)
+        if not states:
+            raise StateError("state: no state given", field="state")
+        config = self._state_config()
+        for s in states:
+            check_config(s, type(self).__name__, config)
+        rank, world_size = self._plan.rank_and_world()
+        own = pick_own(states, rank, world_size)
+        if own is not None:
+            resume = Resume(
+                int(own["epoch"]), Ranges(own.get("consumed", [])),
+                set(Ranges(own.get("delivered", []))),
+            )  # fmt: skip
+        else:
+            epoch, consumed = elastic_consumed(states, self._plan.group_indices)
+            resume = Resume(epoch, consumed, set())
+        self._plan.restore(own or states[0])
+        with self._lock:
+            self._resume, self._epoch = resume, resume.epoch
+        self._progress = Progress(resume.epoch, resume.consumed, set(resume.skip))
+        self._plan_state = {}
 
     def _runner(self) -> LoopThread:
         with self._lock:
@@ -201,17 +297,21 @@ class Loader(Generic[T]):
     # -- sync iteration ----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[T]:
-        epoch = self._start()
+        groups = self._start()
+        progress = self._progress
+        assert progress is not None
         runner = self._runner()
-        run = runner.run(self._open(epoch))
+        run = runner.run(self._open(groups))
         try:
             while True:
                 try:
-                    batch = runner.run(run.get(), self._timeout)
+                    index, batch = runner.run(run.get(), self._timeout)
                 except TimeoutError:
                     raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
                 if batch is END:
+                    self._finished(progress)
                     return
+                progress.delivered.add(index)
                 yield batch
                 del batch
         finally:
@@ -228,32 +328,37 @@ class Loader(Generic[T]):
         return self._aiter()
 
     async def _aiter(self) -> AsyncIterator[T]:
-        epoch = self._start()
+        groups = self._start()
+        progress = self._progress
+        assert progress is not None
         if self._use_caller_loop:
-            run = await self._open(epoch)
+            run = await self._open(groups)
             try:
-                async for batch in self._batches(run.get):
+                async for batch in self._batches(run.get, progress):
                     yield batch
             finally:
                 await self._close_epoch(run)
             return
         runner = self._runner()
-        run = await asyncio.wrap_future(runner.submit(self._open(epoch)))
+        run = await asyncio.wrap_future(runner.submit(self._open(groups)))
         try:
-            async for batch in self._batches(lambda: asyncio.wrap_future(runner.submit(run.get()))):
+            get = lambda: asyncio.wrap_future(runner.submit(run.get()))  # noqa: E731
+            async for batch in self._batches(get, progress):
                 yield batch
         finally:
             if runner.alive:
                 await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
 
-    async def _batches(self, get: Callable[[], Any]) -> AsyncIterator[T]:
+    async def _batches(self, get: Callable[[], Any], progress: Progress) -> AsyncIterator[T]:
         while True:
             try:
-                batch = await asyncio.wait_for(get(), self._timeout)
+                index, batch = await asyncio.wait_for(get(), self._timeout)
             except TimeoutError:
                 raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
             if batch is END:
+                self._finished(progress)
                 return
+            progress.delivered.add(index)
             yield batch
             del batch
 
@@ -324,6 +429,21 @@ class Loader(Generic[T]):
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close()
+
+
+async def _askip(groups: AsyncIterable[Group], skip: set[int]) -> AsyncIterator[Group]:
+    async for group in groups:
+        if group.index not in skip:
+            yield group
+
+
+def _skip(
+    groups: Iterable[Group] | AsyncIterable[Group], skip: set[int]
+) -> Iterable[Group] | AsyncIterable[Group]:
+    """The groups not in `skip` (those a resumed epoch had already delivered)."""
+    if isinstance(groups, AsyncIterable):
+        return _askip(groups, skip)
+    return (group for group in groups if group.index not in skip)
 
 
 def _wake(done: asyncio.Future[None]) -> None:

@@ -1,21 +1,33 @@
-"""Order stage: which keys, in which order, grouped into which batches, for one epoch.
+"""Order stage: which keys, in which order, on which rank, grouped into which batches, per epoch.
 
 Everything downstream works on *groups*: a group is the list of (position, key) pairs that become one
 batch (or one unbatched sample). Groups are numbered from 0 within an epoch; their composition depends
-only on (keys, seed, epoch, shuffle, batch_size, drop_last), never on timing, so `in_order=False` only
-changes the order in which whole groups are delivered.
+only on (keys, seed, epoch, shuffle, rank, world size, batch_size, drop_last), never on timing, so
+`in_order=False` only changes the order in which whole groups are delivered.
+
+For one epoch of a sequence of N keys:
+
+1. `perm`: the key positions in delivery order: `range(N)`, or a permutation seeded from (seed, epoch).
+2. `remaining`: the indices into `perm` not yet consumed (all of them, unless resuming elastically).
+3. padded to a multiple of the world size by wrapping around (or cut down to one, with `drop_last`),
+   so that every rank gets the same number of samples and therefore of batches;
+4. rank r takes every world_size-th entry starting at r;
+5. cut into batches of `batch_size` (the last one dropped if short and `drop_last`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count, islice
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "chunk"]
+from ._exceptions import StateError
+from ._ranges import Ranges
+
+__all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "achunk", "chunk"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,55 +50,140 @@ def chunk(pairs: Iterable[tuple[int, Any]], size: int | None, drop_last: bool) -
         yield Group(index, items, size is not None)
 
 
+async def achunk(
+    pairs: AsyncIterable[tuple[int, Any]], size: int | None, drop_last: bool
+) -> AsyncIterator[Group]:
+    """`chunk` for pairs that arrive asynchronously (a streamed listing)."""
+    step = 1 if size is None else size
+    items: list[tuple[int, Any]] = []
+    index = 0
+    async for pair in pairs:
+        items.append(pair)
+        if len(items) == step:
+            yield Group(index, items, size is not None)
+            index, items = index + 1, []
+    if items and not drop_last:
+        yield Group(index, items, size is not None)
+
+
+async def _aenumerate(keys: AsyncIterable[Any]) -> AsyncIterator[tuple[int, Any]]:
+    i = 0
+    async for key in keys:
+        yield i, key
+        i += 1
+
+
+def permutation(n: int, shuffle: bool, seed: int, epoch: int) -> Sequence[int]:
+    """Key positions in delivery order for `epoch`: identity, or seeded from (seed, epoch)."""
+    if not shuffle:
+        return range(n)
+    gen = torch.Generator()
+    gen.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=gen).tolist()
+
+
+def shard(remaining: Sequence[int], rank: int, world_size: int, drop_last: bool) -> list[int]:
+    """This rank's share of `remaining`: equal shares for all ranks, by wrapping or dropping."""
+    m = len(remaining)
+    if m == 0:
+        return []
+    total = (m // world_size) * world_size if drop_last else -(-m // world_size) * world_size
+    return [remaining[j % m] for j in range(rank, total, world_size)]
+
+
 class KeyOrder:
-    """The order of keys per epoch: the key order, or a seeded permutation of it.
+    """The keys, their order per epoch and this rank's share of them.
 
     Args:
-        keys: a sequence (random access, known length) or any iterable (read once per epoch, in order).
+        keys: a sequence (random access, known length), any iterable (read once per epoch, in order)
+            or an async iterable (a streamed listing; no shuffle and one rank only).
         shuffle: permute a sequence per epoch with a generator seeded from (seed, epoch).
         seed: the base seed.
+        rank, world_size: this process's share (see `_distributed.resolve_rank`).
+        drop_last: drop the tail instead of wrapping around to give every rank the same count.
     """
 
-    def __init__(self, keys: Sequence[Any] | Iterable[Any], *, shuffle: bool, seed: int) -> None:
-        if shuffle and not isinstance(keys, Sequence):
+    def __init__(
+        self,
+        keys: Sequence[Any] | Iterable[Any] | AsyncIterable[Any],
+        *,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ) -> None:
+        sized = isinstance(keys, Sequence)
+        if not sized and shuffle:
             raise ValueError(
                 "shuffle=True needs keys with a length and random access (a Sequence); "
                 f"got {type(keys).__name__}"
             )
+        if not sized and world_size > 1:
+            raise ValueError(
+                f"world_size={world_size} needs keys with a length (a Sequence) so that every "
+                f"rank gets the same number of batches; got {type(keys).__name__}"
+            )
         self.keys = keys
         self.shuffle = shuffle
         self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+
+    @property
+    def sized(self) -> bool:
+        return isinstance(self.keys, Sequence)
 
     def __len__(self) -> int:
+        """Keys on this rank per epoch."""
         if not isinstance(self.keys, Sequence):
             raise TypeError(f"the number of keys of a {type(self.keys).__name__} is not known")
-        return len(self.keys)
+        return len(shard(range(len(self.keys)), self.rank, self.world_size, self.drop_last))
 
-    def positions(self, epoch: int) -> Iterable[int]:
-        """The positions of the keys for `epoch`, in delivery order."""
-        n = len(self)
-        if not self.shuffle:
-            return range(n)
-        gen = torch.Generator()
-        gen.manual_seed(self.seed + epoch)
-        return torch.randperm(n, generator=gen).tolist()
+    def mine(self, consumed: Ranges) -> list[int]:
+        """Indices into the epoch's permutation that this rank delivers, in order."""
+        assert isinstance(self.keys, Sequence)
+        remaining = consumed.complement(len(self.keys))
+        return shard(remaining, self.rank, self.world_size, self.drop_last)
 
-    def pairs(self, epoch: int) -> Iterable[tuple[int, Any]]:
-        """(position, key) pairs for `epoch`, in delivery order."""
-        if isinstance(self.keys, Sequence):
-            keys = self.keys
-            return ((p, keys[p]) for p in self.positions(epoch))
-        return enumerate(self.keys)
+    def pairs(
+        self, epoch: int, consumed: Ranges
+    ) -> Iterable[tuple[int, Any]] | AsyncIterable[tuple[int, Any]]:
+        """(position, key) pairs this rank delivers in `epoch`, skipping `consumed` indices."""
+        keys = self.keys
+        if isinstance(keys, Sequence):
+            perm = permutation(len(keys), self.shuffle, self.seed, epoch)
+            return ((perm[i], keys[perm[i]]) for i in self.mine(consumed))
+        if isinstance(keys, AsyncIterable):
+            return _aenumerate(keys)
+        return enumerate(keys)
 
 
 class Plan(Protocol):
-    """The groups of one epoch; the only thing the pipeline asks of the order stage."""
+    """The groups of one epoch; what the loader asks of the order stage."""
 
     group_size: int
 
-    def groups(self, epoch: int) -> Iterable[Group]: ...
+    def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group] | AsyncIterable[Group]:
+        """The epoch's groups in launch order, skipping the permutation indices in `consumed`."""
+        ...
 
     def __len__(self) -> int: ...
+
+    def rank_and_world(self) -> tuple[int, int]: ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """Extra state to save, taken just before `groups()` of an epoch (e.g. a generator's)."""
+        ...
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Put back what `snapshot` saved, before the resumed epoch's `groups()`."""
+        ...
+
+    def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
+        """Permutation indices of group `group` of the plan `rank` had among `world_size`."""
+        ...
 
 
 class KeyPlan:
@@ -98,8 +195,34 @@ class KeyPlan:
         self.drop_last = drop_last
         self.group_size = batch_size or 1
 
-    def groups(self, epoch: int) -> Iterable[Group]:
-        return chunk(self.order.pairs(epoch), self.batch_size, self.drop_last)
+    def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group] | AsyncIterable[Group]:
+        pairs = self.order.pairs(epoch, consumed)
+        if isinstance(pairs, AsyncIterable):
+            return achunk(pairs, self.batch_size, self.drop_last)
+        return chunk(pairs, self.batch_size, self.drop_last)
+
+    def rank_and_world(self) -> tuple[int, int]:
+        return self.order.rank, self.order.world_size
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}  # everything follows from (seed, epoch)
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
+        order = self.order
+        if not order.sized:
+            raise StateError(
+                "world_size: resuming on another world size needs keys with a length",
+                field="world_size",
+            )
+        other = KeyOrder(
+            order.keys, shuffle=order.shuffle, seed=order.seed, rank=rank,
+            world_size=world_size, drop_last=order.drop_last,
+        )  # fmt: skip
+        mine = other.mine(consumed)
+        return mine[group * self.group_size : (group + 1) * self.group_size]
 
     def __len__(self) -> int:
         n, size = len(self.order), self.group_size

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,18 @@ class Stages:
     group_size: int
 
 
+_Item = tuple[int, Any, int, BaseException | None]  # group index, batch, samples, error
+
+
+async def _each(groups: Iterable[Group] | AsyncIterable[Group]) -> AsyncIterable[Group]:
+    if isinstance(groups, AsyncIterable):
+        async for group in groups:
+            yield group
+    else:
+        for group in groups:
+            yield group
+
+
 class _Failed(Exception):
     """Internal: an error was handed to the consumer; stop the epoch."""
 
@@ -74,14 +87,14 @@ class Epoch:
     `aclose()` cancels everything still running and is idempotent.
     """
 
-    def __init__(self, stages: Stages, groups: Iterable[Group]) -> None:
+    def __init__(self, stages: Stages, groups: Iterable[Group] | AsyncIterable[Group]) -> None:
         self._stages = stages
         self._groups = groups
-        self._out: asyncio.Queue[tuple[Any, int, BaseException | None]] = asyncio.Queue()
+        self._out: asyncio.Queue[_Item] = asyncio.Queue()
         self._held = asyncio.Semaphore(stages.prefetch * stages.group_size + stages.concurrency)
         self._in_flight = asyncio.Semaphore(stages.concurrency)
-        self._ready: dict[int, tuple[Any, int, BaseException | None]] = {}
-        self._next = 0
+        self._ready: dict[int, _Item] = {}
+        self._launched: deque[int] = deque()  # group indices in launch order, until delivered
         self._failed_group: int | None = None
         self._task = asyncio.get_running_loop().create_task(self._run(), name="aioloader-epoch")
 
@@ -90,14 +103,15 @@ class Epoch:
         """The event loop this epoch runs on."""
         return self._task.get_loop()
 
-    async def get(self) -> Any:
-        """The next batch, `END` after the last; raises the epoch's error in its place."""
-        batch, size, error = await self._out.get()
+    async def get(self) -> tuple[int, Any]:
+        """(group index, batch) of the next batch, `(-1, END)` after the last; raises the epoch's
+        error in its place."""
+        index, batch, size, error = await self._out.get()
         for _ in range(size):
             self._held.release()
         if error is not None:
             raise error
-        return batch
+        return index, batch
 
     async def aclose(self) -> None:
         """Cancel the epoch and wait until every task of it has ended."""
@@ -118,15 +132,16 @@ class Epoch:
                 if rest.subgroup(lambda e: not isinstance(e, Exception)) is not None:
                     raise
                 # a bug, or an error raised while iterating the keys: hand it to the consumer
-                self._out.put_nowait((None, 0, _note(rest.exceptions[0], "order", [])))
+                self._out.put_nowait((-1, None, 0, _note(rest.exceptions[0], "order", [])))
             return
-        self._out.put_nowait((END, 0, None))
+        self._out.put_nowait((-1, END, 0, None))
 
     async def _launch(self) -> None:
         async with asyncio.TaskGroup() as tasks:
-            for group in self._groups:
+            async for group in _each(self._groups):
                 if self._failed_group is not None:
                     break
+                self._launched.append(group.index)
                 state = _GroupState(group)
                 for slot, (_, key) in enumerate(group.items):
                     await self._held.acquire()
@@ -166,18 +181,17 @@ class Epoch:
         self._deliver(group, batch, None)
 
     def _deliver(self, group: Group, batch: Any, error: BaseException | None) -> None:
-        item = (batch, len(group.items), error)
+        item = (group.index, batch, len(group.items), error)
         if not self._stages.in_order:
             self._out.put_nowait(item)
             if error is not None:
                 raise _Failed
             return
-        if error is not None and (self._failed_group is None or group.index < self._failed_group):
+        if error is not None and self._failed_group is None:
             self._failed_group = group.index
         self._ready[group.index] = item
-        while self._next in self._ready:
-            item = self._ready.pop(self._next)
+        while self._launched and self._launched[0] in self._ready:
+            item = self._ready.pop(self._launched.popleft())
             self._out.put_nowait(item)
-            self._next += 1
-            if item[2] is not None:
+            if item[3] is not None:
                 raise _Failed

@@ -18,12 +18,13 @@ Async datasets: a map-style dataset whose `__getitem__` is a coroutine function
 
 from __future__ import annotations
 
+import base64
 import inspect
 import itertools
 import math
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,8 +39,10 @@ from torch.utils.data import (
 )
 
 from ._collate import BufferPool, default_collate, make_collate
+from ._exceptions import StateError
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
 from ._order import Group, KeyOrder, KeyPlan, Plan
+from ._ranges import Ranges
 
 __all__ = ["DataLoader"]
 
@@ -61,7 +64,7 @@ class _SamplerPlan:
         self.generator = generator
         self.group_size = getattr(index_sampler, "batch_size", None) or 1
 
-    def groups(self, epoch: int) -> Iterable[Group]:
+    def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         indices = iter(self.index_sampler)
         first = list(itertools.islice(indices, 1))  # draw the sampler's own seed on this thread
@@ -76,6 +79,42 @@ class _SamplerPlan:
 
     def __len__(self) -> int:
         return len(self.index_sampler)  # type: ignore[arg-type]
+
+    def _sampler(self) -> Any:
+        return getattr(self.index_sampler, "sampler", self.index_sampler)
+
+    def rank_and_world(self) -> tuple[int, int]:
+        sampler = self._sampler()
+        return int(getattr(sampler, "rank", 0)), int(getattr(sampler, "num_replicas", 1))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The random state the epoch's shuffle will be drawn from, so a resume can redraw it."""
+        rng = self.generator.get_state() if self.generator is not None else torch.get_rng_state()
+        state: dict[str, Any] = {"rng_state": base64.b64encode(rng.numpy().tobytes()).decode()}
+        sampler_epoch = getattr(self._sampler(), "epoch", None)
+        if isinstance(sampler_epoch, int):
+            state["sampler_epoch"] = sampler_epoch
+        return state
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        if "rng_state" in state:
+            raw = torch.frombuffer(
+                bytearray(base64.b64decode(state["rng_state"])), dtype=torch.uint8
+            )
+            if self.generator is not None:
+                self.generator.set_state(raw)
+            else:
+                torch.set_rng_state(raw)
+        set_epoch = getattr(self._sampler(), "set_epoch", None)
+        if "sampler_epoch" in state and set_epoch is not None:
+            set_epoch(state["sampler_epoch"])
+
+    def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
+        raise StateError(
+            "world_size: aioloader.DataLoader resumes on the world size it saved at; use "
+            "aioloader.Loader for elastic resume",
+            field="world_size",
+        )
 
 
 class _WorkerIds:
@@ -278,6 +317,13 @@ class DataLoader(Loader[Any]):
                 "then device pinned memory won't be used.",
                 stacklevel=3,
             )
+
+    def _state_config(self) -> dict[str, Any]:
+        dataset_len = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        return {
+            "dataset_len": dataset_len, "batch_size": self.batch_size, "drop_last": self.drop_last,
+            "sampler": type(self.sampler).__name__, "batch_sampler": type(self.batch_sampler).__name__,
+        }  # fmt: skip
 
     def set_epoch(self, epoch: int) -> None:
         """Pick the next epoch, and pass it on to a sampler that has `set_epoch` (DistributedSampler)."""

@@ -1,0 +1,43 @@
+"""Which rank this process is and how many there are."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["resolve_rank"]
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): the explicit arguments when given, else those of an initialised
+    torch.distributed process group, else the RANK / WORLD_SIZE environment variables, else (0, 1).
+
+    Raises ValueError naming the argument when the pair is incomplete or out of range.
+    """
+    if rank is None and world_size is None:
+        rank, world_size = _detect()
+    if rank is None or world_size is None:
+        raise ValueError("rank and world_size must be given together (or neither)")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    return rank, world_size
+
+
+def _detect() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if env_rank is not None and env_world is not None:
+        try:
+            return int(env_rank), int(env_world)
+        except ValueError:
+            raise ValueError(
+                f"RANK={env_rank!r} / WORLD_SIZE={env_world!r} are not integers"
+            ) from None
+    return 0, 1

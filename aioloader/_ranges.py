@@ -1,0 +1,83 @@
+"""Sets of non-negative ints kept as sorted, disjoint half-open ranges (compact in saved state)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator
+
+__all__ = ["Ranges"]
+
+
+class Ranges:
+    """A set of ints stored as sorted disjoint [start, stop) pairs.
+
+    Example:
+        >>> r = Ranges.of([0, 1, 2, 5, 7, 6])
+        >>> r.pairs
+        [[0, 3], [5, 8]]
+        >>> 6 in r, 4 in r, len(r)
+        (True, False, 6)
+    """
+
+    __slots__ = ("_starts", "_stops")
+
+    def __init__(self, pairs: Iterable[Iterable[int]] = ()) -> None:
+        self._starts: list[int] = []
+        self._stops: list[int] = []
+        for start, stop in sorted(tuple(p) for p in pairs):
+            self._append(int(start), int(stop))
+
+    @classmethod
+    def of(cls, values: Iterable[int]) -> Ranges:
+        r = cls()
+        for v in sorted(set(values)):
+            r._append(v, v + 1)
+        return r
+
+    def _append(self, start: int, stop: int) -> None:
+        if start < 0 or stop < start:
+            raise ValueError(f"invalid range [{start}, {stop})")
+        if start == stop:
+            return
+        if self._stops and start <= self._stops[-1]:
+            self._stops[-1] = max(self._stops[-1], stop)
+        else:
+            self._starts.append(start)
+            self._stops.append(stop)
+
+    @property
+    def pairs(self) -> list[list[int]]:
+        """The ranges as JSON-friendly [start, stop] lists."""
+        return [[a, b] for a, b in zip(self._starts, self._stops, strict=True)]
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, int):
+            return False
+        i = bisect.bisect_right(self._starts, value) - 1
+        return i >= 0 and value < self._stops[i]
+
+    def __len__(self) -> int:
+        return sum(b - a for a, b in zip(self._starts, self._stops, strict=True))
+
+    def __iter__(self) -> Iterator[int]:
+        for a, b in zip(self._starts, self._stops, strict=True):
+            yield from range(a, b)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ranges) and self.pairs == other.pairs
+
+    def __repr__(self) -> str:
+        return f"Ranges({self.pairs})"
+
+    def union(self, values: Iterable[int]) -> Ranges:
+        return Ranges.of([*self, *values])
+
+    def complement(self, n: int) -> list[int]:
+        """The ints in [0, n) not in this set, ascending."""
+        out: list[int] = []
+        prev = 0
+        for a, b in zip(self._starts, self._stops, strict=True):
+            out.extend(range(prev, min(a, n)))
+            prev = max(prev, b)
+        out.extend(range(prev, n))
+        return out

@@ -1,0 +1,97 @@
+"""When to try a remote read again, and how long to wait first: capped exponential backoff, full jitter.
+
+`Retry.delay(attempt)` is a uniform draw from [0, min(max_backoff, backoff * 2**(attempt-1))] ("full
+jitter"), so that many clients failing together do not retry together. A server's `Retry-After` is a
+floor on the wait (capped at `max_retry_after`).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import random
+import time
+from dataclasses import dataclass, field
+
+from .._validate import check_int
+
+__all__ = ["RETRY_STATUSES", "Retry", "Timeouts", "parse_retry_after"]
+
+# Statuses that say "not now" rather than "never": timeouts, throttling and transient server errors.
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def _check_seconds(name: str, value: float | None, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Time limits of a remote read.
+
+    Attributes:
+        connect: seconds to open one connection (per attempt).
+        read: seconds without a byte arriving before an attempt is abandoned (per attempt).
+        deadline: seconds for the whole sample, retries and backoff included (None: no limit).
+    """
+
+    connect: float | None = 10.0
+    read: float | None = 30.0
+    deadline: float | None = 120.0
+
+    def __post_init__(self) -> None:
+        _check_seconds("connect_timeout", self.connect)
+        _check_seconds("read_timeout", self.read)
+        _check_seconds("deadline", self.deadline)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How often, and after how long, a failed read is tried again.
+
+    Attributes:
+        attempts: attempts in all (1: never retry).
+        backoff: the first backoff ceiling in seconds; doubles with each attempt.
+        max_backoff: the largest backoff ceiling.
+        max_retry_after: the longest `Retry-After` honoured; a longer one is cut to this.
+        statuses: HTTP statuses that are retried.
+    """
+
+    attempts: int = 5
+    backoff: float = 0.1
+    max_backoff: float = 10.0
+    max_retry_after: float = 60.0
+    statuses: frozenset[int] = RETRY_STATUSES
+    rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_int("attempts", self.attempts, minimum=1)
+        _check_seconds("backoff", self.backoff, optional=False)
+        _check_seconds("max_backoff", self.max_backoff, optional=False)
+        _check_seconds("max_retry_after", self.max_retry_after, optional=False)
+
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based)."""
+        ceiling = min(self.max_backoff, self.backoff * 2.0 ** min(attempt - 1, 60))
+        wait = self.rng.uniform(0.0, ceiling)
+        if retry_after is not None:
+            wait = max(wait, min(retry_after, self.max_retry_after))
+        return wait
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds from a `Retry-After` header (delta-seconds or an HTTP date); None if absent or bad."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
