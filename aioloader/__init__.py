@@ -15,8 +15,11 @@ from ._exceptions import InvalidKeyError as InvalidKeyError
 from ._exceptions import LoaderClosedError as LoaderClosedError
 from ._exceptions import LoaderTimeout as LoaderTimeout
 from ._exceptions import SampleError as SampleError
+from ._exceptions import StateError as StateError
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
+from ._rng import sample_generator as sample_generator
+from ._rng import sample_seed as sample_seed
 from .dataloader import DataLoader as DataLoader
 
 __version__ = "0.1.0"
@@ -34,6 +37,9 @@ __all__ = [
     "LoaderClosedError",
     "LoaderTimeout",
     "SampleError",
+    "StateError",
     "default_collate",
+    "sample_generator",
+    "sample_seed",
     "sources",
 ]

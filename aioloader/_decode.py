@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from ._rng import call_seeded
 from ._threads import LazyThreadPool
 
 __all__ = ["EXECUTORS", "Executor", "InlineExecutor", "ThreadExecutor", "make_executor"]
@@ -23,8 +24,8 @@ EXECUTORS = ("inline", "thread")
 class Executor(Protocol):
     """Where decode (and collate) calls run."""
 
-    async def run(self, fn: Callable[[Any], T], arg: Any) -> T:
-        """Run `fn(arg)`; safe to cancel."""
+    async def run(self, fn: Callable[[Any], T], arg: Any, seed: int | None = None) -> T:
+        """Run `fn(arg)` with `seed` as the sample's seed (see `_rng.py`); safe to cancel."""
         ...
 
     def close(self) -> None:
@@ -35,8 +36,8 @@ class Executor(Protocol):
 class InlineExecutor:
     """Runs each call directly on the event loop."""
 
-    async def run(self, fn: Callable[[Any], T], arg: Any) -> T:
-        return fn(arg)
+    async def run(self, fn: Callable[[Any], T], arg: Any, seed: int | None = None) -> T:
+        return call_seeded(fn, arg, seed)
 
     def close(self) -> None:
         pass
@@ -49,8 +50,8 @@ class ThreadExecutor:
         self.workers = workers
         self._threads = LazyThreadPool(workers, name)
 
-    async def run(self, fn: Callable[[Any], T], arg: Any) -> T:
-        return await self._threads.run(fn, arg)
+    async def run(self, fn: Callable[[Any], T], arg: Any, seed: int | None = None) -> T:
+        return await self._threads.run(call_seeded, fn, arg, seed)
 
     def close(self) -> None:
         self._threads.close()

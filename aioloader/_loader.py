@@ -136,6 +136,7 @@ class Loader(Generic[T]):
             KeyPlan(order, batch_size, drop_last), fetch, decode=decode, collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
             workers=workers, timeout=timeout, use_caller_loop=use_caller_loop, source=source,
+            seed=seed,
         )  # fmt: skip
 
     def _setup(
@@ -154,6 +155,7 @@ class Loader(Generic[T]):
         use_caller_loop: bool,
         fetch_initializer: Callable[[], None] | None = None,
         source: Source | None = None,
+        seed: int = 0,
     ) -> None:
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
@@ -180,6 +182,7 @@ class Loader(Generic[T]):
             prefetch=prefetch,
             in_order=bool(in_order),
             group_size=plan.group_size,
+            seed=seed,
         )
         self._timeout = check_timeout("timeout", timeout)
         self._use_caller_loop = use_caller_loop
@@ -226,8 +229,8 @@ class Loader(Generic[T]):
         if self._progress is progress:
             self._progress = None
 
-    async def _open(self, groups: Iterable[Group] | AsyncIterable[Group]) -> Epoch:
-        run = Epoch(self._stages, groups)
+    async def _open(self, groups: Iterable[Group] | AsyncIterable[Group], epoch: int) -> Epoch:
+        run = Epoch(self._stages, groups, epoch)
         self._live.add(run)
         return run
 
@@ -301,7 +304,7 @@ class Loader(Generic[T]):
         progress = self._progress
         assert progress is not None
         runner = self._runner()
-        run = runner.run(self._open(groups))
+        run = runner.run(self._open(groups, progress.epoch))
         try:
             while True:
                 try:
@@ -332,7 +335,7 @@ class Loader(Generic[T]):
         progress = self._progress
         assert progress is not None
         if self._use_caller_loop:
-            run = await self._open(groups)
+            run = await self._open(groups, progress.epoch)
             try:
                 async for batch in self._batches(run.get, progress):
                     yield batch
@@ -340,7 +343,7 @@ class Loader(Generic[T]):
                 await self._close_epoch(run)
             return
         runner = self._runner()
-        run = await asyncio.wrap_future(runner.submit(self._open(groups)))
+        run = await asyncio.wrap_future(runner.submit(self._open(groups, progress.epoch)))
         try:
             get = lambda: asyncio.wrap_future(runner.submit(run.get()))  # noqa: E731
             async for batch in self._batches(get, progress):
