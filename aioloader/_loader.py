@@ -58,7 +58,9 @@ class Loader(Generic[T]):
     """Fetch, decode and batch samples concurrently; iterate with `for` or `async for`.
 
     Args:
-        keys: a sequence or iterable of keys, or a `Source` (its keys and its `fetch`).
+        keys: a sequence, iterable or async iterable of keys; a `Source` (its keys and its
+            `fetch`); or, without `fetch`, a map-style dataset (keys `range(len(dataset))`,
+            fetched with `dataset[i]`).
         fetch: key -> raw sample; a coroutine function (runs on the event loop, `concurrency` at a time)
             or a plain function (runs in `concurrency` threads). Defaults to the source's fetch.
         decode: raw -> sample, run by `executor`; None keeps the raw sample.
@@ -120,6 +122,8 @@ class Loader(Generic[T]):
         if isinstance(keys, Source):
             source, key_list = keys, keys.keys()
             fetch = fetch or keys.fetch
+        elif fetch is None and _is_map_style(keys):
+            key_list, fetch = range(len(keys)), keys.__getitem__  # type: ignore[arg-type,index]
         else:
             key_list = keys
         if fetch is None:
@@ -432,6 +436,11 @@ class Loader(Generic[T]):
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def _is_map_style(obj: object) -> bool:
+    """A map-style dataset: indexable with a length, but not itself a sequence of keys."""
+    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, Sequence)
 
 
 async def _askip(groups: AsyncIterable[Group], skip: set[int]) -> AsyncIterator[Group]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,3 +133,19 @@ def test_ranges_round_trip() -> None:
     assert Ranges(r.pairs) == r
     assert r.complement(11) == [0, 4, 6, 7, 8, 10]
     assert list(r.union([4, 0])) == [0, 1, 2, 3, 4, 5, 9]
+
+
+def test_map_style_dataset_is_sharded_without_a_fetch() -> None:
+    class Squares(torch.utils.data.Dataset[int]):
+        def __len__(self) -> int:
+            return 9
+
+        def __getitem__(self, i: int) -> int:
+            return i * i
+
+    shards = []
+    for rank in range(2):
+        with aioloader.Loader(Squares(), batch_size=3, collate=None, rank=rank, world_size=2) as l2:
+            shards.append([x for b in l2 for x in b])
+    assert [len(s) for s in shards] == [5, 5]  # 9 padded to 10
+    assert set(shards[0]) | set(shards[1]) == {i * i for i in range(9)}
