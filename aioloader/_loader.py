@@ -16,6 +16,8 @@ from collections.abc import (
 )
 from typing import Any, Generic, TypeVar
 
+import torch
+
 from ._collate import BufferPool, make_collate
 from ._decode import EXECUTORS, ThreadExecutor, make_executor
 from ._distributed import resolve_rank
@@ -34,6 +36,7 @@ from ._state import (
     pick_own,
 )
 from ._sync import STOP_TIMEOUT_S, LoopThread
+from ._transfer import DeviceStage, Feed, make_device_stage
 from ._validate import check_callable, check_int, check_timeout
 from .sources import Source
 
@@ -80,6 +83,12 @@ class Loader(Generic[T]):
         executor: where decode runs: "inline" (on the event loop) or "thread".
         workers: decode threads for executor="thread" (default: the usable cores).
         timeout: seconds to wait for one batch before raising `LoaderTimeout` (None: no limit).
+        device: move each batch to this device ("cuda", "cuda:1", a torch.device): pinned staging,
+            a copy on a side stream, and a hand-over that makes the consumer's stream wait for it.
+            None or "cpu": no transfer stage.
+        device_prefetch: batches on the device ahead of the consumer at most.
+        memory_format: torch.channels_last to store 4-D tensors so on the device.
+        pin_memory: stage through pinned memory (default: when a device is given).
         use_caller_loop: for `async for`, run the pipeline in the caller's event loop instead of the
             loader's own loop thread. Cheaper hand-over, but a consumer that blocks its loop (a model
             step that does not await) then stalls fetching; keep the default unless your steps await.
@@ -115,6 +124,10 @@ class Loader(Generic[T]):
         use_caller_loop: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
+        memory_format: torch.memory_format | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
         source: Source | None = None
@@ -140,7 +153,10 @@ class Loader(Generic[T]):
             KeyPlan(order, batch_size, drop_last), fetch, decode=decode, collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
             workers=workers, timeout=timeout, use_caller_loop=use_caller_loop, source=source,
-            seed=seed,
+            seed=seed, device=make_device_stage(
+                device, pin_memory=pin_memory, device_prefetch=device_prefetch,
+                memory_format=memory_format, stacklevel=3,
+            ),
         )  # fmt: skip
 
     def _setup(
@@ -160,6 +176,7 @@ class Loader(Generic[T]):
         fetch_initializer: Callable[[], None] | None = None,
         source: Source | None = None,
         seed: int = 0,
+        device: DeviceStage | None = None,
     ) -> None:
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
@@ -176,6 +193,7 @@ class Loader(Generic[T]):
         check_callable("collate", collate, optional=True)
         self._plan = plan
         self._source = source
+        self._device = device
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, fetch_initializer),
             decode=decode,
@@ -195,7 +213,7 @@ class Loader(Generic[T]):
         self._resume: Resume | None = None
         self._plan_state: dict[str, Any] = {}
         self._loop_thread: LoopThread | None = None
-        self._live: set[Epoch] = set()
+        self._live: set[Epoch | Feed] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -233,12 +251,20 @@ class Loader(Generic[T]):
         if self._progress is progress:
             self._progress = None
 
-    async def _open(self, groups: Iterable[Group] | AsyncIterable[Group], epoch: int) -> Epoch:
-        run = Epoch(self._stages, groups, epoch)
+    async def _open(
+        self, groups: Iterable[Group] | AsyncIterable[Group], epoch: int
+    ) -> Epoch | Feed:
+        run: Epoch | Feed = Epoch(self._stages, groups, epoch)
+        if self._device is not None:
+            run = self._device.feed(run)  # staged on the device ahead of the consumer
         self._live.add(run)
         return run
 
-    async def _close_epoch(self, run: Epoch) -> None:
+    def _hand_over(self, batch: Any) -> Any:
+        """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""
+        return batch if self._device is None else self._device.hand_over(batch)
+
+    async def _close_epoch(self, run: Epoch | Feed) -> None:
         self._live.discard(run)
         await run.aclose()
 
@@ -319,7 +345,7 @@ class Loader(Generic[T]):
                     self._finished(progress)
                     return
                 progress.delivered.add(index)
-                yield batch
+                yield self._hand_over(batch)
                 del batch
         finally:
             if runner.alive and not runner.in_loop_thread():
@@ -366,7 +392,7 @@ class Loader(Generic[T]):
                 self._finished(progress)
                 return
             progress.delivered.add(index)
-            yield batch
+            yield self._hand_over(batch)
             del batch
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -395,6 +421,8 @@ class Loader(Generic[T]):
         self._stages.fetch.close()
         self._stages.decoder.close()
         self._stages.collator.close()
+        if self._device is not None:
+            self._device.close()
         if self._pool is not None:
             self._pool.clear()
 

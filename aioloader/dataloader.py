@@ -43,6 +43,7 @@ from ._exceptions import StateError
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
 from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._ranges import Ranges
+from ._transfer import make_device_stage
 
 __all__ = ["DataLoader"]
 
@@ -193,6 +194,8 @@ class DataLoader(Loader[Any]):
 
     Args:
         concurrency: dataset reads in flight at most (default `max(16, num_workers * prefetch_factor)`).
+        device, device_prefetch: move batches to this device through pinned memory and a side
+            stream (see `Loader`); with `pin_memory=True` the copy is staged through pinned buffers.
 
     Map-style datasets (with `__getitems__` too), IterableDataset, any Sampler or BatchSampler
     (DistributedSampler included: call its `set_epoch`, or this loader's) and async datasets work.
@@ -224,6 +227,8 @@ class DataLoader(Loader[Any]):
         pin_memory_device: str = "",
         in_order: bool = True,
         concurrency: int | None = None,
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
     ) -> None:
         _check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, drop_last,
@@ -244,7 +249,8 @@ class DataLoader(Loader[Any]):
         self.generator = generator
         self.persistent_workers = persistent_workers
         self.in_order = in_order
-        self._warn_pin_memory()
+        if device is None:
+            self._warn_pin_memory()  # else the device stage checks pin_memory itself
         iterable = isinstance(dataset, IterableDataset)
         if sampler is None and not iterable:
             sampler = (
@@ -273,6 +279,9 @@ class DataLoader(Loader[Any]):
             concurrency=concurrency, prefetch=max(2, prefetch_factor or 2), in_order=in_order,
             executor="inline", workers=None, timeout=timeout or None, use_caller_loop=False,
             fetch_initializer=_WorkerIds(worker_init_fn) if worker_init_fn else None,
+            device=make_device_stage(
+                device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
+            ) if device is not None else None,
         )  # fmt: skip
 
     def _plan_for(
