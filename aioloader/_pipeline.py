@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._decode import Executor
+from ._exceptions import LoaderClosedError
 from ._fetch import Fetcher
 from ._order import Group
+from ._rng import derive_seed
 
 __all__ = ["END", "Epoch", "Stages"]
 
@@ -47,6 +49,7 @@ class Stages:
     prefetch: int
     in_order: bool
     group_size: int
+    seed: int = 0
 
 
 _Item = tuple[int, Any, int, BaseException | None]  # group index, batch, samples, error
@@ -87,8 +90,11 @@ class Epoch:
     `aclose()` cancels everything still running and is idempotent.
     """
 
-    def __init__(self, stages: Stages, groups: Iterable[Group] | AsyncIterable[Group]) -> None:
+    def __init__(
+        self, stages: Stages, groups: Iterable[Group] | AsyncIterable[Group], epoch: int = 0
+    ) -> None:
         self._stages = stages
+        self._epoch = epoch
         self._groups = groups
         self._out: asyncio.Queue[_Item] = asyncio.Queue()
         self._held = asyncio.Semaphore(stages.prefetch * stages.group_size + stages.concurrency)
@@ -115,13 +121,17 @@ class Epoch:
 
     async def aclose(self) -> None:
         """Cancel the epoch and wait until every task of it has ended."""
-        self._task.cancel()
+        self.cancel()
         with contextlib.suppress(asyncio.CancelledError, _Failed):
             await self._task
 
     def cancel(self) -> None:
-        """Ask the epoch to stop (non-blocking; call on the epoch's loop)."""
+        """Ask the epoch to stop (non-blocking; call on the epoch's loop).
+
+        A `get()` waiting now, or called later, raises `LoaderClosedError` instead of waiting forever.
+        """
         self._task.cancel()
+        self._out.put_nowait((-1, None, 0, LoaderClosedError("the loader was closed")))
 
     async def _run(self) -> None:
         try:
@@ -133,6 +143,10 @@ class Epoch:
                     raise
                 # a bug, or an error raised while iterating the keys: hand it to the consumer
                 self._out.put_nowait((-1, None, 0, _note(rest.exceptions[0], "order", [])))
+            return
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # TaskGroup raises these bare; escaping this task they would stop the event loop itself
+            self._out.put_nowait((-1, None, 0, _note(exc, "order", [])))
             return
         self._out.put_nowait((-1, END, 0, None))
 
@@ -155,12 +169,18 @@ class Epoch:
                 raw = await stages.fetch(key)
             finally:
                 self._in_flight.release()
-        except Exception as exc:
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            # SystemExit & co. too: they belong to the consumer; escaping, they would stop the loop
             return self._deliver(state.group, None, _note(exc, "fetch", [key]))
         if stages.decode is not None:
             try:
-                raw = await stages.decoder.run(stages.decode, raw)
-            except Exception as exc:
+                seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
+                raw = await stages.decoder.run(stages.decode, raw, seed)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
                 return self._deliver(state.group, None, _note(exc, "decode", [key]))
         state.samples[slot] = raw
         state.remaining -= 1
@@ -175,7 +195,9 @@ class Epoch:
             return self._deliver(group, samples, None)
         try:
             batch = await self._stages.collator.run(self._stages.collate, samples)
-        except Exception as exc:
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
             keys = [key for _, key in group.items]
             return self._deliver(group, None, _note(exc, "collate", keys))
         self._deliver(group, batch, None)
