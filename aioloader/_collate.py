@@ -35,17 +35,24 @@ _CollateFnMap = dict[type | tuple[type, ...], Callable[..., Any]]
 _REFS_WHEN_FREE = 3
 # StorageImpl uses of a tensor with no views: its TensorImpl and the temporary UntypedStorage object.
 _STORAGE_USES_WHEN_FREE = 2
+# References to that UntypedStorage object while `_storage_uses` inspects it: its local, getrefcount's
+# argument and the StorageImpl's own. torch hands out the same object while anyone keeps it (a consumer
+# holding `batch.untyped_storage()`), which adds a Python reference but no StorageImpl use.
+_STORAGE_REFS_WHEN_FREE = 3
 
 
 def _storage_uses(t: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    storage = t.untyped_storage()
+    extra_refs = sys.getrefcount(storage) - _STORAGE_REFS_WHEN_FREE
+    return int(torch._C._storage_Use_Count(storage._cdata)) + extra_refs
 
 
 class BufferPool:
     """Recycled batch buffers, keyed by shape and dtype.
 
     Thread-safe. `take` never blocks: it returns a free buffer of the shape, or allocates one (and keeps
-    it for reuse while fewer than `per_shape` buffers of that shape exist).
+    it for reuse while fewer than `per_shape` buffers of that shape exist and the kept buffers stay
+    within `max_bytes`).
 
     Example:
         >>> pool = BufferPool(per_shape=2)
@@ -55,10 +62,12 @@ class BufferPool:
         False
     """
 
-    def __init__(self, per_shape: int = 4) -> None:
+    def __init__(self, per_shape: int = 4, max_bytes: int | None = None) -> None:
         if per_shape < 0:
             raise ValueError(f"per_shape must be >= 0, got {per_shape}")
         self.per_shape = per_shape
+        self.max_bytes = max_bytes  # kept buffers never add up to more than this
+        self.kept_bytes = 0
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.allocated = 0
@@ -76,14 +85,18 @@ class BufferPool:
                     return buf
             self.allocated += 1
             fresh = torch.empty(shape, dtype=dtype)
-            if len(buffers) < self.per_shape:
+            size = fresh.numel() * fresh.element_size()
+            fits = self.max_bytes is None or self.kept_bytes + size <= self.max_bytes
+            if len(buffers) < self.per_shape and fits:
                 buffers.append(fresh)
+                self.kept_bytes += size
             return fresh
 
     def clear(self) -> None:
         """Forget every pooled buffer (batches the consumer still holds stay valid)."""
         with self._lock:
             self._buffers.clear()
+            self.kept_bytes = 0
 
 
 def _stackable(batch: Sequence[torch.Tensor]) -> bool:

@@ -5,15 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import (
-    AsyncIterable,
-    AsyncIterator,
-    Callable,
-    Iterable,
-    Iterator,
-    Mapping,
-    Sequence,
-)
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -21,20 +14,14 @@ import torch
 from ._collate import BufferPool, make_collate
 from ._decode import EXECUTORS, ThreadExecutor, make_executor
 from ._distributed import resolve_rank
-from ._exceptions import LoaderClosedError, LoaderTimeout, StateError
+from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._fetch import Fetcher
+from ._limits import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._order import Group, KeyOrder, KeyPlan, Plan
-from ._pipeline import END, Epoch, Stages
-from ._ranges import Ranges
-from ._state import (
-    STATE_VERSION,
-    Progress,
-    Resume,
-    check_config,
-    elastic_consumed,
-    keys_digest,
-    pick_own,
-)
+from ._pipeline import END, SKIPPED, Epoch, Stages
+from ._resume import Resumable
+from ._state import Progress
+from ._stats import LoaderStats, Recorder
 from ._sync import STOP_TIMEOUT_S, LoopThread
 from ._transfer import DeviceStage, Feed, make_device_stage
 from ._validate import check_callable, check_int, check_timeout
@@ -57,7 +44,7 @@ DEFAULT_COLLATE: Any = _DefaultCollate()
 _SPARE_BUFFERS = 3
 
 
-class Loader(Generic[T]):
+class Loader(Resumable, Generic[T]):
     """Fetch, decode and batch samples concurrently; iterate with `for` or `async for`.
 
     Args:
@@ -128,6 +115,9 @@ class Loader(Generic[T]):
         device_prefetch: int = 2,
         memory_format: torch.memory_format | None = None,
         pin_memory: bool | None = None,
+        on_error: str = "raise",
+        max_skipped: int | float | None = 0.05,
+        max_bytes_in_flight: int | None = DEFAULT_MAX_BYTES,
     ) -> None:
         self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
         source: Source | None = None
@@ -156,7 +146,7 @@ class Loader(Generic[T]):
             seed=seed, device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch,
                 memory_format=memory_format, stacklevel=3,
-            ),
+            ), errors=ErrorPolicy(on_error, max_skipped), max_bytes=max_bytes_in_flight,
         )  # fmt: skip
 
     def _setup(
@@ -177,6 +167,8 @@ class Loader(Generic[T]):
         source: Source | None = None,
         seed: int = 0,
         device: DeviceStage | None = None,
+        errors: ErrorPolicy | None = None,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
     ) -> None:
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
@@ -186,9 +178,11 @@ class Loader(Generic[T]):
             check_int("workers", workers, minimum=1)
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        if max_bytes is not None:
+            check_int("max_bytes_in_flight", max_bytes, minimum=1)
         self._pool: BufferPool | None = None
         if collate is DEFAULT_COLLATE:
-            self._pool = BufferPool(per_shape=prefetch + _SPARE_BUFFERS)
+            self._pool = BufferPool(per_shape=prefetch + _SPARE_BUFFERS, max_bytes=max_bytes)
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
         self._plan = plan
@@ -205,13 +199,14 @@ class Loader(Generic[T]):
             in_order=bool(in_order),
             group_size=plan.group_size,
             seed=seed,
+            recorder=Recorder(),
+            errors=errors or ErrorPolicy(),
+            max_bytes=max_bytes,
         )
+        self._in_order = bool(in_order)
         self._timeout = check_timeout("timeout", timeout)
         self._use_caller_loop = use_caller_loop
-        self._epoch = 0
-        self._progress: Progress | None = None
-        self._resume: Resume | None = None
-        self._plan_state: dict[str, Any] = {}
+        self._init_resume()
         self._loop_thread: LoopThread | None = None
         self._live: set[Epoch | Feed] = set()
         self._lock = threading.Lock()
@@ -223,42 +218,30 @@ class Loader(Generic[T]):
         """Batches per epoch (samples when unbatched); TypeError when the keys have no length."""
         return len(self._plan)
 
-    @property
-    def epoch(self) -> int:
-        """The epoch the next iteration will run."""
-        return self._epoch
-
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run `epoch` (which decides its shuffle)."""
         check_int("epoch", epoch, minimum=0)
         self._epoch = epoch
 
-    def _start(self) -> Iterable[Group] | AsyncIterable[Group]:
-        """Begin the next epoch (in the caller's thread: a plan may draw from a generator here)."""
+    def _start(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
         if self._closed:
             raise LoaderClosedError("this loader was closed; create a new one")
-        with self._lock:
-            epoch, self._epoch = self._epoch, self._epoch + 1
-            resume, self._resume = self._resume, None
-        if resume is None or resume.epoch != epoch:
-            resume = Resume(epoch, Ranges(), set())
-        self._plan_state = self._plan.snapshot()
-        groups = self._plan.groups(epoch, resume.consumed)
-        self._progress = Progress(epoch, resume.consumed, set(resume.skip))
-        return _skip(groups, resume.skip) if resume.skip else groups
-
-    def _finished(self, progress: Progress) -> None:
-        if self._progress is progress:
-            self._progress = None
+        return self._begin()
 
     async def _open(
         self, groups: Iterable[Group] | AsyncIterable[Group], epoch: int
     ) -> Epoch | Feed:
-        run: Epoch | Feed = Epoch(self._stages, groups, epoch)
+        run: Epoch | Feed = Epoch(self._stages, groups, epoch, self._epoch_samples())
         if self._device is not None:
             run = self._device.feed(run)  # staged on the device ahead of the consumer
         self._live.add(run)
         return run
+
+    def _epoch_samples(self) -> int | None:
+        try:
+            return len(self) * self._stages.group_size
+        except TypeError:
+            return None
 
     def _hand_over(self, batch: Any) -> Any:
         """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""
@@ -268,58 +251,23 @@ class Loader(Generic[T]):
         self._live.discard(run)
         await run.aclose()
 
-    # -- saved state -------------------------------------------------------------------------------
+    # -- what it is doing ---------------------------------------------------------------------------
 
-    def _state_config(self) -> dict[str, Any]:
-        plan = self._plan
-        assert isinstance(plan, KeyPlan)
-        order = plan.order
-        return {
-            "keys": keys_digest(order.keys), "batch_size": plan.batch_size,
-            "drop_last": plan.drop_last, "shuffle": order.shuffle, "seed": order.seed,
-        }  # fmt: skip
+    def stats(self) -> LoaderStats:
+        """A snapshot of every stage since the loader started: rates, latencies, occupancy, skips.
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands: the epoch and what of it was delivered (small, JSON-ready).
-
-        Safe to call at any step, from the consumer's thread or task; see `_state.py` for the rule.
+        Cheap (no lock, no wait); safe from any thread. See `LoaderStats`.
         """
-        progress = self._progress or Progress(self._epoch)
-        rank, world_size = self._plan.rank_and_world()
-        return {
-            "version": STATE_VERSION, "kind": type(self).__name__,
-            "config": self._state_config(), "epoch": progress.epoch, "rank": rank,
-            "world_size": world_size, "in_order": self._stages.in_order,
-            "consumed": progress.consumed.pairs, "delivered": Ranges.of(progress.delivered).pairs,
-            **self._plan_state,
-        }  # fmt: skip
+        return self._stages.snapshot(self._extra_stats())
 
-    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from a saved state (or from every rank's states, for another world size).
-
-        Raises StateError naming the field when a state does not fit this loader.
-        """
-        states = [state] if isinstance(state, Mapping) else list(state)
-        if not states:
-            raise StateError("state: no state given", field="state")
-        config = self._state_config()
-        for s in states:
-            check_config(s, type(self).__name__, config)
-        rank, world_size = self._plan.rank_and_world()
-        own = pick_own(states, rank, world_size)
-        if own is not None:
-            resume = Resume(
-                int(own["epoch"]), Ranges(own.get("consumed", [])),
-                set(Ranges(own.get("delivered", []))),
-            )  # fmt: skip
-        else:
-            epoch, consumed = elastic_consumed(states, self._plan.group_indices)
-            resume = Resume(epoch, consumed, set())
-        self._plan.restore(own or states[0])
-        with self._lock:
-            self._resume, self._epoch = resume, resume.epoch
-        self._progress = Progress(resume.epoch, resume.consumed, set(resume.skip))
-        self._plan_state = {}
+    def _extra_stats(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        source_stats = getattr(self._source, "stats", None)
+        if callable(source_stats):
+            extra.update(source_stats())
+        if self._device is not None:
+            extra["transfer"] = self._device.stats()
+        return extra
 
     def _runner(self) -> LoopThread:
         with self._lock:
@@ -330,22 +278,23 @@ class Loader(Generic[T]):
     # -- sync iteration ----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[T]:
-        groups = self._start()
-        progress = self._progress
-        assert progress is not None
+        progress, groups = self._start()
         runner = self._runner()
         run = runner.run(self._open(groups, progress.epoch))
+        wait = self._stages.recorder.waited
         try:
             while True:
+                t0 = time.perf_counter()
                 try:
                     index, batch = runner.run(run.get(), self._timeout)
                 except TimeoutError:
                     raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
+                wait(t0, time.perf_counter())
                 if batch is END:
-                    self._finished(progress)
-                    return
+                    return self._finished(progress)
                 progress.delivered.add(index)
-                yield self._hand_over(batch)
+                if batch is not SKIPPED:
+                    yield self._hand_over(batch)
                 del batch
         finally:
             if runner.alive and not runner.in_loop_thread():
@@ -361,9 +310,7 @@ class Loader(Generic[T]):
         return self._aiter()
 
     async def _aiter(self) -> AsyncIterator[T]:
-        groups = self._start()
-        progress = self._progress
-        assert progress is not None
+        progress, groups = self._start()
         if self._use_caller_loop:
             run = await self._open(groups, progress.epoch)
             try:
@@ -383,16 +330,20 @@ class Loader(Generic[T]):
                 await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
 
     async def _batches(self, get: Callable[[], Any], progress: Progress) -> AsyncIterator[T]:
+        wait = self._stages.recorder.waited
         while True:
+            t0 = time.perf_counter()
             try:
                 index, batch = await asyncio.wait_for(get(), self._timeout)
             except TimeoutError:
                 raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
+            wait(t0, time.perf_counter())
             if batch is END:
                 self._finished(progress)
                 return
             progress.delivered.add(index)
-            yield self._hand_over(batch)
+            if batch is not SKIPPED:
+                yield self._hand_over(batch)
             del batch
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -469,21 +420,6 @@ class Loader(Generic[T]):
 def _is_map_style(obj: object) -> bool:
     """A map-style dataset: indexable with a length, but not itself a sequence of keys."""
     return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, Sequence)
-
-
-async def _askip(groups: AsyncIterable[Group], skip: set[int]) -> AsyncIterator[Group]:
-    async for group in groups:
-        if group.index not in skip:
-            yield group
-
-
-def _skip(
-    groups: Iterable[Group] | AsyncIterable[Group], skip: set[int]
-) -> Iterable[Group] | AsyncIterable[Group]:
-    """The groups not in `skip` (those a resumed epoch had already delivered)."""
-    if isinstance(groups, AsyncIterable):
-        return _askip(groups, skip)
-    return (group for group in groups if group.index not in skip)
 
 
 def _wake(done: asyncio.Future[None]) -> None:

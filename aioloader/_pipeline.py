@@ -1,39 +1,48 @@
 """One epoch of the pipeline on one event loop: launch, fetch, decode, reorder, collate, hand over.
 
-Bounds (all counted in samples, never in time):
-- at most `concurrency` fetches in flight;
+Bounds (all counted in samples or bytes, never in time):
+- at most `concurrency` fetches in flight (the tuner may move that limit while the epoch runs);
 - at most `prefetch * group_size + concurrency` samples held between launch and hand-over, so memory is
-  bounded by `prefetch` batches plus `concurrency` samples whatever the consumer does.
+  bounded by `prefetch` batches plus `concurrency` samples whatever the consumer does;
+- at most `max_bytes_in_flight` bytes held from fetch to hand-over (see `ByteBudget`).
 
-Groups (see `_order.py`) are delivered whole, in group order (`in_order=True`) or as they complete. An
-error in a user callable ends the epoch: batches before it (in delivery order) are delivered, then the
-error is raised to the consumer with a note naming the stage and the key.
+Groups (see `_order.py`) are delivered whole, in group order (`in_order=True`) or as they complete.
+With `on_error="raise"`, an error in a user callable ends the epoch: batches before it (in delivery
+order) are delivered, then the error is raised to the consumer with a note naming the stage and the
+key. With `on_error="skip"` the sample is dropped from its batch and counted, until `max_skipped`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._decode import Executor
 from ._exceptions import LoaderClosedError
 from ._fetch import Fetcher
+from ._limits import ByteBudget, ErrorPolicy, FixedConcurrency, Gate, Tuner
 from ._order import Group
 from ._rng import derive_seed
+from ._stats import LoaderStats, Recorder, nbytes
 
-__all__ = ["END", "Epoch", "Stages"]
+__all__ = ["END", "SKIPPED", "Epoch", "Stages"]
 
 
-class _End:
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
     def __repr__(self) -> str:
-        return "END"
+        return self.name
 
 
-END: Any = _End()
+END: Any = _Marker("END")
+SKIPPED: Any = _Marker("SKIPPED")  # a batch whose every sample was skipped
 
 
 @dataclass
@@ -50,9 +59,38 @@ class Stages:
     in_order: bool
     group_size: int
     seed: int = 0
+    recorder: Recorder = field(default_factory=Recorder)
+    tuner: Tuner | None = None
+    errors: ErrorPolicy = field(default_factory=ErrorPolicy)
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tuner is None:
+            self.tuner = FixedConcurrency(self.concurrency)
+
+    def snapshot(self, extra: dict[str, Any]) -> LoaderStats:
+        """`loader.stats()`: the recorder's counters with this pipeline's limits."""
+        rec = self.recorder
+        assert self.tuner is not None
+        limits = {
+            "fetch": self.tuner.limit, "decode": getattr(self.decoder, "workers", 1),
+            "collate": 1, "transfer": None,
+        }  # fmt: skip
+        stages = rec.snapshot(limits, extra)
+        wall = time.perf_counter() - rec.t0
+        since = wall if rec.first_wait is None else time.perf_counter() - rec.first_wait
+        return LoaderStats(
+            wall_s=wall, stages=stages, batches=rec.batches, samples=rec.samples,
+            consumer_wait_s=rec.consumer_wait,
+            data_bound_pct=100.0 * rec.consumer_wait / since if since > 0 else 0.0,
+            ready_batches=rec.ready, held_samples=rec.held_samples, held_bytes=rec.held_bytes,
+            max_bytes_in_flight=self.max_bytes, concurrency=self.tuner.limit,
+            skipped=list(rec.skipped), skipped_count=rec.skipped_count, extra=extra,
+        )  # fmt: skip
 
 
-_Item = tuple[int, Any, int, BaseException | None]  # group index, batch, samples, error
+# group index, batch, samples, bytes, error
+_Item = tuple[int, Any, int, int, BaseException | None]
 
 
 async def _each(groups: Iterable[Group] | AsyncIterable[Group]) -> AsyncIterable[Group]:
@@ -75,12 +113,17 @@ def _note(exc: BaseException, stage: str, keys: list[Any]) -> BaseException:
 
 
 class _GroupState:
-    __slots__ = ("group", "remaining", "samples")
+    __slots__ = ("bytes", "group", "remaining", "samples", "skipped")
 
     def __init__(self, group: Group) -> None:
         self.group = group
         self.samples: list[Any] = [None] * len(group.items)
         self.remaining = len(group.items)
+        self.skipped: set[int] = set()
+        self.bytes = 0
+
+    def kept(self) -> list[Any]:
+        return [s for i, s in enumerate(self.samples) if i not in self.skipped]
 
 
 class Epoch:
@@ -91,14 +134,23 @@ class Epoch:
     """
 
     def __init__(
-        self, stages: Stages, groups: Iterable[Group] | AsyncIterable[Group], epoch: int = 0
+        self,
+        stages: Stages,
+        groups: Iterable[Group] | AsyncIterable[Group],
+        epoch: int = 0,
+        epoch_samples: int | None = None,
     ) -> None:
         self._stages = stages
         self._epoch = epoch
+        self._epoch_samples = epoch_samples
         self._groups = groups
+        self._rec = stages.recorder
         self._out: asyncio.Queue[_Item] = asyncio.Queue()
         self._held = asyncio.Semaphore(stages.prefetch * stages.group_size + stages.concurrency)
-        self._in_flight = asyncio.Semaphore(stages.concurrency)
+        assert stages.tuner is not None
+        self._in_flight = Gate(stages.tuner)
+        self._bytes = ByteBudget(stages.max_bytes)
+        self._skipped = 0
         self._ready: dict[int, _Item] = {}
         self._launched: deque[int] = deque()  # group indices in launch order, until delivered
         self._failed_group: int | None = None
@@ -112,11 +164,20 @@ class Epoch:
     async def get(self) -> tuple[int, Any]:
         """(group index, batch) of the next batch, `(-1, END)` after the last; raises the epoch's
         error in its place."""
-        index, batch, size, error = await self._out.get()
+        index, batch, size, held_bytes, error = await self._out.get()
         for _ in range(size):
             self._held.release()
+        self._bytes.release(held_bytes)
+        rec = self._rec
+        rec.held_samples -= size
+        rec.held_bytes -= held_bytes
         if error is not None:
             raise error
+        if batch is not END:
+            rec.ready -= 1
+        if batch is not END and batch is not SKIPPED:
+            rec.batches += 1
+            rec.samples += size
         return index, batch
 
     async def aclose(self) -> None:
@@ -131,7 +192,7 @@ class Epoch:
         A `get()` waiting now, or called later, raises `LoaderClosedError` instead of waiting forever.
         """
         self._task.cancel()
-        self._out.put_nowait((-1, None, 0, LoaderClosedError("the loader was closed")))
+        self._out.put_nowait((-1, None, 0, 0, LoaderClosedError("the loader was closed")))
 
     async def _run(self) -> None:
         try:
@@ -142,13 +203,13 @@ class Epoch:
                 if rest.subgroup(lambda e: not isinstance(e, Exception)) is not None:
                     raise
                 # a bug, or an error raised while iterating the keys: hand it to the consumer
-                self._out.put_nowait((-1, None, 0, _note(rest.exceptions[0], "order", [])))
+                self._out.put_nowait((-1, None, 0, 0, _note(rest.exceptions[0], "order", [])))
             return
         except (KeyboardInterrupt, SystemExit) as exc:
             # TaskGroup raises these bare; escaping this task they would stop the event loop itself
-            self._out.put_nowait((-1, None, 0, _note(exc, "order", [])))
+            self._out.put_nowait((-1, None, 0, 0, _note(exc, "order", [])))
             return
-        self._out.put_nowait((-1, END, 0, None))
+        self._out.put_nowait((-1, END, 0, 0, None))
 
     async def _launch(self) -> None:
         async with asyncio.TaskGroup() as tasks:
@@ -159,51 +220,106 @@ class Epoch:
                 state = _GroupState(group)
                 for slot, (_, key) in enumerate(group.items):
                     await self._held.acquire()
+                    await self._bytes.room(oldest=self._launched[0] == group.index)
                     await self._in_flight.acquire()
+                    self._rec.held_samples += 1
                     tasks.create_task(self._sample(state, slot, key))
 
     async def _sample(self, state: _GroupState, slot: int, key: Any) -> None:
-        stages = self._stages
+        stages, rec = self._stages, self._rec
+        t0 = rec.start("fetch")
         try:
             try:
                 raw = await stages.fetch(key)
             finally:
                 self._in_flight.release()
         except asyncio.CancelledError:
+            rec.stop("fetch", t0, error=True, key=key)
             raise
         except BaseException as exc:
             # SystemExit & co. too: they belong to the consumer; escaping, they would stop the loop
-            return self._deliver(state.group, None, _note(exc, "fetch", [key]))
+            rec.stop("fetch", t0, error=True, key=key)
+            return await self._failed(state, slot, key, "fetch", exc)
+        size = nbytes(raw)
+        rec.stop("fetch", t0, size, key=key)
+        assert stages.tuner is not None
+        stages.tuner.completed(rec.stages["fetch"].last)
         if stages.decode is not None:
+            seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
+            t0 = rec.start("decode")
             try:
-                seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
                 raw = await stages.decoder.run(stages.decode, raw, seed)
             except asyncio.CancelledError:
+                rec.stop("decode", t0, error=True, key=key)
                 raise
             except BaseException as exc:
-                return self._deliver(state.group, None, _note(exc, "decode", [key]))
+                rec.stop("decode", t0, error=True, key=key)
+                return await self._failed(state, slot, key, "decode", exc)
+            decoded = nbytes(raw)
+            rec.stop("decode", t0, decoded, key=key)
+            size = max(size, decoded)
+        state.bytes += size
+        self._bytes.add(size)
+        rec.held_bytes += size
         state.samples[slot] = raw
+        await self._done(state)
+
+    async def _done(self, state: _GroupState) -> None:
         state.remaining -= 1
         if state.remaining == 0:
             await self._collate(state)
 
+    async def _failed(
+        self, state: _GroupState, slot: int, key: Any, stage: str, exc: BaseException
+    ) -> None:
+        """Drop the sample from its batch within the error policy; else end the epoch with `exc`."""
+        if not self._skip(exc, stage, [key]):
+            return self._deliver(state.group, None, _note(exc, stage, [key]), state.bytes)
+        state.skipped.add(slot)
+        await self._done(state)
+
+    def _skip(self, exc: BaseException, stage: str, keys: list[Any]) -> bool:
+        """Count `keys` as skipped if the policy allows it; False: `exc` must end the epoch."""
+        policy = self._stages.errors
+        self._skipped += len(keys)
+        if isinstance(exc, Exception) and policy.allows(self._skipped, self._epoch_samples):
+            for key in keys:
+                self._rec.skip(stage, key, f"{type(exc).__name__}: {exc}")
+            return True
+        if policy.on_error == "skip":
+            exc.add_note(
+                f"aioloader: on_error='skip' but max_skipped={policy.max_skipped} is spent"
+            )
+        return False
+
     async def _collate(self, state: _GroupState) -> None:
-        group, samples = state.group, state.samples
+        group, samples = state.group, state.kept()
+        if not samples:
+            return self._deliver(group, SKIPPED, None, state.bytes)
         if not group.batched:
-            return self._deliver(group, samples[0], None)
+            return self._deliver(group, samples[0], None, state.bytes)
         if self._stages.collate is None:
-            return self._deliver(group, samples, None)
+            return self._deliver(group, samples, None, state.bytes)
+        rec = self._rec
+        t0 = rec.start("collate")
         try:
             batch = await self._stages.collator.run(self._stages.collate, samples)
         except asyncio.CancelledError:
+            rec.stop("collate", t0, error=True)
             raise
         except BaseException as exc:
-            keys = [key for _, key in group.items]
-            return self._deliver(group, None, _note(exc, "collate", keys))
-        self._deliver(group, batch, None)
+            rec.stop("collate", t0, error=True)
+            keys = [key for i, (_, key) in enumerate(group.items) if i not in state.skipped]
+            if self._skip(exc, "collate", keys):
+                return self._deliver(group, SKIPPED, None, state.bytes)
+            return self._deliver(group, None, _note(exc, "collate", keys), state.bytes)
+        rec.stop("collate", t0, state.bytes)
+        self._deliver(group, batch, None, state.bytes)
 
-    def _deliver(self, group: Group, batch: Any, error: BaseException | None) -> None:
-        item = (group.index, batch, len(group.items), error)
+    def _deliver(self, group: Group, batch: Any, error: BaseException | None, size: int) -> None:
+        item = (group.index, batch, len(group.items), size, error)
+        if error is None:
+            self._rec.ready += 1
         if not self._stages.in_order:
             self._out.put_nowait(item)
             if error is not None:
@@ -215,5 +331,5 @@ class Epoch:
         while self._launched and self._launched[0] in self._ready:
             item = self._ready.pop(self._launched.popleft())
             self._out.put_nowait(item)
-            if item[3] is not None:
+            if item[4] is not None:
                 raise _Failed

@@ -1,0 +1,121 @@
+"""The bounds an epoch keeps: fetches in flight (a limit that may change), bytes held, skips allowed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_MAX_BYTES", "ByteBudget", "ErrorPolicy", "FixedConcurrency", "Gate", "Tuner"]
+
+ON_ERROR = ("raise", "skip")
+
+
+def _default_max_bytes() -> int:
+    """A quarter of the machine's memory, at most 2 GiB."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    return int(min(2 << 30, ram // 4))
+
+
+DEFAULT_MAX_BYTES = _default_max_bytes()
+"""The default `max_bytes_in_flight`: min(2 GiB, a quarter of RAM)."""
+
+
+class Tuner:
+    """Decides the fetch concurrency while the loader runs. `limit` is read at every launch."""
+
+    limit: int
+
+    def completed(self, now: float) -> None:
+        """One fetch finished at `now` (perf_counter seconds)."""
+
+    def throttled(self) -> None:
+        """The source said to slow down (HTTP 503 SlowDown, 429, timeouts)."""
+
+
+class FixedConcurrency(Tuner):
+    """The concurrency the user chose."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+
+class Gate:
+    """At most `tuner.limit` holders at once; the limit may change between acquisitions.
+
+    Only the epoch's launcher acquires, so one waiter at a time is all it serves.
+    """
+
+    def __init__(self, tuner: Tuner) -> None:
+        self.tuner = tuner
+        self.busy = 0
+        self._changed = asyncio.Event()
+
+    async def acquire(self) -> None:
+        while self.busy >= max(1, self.tuner.limit):
+            self._changed.clear()
+            await self._changed.wait()
+        self.busy += 1
+
+    def release(self) -> None:
+        self.busy -= 1
+        self._changed.set()
+
+
+class ByteBudget:
+    """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
+
+    A sample of the oldest batch still being assembled is never held back, so a batch larger than
+    the whole budget still completes (the bound is then exceeded by that one batch).
+    """
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+        self._changed = asyncio.Event()
+
+    async def room(self, oldest: bool) -> None:
+        while self.max_bytes is not None and self.held >= self.max_bytes and not oldest:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def add(self, n: int) -> None:
+        self.held += n
+
+    def release(self, n: int) -> None:
+        self.held -= n
+        self._changed.set()
+
+
+@dataclass(frozen=True)
+class ErrorPolicy:
+    """What a failed sample does: "raise" ends the epoch; "skip" drops it, within `max_skipped`.
+
+    `max_skipped`: a count (int), a fraction of the epoch's samples (float < 1), or None (no limit).
+    """
+
+    on_error: str = "raise"
+    max_skipped: int | float | None = 0.05
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        m = self.max_skipped
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int | float) or m < 0):
+            raise ValueError(f"max_skipped must be a count, a fraction or None, got {m!r}")
+        if isinstance(m, float) and m >= 1:
+            raise ValueError(f"max_skipped as a fraction must be < 1, got {m!r}")
+
+    def allows(self, skipped: int, epoch_samples: int | None) -> bool:
+        """Whether `skipped` samples (this one included) are still within the budget."""
+        m = self.max_skipped
+        if self.on_error != "skip":
+            return False
+        if m is None:
+            return True
+        if isinstance(m, float):
+            return epoch_samples is None or skipped <= m * epoch_samples
+        return skipped <= m

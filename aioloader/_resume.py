@@ -1,0 +1,124 @@
+"""The loader's side of exact resume: begin each epoch from a pending resume, save and load state."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+from ._exceptions import StateError
+from ._order import Group, KeyPlan, Plan
+from ._ranges import Ranges
+from ._state import (
+    STATE_VERSION,
+    Progress,
+    Resume,
+    check_config,
+    elastic_consumed,
+    keys_digest,
+    pick_own,
+)
+
+__all__ = ["Resumable"]
+
+
+class Resumable:
+    """Epoch bookkeeping and `state_dict()` / `load_state_dict()` (a base of `Loader`)."""
+
+    _plan: Plan
+    _lock: threading.Lock
+    _in_order: bool
+
+    def _init_resume(self) -> None:
+        self._epoch = 0
+        self._progress: Progress | None = None  # the epoch being delivered, if any
+        self._resume: Resume | None = None  # where the next iteration starts, after a load
+        self._plan_state: dict[str, Any] = {}
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration will run."""
+        return self._epoch
+
+    def _begin(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
+        """Take the next epoch number and its groups (in the caller's thread: a plan may draw from
+        a generator here)."""
+        with self._lock:
+            epoch, self._epoch = self._epoch, self._epoch + 1
+            resume, self._resume = self._resume, None
+        if resume is None or resume.epoch != epoch:
+            resume = Resume(epoch, Ranges(), set())
+        self._plan_state = self._plan.snapshot()
+        groups = self._plan.groups(epoch, resume.consumed)
+        self._progress = progress = Progress(epoch, resume.consumed, set(resume.skip))
+        return progress, (_skip(groups, resume.skip) if resume.skip else groups)
+
+    def _finished(self, progress: Progress) -> None:
+        if self._progress is progress:
+            self._progress = None
+
+    def _state_config(self) -> dict[str, Any]:
+        plan = self._plan
+        assert isinstance(plan, KeyPlan)
+        order = plan.order
+        return {
+            "keys": keys_digest(order.keys), "batch_size": plan.batch_size,
+            "drop_last": plan.drop_last, "shuffle": order.shuffle, "seed": order.seed,
+        }  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: the epoch and what of it was delivered (small, JSON-ready).
+
+        Safe to call at any step, from the consumer's thread or task; see `_state.py` for the rule.
+        """
+        progress = self._progress or Progress(self._epoch)
+        rank, world_size = self._plan.rank_and_world()
+        return {
+            "version": STATE_VERSION, "kind": type(self).__name__,
+            "config": self._state_config(), "epoch": progress.epoch, "rank": rank,
+            "world_size": world_size, "in_order": self._in_order,
+            "consumed": progress.consumed.pairs, "delivered": Ranges.of(progress.delivered).pairs,
+            **self._plan_state,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue from a saved state (or from every rank's states, for another world size).
+
+        The next iteration continues the saved epoch. Raises StateError naming the field when a
+        state does not fit this loader.
+        """
+        states = [state] if isinstance(state, Mapping) else list(state)
+        if not states:
+            raise StateError("state: no state given", field="state")
+        config = self._state_config()
+        for s in states:
+            check_config(s, type(self).__name__, config)
+        own = pick_own(states, *self._plan.rank_and_world())
+        if own is not None:
+            resume = Resume(
+                int(own["epoch"]), Ranges(own.get("consumed", [])),
+                set(Ranges(own.get("delivered", []))),
+            )  # fmt: skip
+        else:
+            epoch, consumed = elastic_consumed(states, self._plan.group_indices)
+            resume = Resume(epoch, consumed, set())
+        self._plan.restore(own or states[0])
+        with self._lock:
+            self._resume, self._epoch = resume, resume.epoch
+        self._progress = Progress(resume.epoch, resume.consumed, set(resume.skip))
+        self._plan_state = {}
+
+
+async def _askip(groups: AsyncIterable[Group], skip: set[int]) -> AsyncIterator[Group]:
+    async for group in groups:
+        if group.index not in skip:
+            yield group
+
+
+def _skip(
+    groups: Iterable[Group] | AsyncIterable[Group], skip: set[int]
+) -> Iterable[Group] | AsyncIterable[Group]:
+    """The groups not in `skip` (those a resumed epoch had already delivered)."""
+    if isinstance(groups, AsyncIterable):
+        return _askip(groups, skip)
+    return (group for group in groups if group.index not in skip)
