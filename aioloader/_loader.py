@@ -129,12 +129,18 @@ class Loader(Resumable, Generic[T]):
             key_list, fetch = range(len(keys)), keys.__getitem__  # type: ignore[arg-type,index]
         else:
             key_list = keys
+            owner = getattr(fetch, "__self__", None)
+            source = owner if isinstance(owner, Source) else None  # closed with the loader
         if fetch is None:
             raise TypeError("fetch: a fetch function is required unless keys is a Source")
         if batch_size is not None:
             check_int("batch_size", batch_size, minimum=1)
         check_int("seed", seed, minimum=0)
         rank, world_size = resolve_rank(rank, world_size)
+        bind = getattr(source, "bind", None)
+        if bind is not None:  # the source shards its own data
+            bind(rank=rank, world_size=world_size)
+            rank, world_size = 0, 1
         order = KeyOrder(
             key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last,
@@ -226,7 +232,11 @@ class Loader(Resumable, Generic[T]):
     def _start(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
         if self._closed:
             raise LoaderClosedError("this loader was closed; create a new one")
-        return self._begin()
+        progress, groups = self._begin()
+        set_source_epoch = getattr(self._source, "set_epoch", None)
+        if set_source_epoch is not None:
+            set_source_epoch(progress.epoch)
+        return progress, groups
 
     async def _open(
         self, groups: Iterable[Group] | AsyncIterable[Group], epoch: int

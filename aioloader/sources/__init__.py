@@ -3,5 +3,23 @@
 from ._base import Source as Source
 from .files import Files as Files
 from .files import files as files
+from .http import Http as Http
+from .http import http as http
+from .s3 import S3 as S3
+from .s3 import s3 as s3
+from .tar import SampleRef as SampleRef
+from .tar import TarShards as TarShards
+from .tar import tar_shards as tar_shards
 
-__all__ = ["Files", "Source", "files"]
+__all__ = [
+    "S3",
+    "Files",
+    "Http",
+    "SampleRef",
+    "Source",
+    "TarShards",
+    "files",
+    "http",
+    "s3",
+    "tar_shards",
+]

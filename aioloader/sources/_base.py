@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Source"]
@@ -12,11 +12,16 @@ __all__ = ["Source"]
 class Source(Protocol):
     """A place samples come from.
 
-    `keys()` lists the keys (a Sequence when their number is known). `fetch(key)` is a coroutine that
-    returns the raw sample and is safe to cancel. `aclose()` releases connections and is idempotent.
+    `keys()` lists the keys (a Sequence when their number is known; an AsyncIterable for a streamed
+    listing). `fetch(key)` is a coroutine that returns the raw sample and is safe to cancel.
+    `aclose()` releases connections and is idempotent.
+
+    Optional hooks the loader calls when a source has them: `set_epoch(epoch)` before each epoch,
+    and `bind(rank=, world_size=)` once at construction, for a source that shards its own data
+    (the loader then leaves the keys unsharded).
     """
 
-    def keys(self) -> Sequence[Any] | Iterable[Any]: ...
+    def keys(self) -> Sequence[Any] | Iterable[Any] | AsyncIterable[Any]: ...
 
     async def fetch(self, key: Any) -> Any: ...
 

@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from .._validate import check_int
+from .._validate import check_int, check_timeout
 
 __all__ = ["RETRY_STATUSES", "Retry", "Timeouts", "parse_retry_after"]
 
@@ -21,10 +21,9 @@ RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
 def _check_seconds(name: str, value: float | None, *, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if value is None and not optional:
+        raise TypeError(f"{name} must be a number of seconds, got None")
+    check_timeout(name, value)
 
 
 @dataclass(frozen=True)

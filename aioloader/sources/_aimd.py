@@ -1,0 +1,95 @@
+"""A concurrency limit that adapts to throttling: additive increase, multiplicative decrease (AIMD).
+
+An object store that answers "503 SlowDown" asks the client to send fewer requests at once. Retrying
+each throttled request on its own keeps the pressure up; halving the number of requests in flight, then
+growing it back by about one per round of successes (as TCP does with its window), does not.
+
+Only the first throttle of a round counts: requests that started before the last decrease were sent
+under the old limit, and their throttles say nothing new (otherwise one burst would halve the limit
+once per request in it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+__all__ = ["Aimd"]
+
+
+class Aimd:
+    """An asyncio semaphore whose size moves between `minimum` and `maximum`.
+
+    `acquire()` returns a ticket (the decrease count when the request started); hand it back to
+    `release(ticket, throttled=...)`. Use on one event loop; not thread-safe.
+
+    Example:
+        >>> import asyncio
+        >>> async def demo() -> float:
+        ...     limiter = Aimd(maximum=8)
+        ...     ticket = await limiter.acquire()
+        ...     limiter.release(ticket, throttled=True)
+        ...     return limiter.limit
+        >>> asyncio.run(demo())
+        4.0
+    """
+
+    def __init__(self, maximum: int, minimum: int = 1, decrease: float = 0.5) -> None:
+        if not 1 <= minimum <= maximum:
+            raise ValueError(f"need 1 <= minimum <= maximum, got {minimum} and {maximum}")
+        if not 0.0 < decrease < 1.0:
+            raise ValueError(f"decrease must be in (0, 1), got {decrease}")
+        self.maximum = maximum
+        self.minimum = minimum
+        self.decrease = decrease
+        self.limit = float(maximum)
+        self.in_flight = 0
+        self.throttles = 0
+        self.decreases = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> int:
+        """Wait for a free slot; returns the ticket to pass to `release`. Safe to cancel."""
+        if self.in_flight < int(self.limit) and not self._waiters:
+            self.in_flight += 1
+            return self.decreases
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter  # `_wake` counts the slot as ours before it wakes us
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.in_flight -= 1  # handed a slot we will not use: pass it on
+                self._wake()
+            else:
+                self._waiters.remove(waiter)
+            raise
+        return self.decreases
+
+    def release(self, ticket: int, *, throttled: bool = False) -> None:
+        """Give the slot back; `throttled` says the server asked to slow down."""
+        self.in_flight -= 1
+        if throttled:
+            self.throttles += 1
+            if ticket == self.decreases:  # the first throttle of requests sent under this limit
+                self.decreases += 1
+                self.limit = max(float(self.minimum), self.limit * self.decrease)
+        else:
+            self.limit = min(float(self.maximum), self.limit + 1.0 / self.limit)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.in_flight < int(self.limit):
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+
+    def stats(self) -> dict[str, float]:
+        """The current limit, requests in flight, throttles seen and decreases made."""
+        return {
+            "concurrency_limit": self.limit,
+            "in_flight": float(self.in_flight),
+            "throttles": float(self.throttles),
+            "decreases": float(self.decreases),
+        }

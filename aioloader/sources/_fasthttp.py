@@ -1,0 +1,243 @@
+"""A lean HTTP/1.1 GET client for the hot path (`engine="fast"`): bodies land in their final buffer.
+
+aiohttp parses each response into objects and copies every body chunk into a new `bytes` before the
+caller copies it again. Here each keep-alive connection is an `asyncio.BufferedProtocol`: once the head
+is parsed, the socket is read straight into a `bytearray` of Content-Length bytes (one copy, by the
+kernel), and a request costs a few dozen Python lines. Only what a GET for a stored object needs is
+spoken: a response without Content-Length (chunked, say) raises `Unsupported`, and the transport
+falls back to aiohttp for that source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import ssl as _ssl
+from urllib.parse import unquote, urlsplit
+
+from ._body import Failure
+
+__all__ = ["FastPool", "Response", "Unsupported"]
+
+_SCRATCH = 64 * 1024
+_MAX_HEAD = 64 * 1024
+_NO_BODY = frozenset({204, 304})
+
+
+class Unsupported(Exception):
+    """The response cannot be read by this client (no Content-Length); use aiohttp instead."""
+
+
+class Response:
+    __slots__ = ("body", "headers", "reason", "status")
+
+    def __init__(self, status: int, reason: str, headers: dict[str, str], body: bytearray) -> None:
+        self.status, self.reason, self.headers, self.body = status, reason, headers, body
+
+
+def _parse_head(head: bytes) -> tuple[int, str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code, _, reason = rest.partition(" ")
+    if not version.startswith("HTTP/1.") or not code.isdigit():
+        raise Failure(f"malformed HTTP status line {lines[0][:80]!r}", retryable=True)
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(code), reason, headers
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One keep-alive connection serving one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.progress = 0
+        self.reusable = False
+        self._scratch = memoryview(bytearray(_SCRATCH))
+        self._head = bytearray()
+        self._resp: Response | None = None
+        self._view: memoryview | None = None
+        self._pos = 0
+        self._waiter: asyncio.Future[Response] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.reusable = False
+        got = (
+            f" after {self._pos} of {len(self._view)} body bytes" if self._view is not None else ""
+        )
+        why = f"{type(exc).__name__}: {exc}" if exc is not None else "closed by the server"
+        self._fail(Failure(f"connection failed: {why}{got}", retryable=True))
+
+    def request(self, data: bytes) -> asyncio.Future[Response]:
+        assert self.transport is not None
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._head.clear()
+        self._resp, self._view, self._pos, self.reusable = None, None, 0, False
+        self.transport.write(data)
+        return self._waiter
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view[self._pos :] if self._view is not None else self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.progress += 1
+        if self._view is not None:
+            self._pos += nbytes
+            if self._pos == len(self._view):
+                self._done()
+            return
+        self._head += self._scratch[:nbytes]
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) > _MAX_HEAD:
+                self._fail(Failure("response head too large", retryable=False))
+            return
+        try:
+            self._start_body(end)
+        except (Failure, Unsupported) as exc:
+            self._fail(exc)
+
+    def _start_body(self, end: int) -> None:
+        status, reason, headers = _parse_head(bytes(self._head[:end]))
+        length = headers.get("content-length")
+        if status in _NO_BODY:
+            length = "0"
+        if (
+            length is None
+            or not length.isdigit()
+            or "chunked" in headers.get("transfer-encoding", "")
+        ):
+            raise Unsupported(f"HTTP {status} response without Content-Length")
+        body = bytearray(int(length))
+        self._resp = Response(status, reason, headers, body)
+        self._view = memoryview(body)
+        rest = self._head[end + 4 :]
+        if len(rest) > len(body):
+            raise Failure("more bytes than Content-Length", retryable=True)
+        self._view[: len(rest)] = rest
+        self._pos = len(rest)
+        if self._pos == len(body):
+            self._done()
+
+    def _done(self) -> None:
+        resp, waiter = self._resp, self._waiter
+        self._resp, self._view, self._waiter = None, None, None
+        self.reusable = resp is not None and resp.headers.get("connection", "").lower() != "close"
+        if waiter is not None and not waiter.done() and resp is not None:
+            waiter.set_result(resp)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.reusable = False
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+
+class FastPool:
+    """Keep-alive connections per host, at most `limit` requests at once. Use on one event loop."""
+
+    def __init__(
+        self, limit: int, ssl: _ssl.SSLContext | bool, connect: float | None, read: float | None
+    ) -> None:
+        self.limit, self.ssl, self.connect_timeout, self.read_timeout = limit, ssl, connect, read
+        self._idle: dict[tuple[str, str, int], collections.deque[_Connection]] = {}
+        self._open: set[_Connection] = set()
+        self._slots: asyncio.Semaphore | None = None
+
+    async def get(self, url: str, headers: dict[str, str]) -> Response:
+        """GET `url`; raises `Failure` (connection problems, timeouts) or `Unsupported`."""
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        where = (parts.scheme, parts.hostname or "", port)
+        host = parts.netloc.rpartition("@")[2]
+        if parts.username is not None:
+            if any(k.lower() == "authorization" for k in headers):
+                raise ValueError("credentials in the URL and an Authorization header: give one")
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            headers = {**headers, "Authorization": "Basic " + base64.b64encode(pair).decode()}
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        lines = [f"GET {target} HTTP/1.1", f"Host: {host}", "Accept-Encoding: identity"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.limit)
+        async with self._slots:
+            idle = self._idle.setdefault(where, collections.deque())
+            while idle:
+                conn = idle.pop()
+                if conn.transport is not None and not conn.transport.is_closing():
+                    try:
+                        return await self._exchange(conn, data, idle)
+                    except Failure:
+                        if conn.progress:  # failed mid-response, not a stale keep-alive
+                            raise
+            return await self._exchange(await self._connect(where), data, idle)
+
+    async def _connect(self, where: tuple[str, str, int]) -> _Connection:
+        scheme, host, port = where
+        ssl = (self.ssl or None) if scheme == "https" else None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(_Connection, host, port, ssl=ssl)
+        except TimeoutError:
+            raise Failure(f"timed out connecting to {host}:{port}", retryable=True) from None
+        except _ssl.SSLCertVerificationError as exc:
+            raise Failure(f"TLS certificate verification failed: {exc}", retryable=False) from None
+        except OSError as exc:
+            raise Failure(
+                f"connection failed: {type(exc).__name__}: {exc}", retryable=True
+            ) from None
+        self._open.add(conn)
+        return conn
+
+    async def _exchange(
+        self, conn: _Connection, data: bytes, idle: collections.deque[_Connection]
+    ) -> Response:
+        conn.progress = 0
+        fut = conn.request(data)
+        ok = False
+        try:
+            resp = await self._wait(conn, fut)
+            ok = True
+            return resp
+        finally:
+            if ok and conn.reusable:
+                idle.append(conn)
+            else:
+                fut.cancel()  # nobody will read its outcome now
+                self._discard(conn)
+
+    async def _wait(self, conn: _Connection, fut: asyncio.Future[Response]) -> Response:
+        if self.read_timeout is None:
+            return await fut
+        while True:
+            seen = conn.progress
+            done, _ = await asyncio.wait({fut}, timeout=self.read_timeout)
+            if done:
+                return fut.result()
+            if conn.progress == seen:
+                raise Failure(f"timed out: no byte for {self.read_timeout:g} s", retryable=True)
+
+    def _discard(self, conn: _Connection) -> None:
+        self._open.discard(conn)
+        if conn.transport is not None:
+            conn.transport.abort()  # at once: no TLS close_notify exchange that needs the loop
+
+    async def aclose(self) -> None:
+        """Close every connection. Idempotent."""
+        for conn in list(self._open):
+            self._discard(conn)
+        self._idle.clear()
+        await asyncio.sleep(0)  # let the transports run their connection_lost callbacks

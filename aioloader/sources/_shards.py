@@ -1,0 +1,171 @@
+"""Streams for the tar-shard source: shard bytes from anywhere, round-robin merging, a shuffle buffer.
+
+`open_shard` yields a shard's bytes in chunks from a local file, an http(s) URL or an s3:// URL. A
+remote stream that breaks part-way is resumed with a Range request from the byte it stopped at (up to
+the source's `attempts`), so a reset costs a reconnect, not a re-read of the whole shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiofiles
+import aiohttp
+
+from .._exceptions import FetchError
+from ._redact import redact_url
+from ._transport import Transport
+
+__all__ = ["interleave", "open_shard", "shuffled"]
+
+log = logging.getLogger("aioloader")
+
+T = TypeVar("T")
+CHUNK = 1 << 20
+# Samples each shard reader may run ahead of the merge.
+_READ_AHEAD = 32
+
+
+async def open_shard(
+    shard: str, remotes: dict[str, Any], options: Callable[[str], dict[str, Any]]
+) -> AsyncGenerator[bytes, None]:
+    """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket)."""
+    if shard.startswith(("http://", "https://")):
+        if "http" not in remotes:
+            from .http import Http
+
+            remotes["http"] = Http([], **options("http"))
+        async for chunk in _remote(remotes["http"].transport, shard, shard):
+            yield chunk
+    elif shard.startswith("s3://"):
+        bucket, _, key = shard[5:].partition("/")
+        if f"s3:{bucket}" not in remotes:
+            from .s3 import S3
+
+            remotes[f"s3:{bucket}"] = S3(f"s3://{bucket}/", **options("s3"))
+        src = remotes[f"s3:{bucket}"]
+        async for chunk in _remote(src.transport, src.url(key), shard):
+            yield chunk
+    else:
+        path = Path(shard.removeprefix("file://"))
+        try:
+            async with aiofiles.open(path, "rb") as f:
+                while chunk := await f.read(CHUNK):
+                    yield chunk
+        except OSError as exc:
+            raise FetchError(f"tar shard {shard}: {exc.strerror or exc}", key=shard) from exc
+
+
+async def _remote(transport: Transport, url: str, shard: str) -> AsyncGenerator[bytes, None]:
+    pos, breaks = 0, 0
+    while True:
+        resp = await transport.open(url, key=shard, offset=pos)
+        try:
+            while chunk := await resp.content.readany():
+                pos += len(chunk)
+                yield chunk
+            return
+        except (
+            aiohttp.ClientPayloadError,
+            aiohttp.ClientConnectionError,
+            OSError,
+            TimeoutError,
+        ) as e:
+            breaks += 1
+            if breaks >= transport.retry.attempts:
+                message = (
+                    f"tar shard {redact_url(url)}: stream broke {breaks} times, last at byte {pos}"
+                )
+                raise FetchError(f"{message} ({type(e).__name__})", key=shard) from None
+            log.debug("tar shard %s: stream broke at byte %d; resuming", redact_url(url), pos)
+        finally:
+            resp.close()
+
+
+class _End:
+    pass
+
+
+_END = _End()
+
+
+class _Reader:
+    """Runs one stream ahead into a bounded queue, on its own task."""
+
+    def __init__(self, stream: AsyncGenerator[Any, None]) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
+        self.task = asyncio.get_running_loop().create_task(self._run(stream))
+
+    async def _run(self, stream: AsyncGenerator[Any, None]) -> None:
+        try:
+            async for item in stream:
+                await self.queue.put(item)
+        except Exception as exc:
+            await self.queue.put(exc)
+            return
+        finally:
+            await stream.aclose()
+        await self.queue.put(_END)
+
+    async def get(self) -> Any:
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def interleave(
+    streams: list[AsyncGenerator[T, None]], parallel: int
+) -> AsyncGenerator[T, None]:
+    """Items of `streams`, `parallel` read at once, taken round-robin (a fixed order)."""
+    pending = iter(streams)
+    readers = [_Reader(s) for s in itertools.islice(pending, parallel)]
+    try:
+        turn = 0
+        while readers:
+            turn %= len(readers)
+            item = await readers[turn].get()
+            if item is _END:
+                nxt = next(pending, None)
+                if nxt is None:
+                    readers.pop(turn)
+                else:
+                    readers[turn] = _Reader(nxt)
+                continue
+            yield item
+            turn += 1
+    finally:
+        for reader in readers:
+            await reader.aclose()
+        for stream in pending:
+            await stream.aclose()
+
+
+async def shuffled(
+    stream: AsyncGenerator[T, None], size: int, rng: random.Random
+) -> AsyncGenerator[T, None]:
+    """`stream` mixed through a buffer of `size` items: each item out is a random one held."""
+    held: list[T] = []
+    try:
+        async for item in stream:
+            if len(held) < size:
+                held.append(item)
+                continue
+            i = rng.randrange(size)
+            held[i], item = item, held[i]
+            yield item
+        rng.shuffle(held)
+        for item in held:
+            yield item
+    finally:
+        await stream.aclose()

@@ -1,0 +1,275 @@
+"""GET over HTTP(S) for the remote sources: one aiohttp session per source, retries, deadlines, buffers.
+
+The session is made lazily, inside the first request, on the event loop that runs it (the loader's), with
+a keep-alive pool of `limit` connections; `aclose()` closes it there. Every attempt has its own connect
+and read timeouts; the whole read of one sample (all attempts and the waits between them) has a
+deadline. Failures that may pass (connection errors, resets, timeouts, short bodies and the statuses in
+`Retry.statuses`) are retried with full-jitter backoff; anything else ends the read at once. What
+finally fails is a `FetchError` naming the redacted URL, the last status and the attempts made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as _ssl
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import aiohttp
+from yarl import URL
+
+from .._exceptions import FetchError
+from ._aimd import Aimd
+from ._body import Failure, error_detail, error_text, failure_from, read_body
+from ._fasthttp import FastPool, Unsupported
+from ._redact import redact_url
+from ._retry import Retry, Timeouts, parse_retry_after
+
+__all__ = ["Signer", "Transport"]
+
+log = logging.getLogger("aioloader")
+
+# (method, url, headers) -> the headers to send; called once per attempt (signatures carry the time).
+Signer = Callable[[str, str, dict[str, str]], dict[str, str]]
+_THROTTLE_STATUSES = frozenset({429, 503})
+
+T = TypeVar("T")
+
+
+class Transport:
+    """GETs with retries over one lazily made aiohttp session.
+
+    Args:
+        limit: connections in the pool (and so requests in flight at most).
+        timeouts, retry: see `Timeouts` and `Retry`.
+        ssl: True verifies certificates (the default), False does not, or an `ssl.SSLContext`.
+        headers: sent with every request.
+        sign: called per attempt to add authentication headers (S3's SigV4).
+        limiter: an `Aimd` limit on requests in flight that 429/503 answers shrink.
+        redirects: follow redirects (never for signed requests).
+    """
+
+    def __init__(
+        self,
+        *,
+        limit: int,
+        timeouts: Timeouts,
+        retry: Retry,
+        ssl: _ssl.SSLContext | bool = True,
+        headers: Mapping[str, str] | None = None,
+        sign: Signer | None = None,
+        limiter: Aimd | None = None,
+        redirects: bool = True,
+        engine: str = "aiohttp",
+    ) -> None:
+        if engine not in ("aiohttp", "fast"):
+            raise ValueError(f"engine must be 'aiohttp' or 'fast', got {engine!r}")
+        if not isinstance(ssl, bool | _ssl.SSLContext):
+            raise TypeError(f"ssl must be True, False or an ssl.SSLContext, got {ssl!r}")
+        self.limit = limit
+        self.timeouts = timeouts
+        self.retry = retry
+        self.ssl = ssl
+        self.headers = dict(headers or {})
+        self.sign = sign
+        self.limiter = limiter
+        self.redirects = redirects
+        self.counts = {"requests": 0, "retries": 0, "failures": 0, "bytes": 0}
+        self.engine = engine
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fast: FastPool | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        """The session of the running loop, made on first use. Raises if bound to another loop."""
+        loop = asyncio.get_running_loop()
+        if self._session is not None and not self._session.closed:
+            if self._loop is not loop:
+                raise RuntimeError(
+                    "this source is in use on another event loop; use one per loader"
+                )
+            return self._session
+        connector = aiohttp.TCPConnector(limit=self.limit, limit_per_host=0, ssl=self.ssl)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.timeouts.connect, sock_read=self.timeouts.read
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            read_bufsize=1 << 18,
+            headers=self.headers,
+        )
+        self._loop = loop
+        return self._session
+
+    async def aclose(self) -> None:
+        """Close the session and its connections. Idempotent; a later request makes a new one."""
+        session, self._session = self._session, None
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            await fast.aclose()
+        if session is not None and not session.closed:
+            await session.close()
+
+    async def get(
+        self, url: str, *, key: Any, offset: int = 0, length: int | None = None
+    ) -> bytearray:
+        """The body of `url` (bytes [offset, offset+length) of it when a range is given).
+
+        Raises:
+            FetchError: after the last attempt, or at once for a failure that retrying cannot mend.
+        """
+        ranged = offset > 0 or length is not None
+        if ranged and (offset < 0 or (length is not None and length < 0)):
+            raise ValueError(f"bad range: offset={offset}, length={length}")
+        if length == 0:
+            return bytearray()
+        headers = {"Range": _range_header(offset, length)} if ranged else {}
+
+        async def attempt() -> bytearray:
+            if self.engine == "fast":
+                try:
+                    return await self._fast_get(url, headers, offset if ranged else None)
+                except Unsupported as exc:
+                    log.info("%s; engine='fast' gives way to aiohttp for this source", exc)
+                    self.engine = "aiohttp"
+            resp = await self._send(url, headers, offset if ranged else None)
+            try:
+                body = await read_body(resp)
+            except BaseException:
+                resp.close()
+                raise
+            resp.release()
+            self.counts["bytes"] += len(body)
+            return body
+
+        return await self._with_retries(url, key, attempt)
+
+    async def open(self, url: str, *, key: Any, offset: int = 0) -> aiohttp.ClientResponse:
+        """A response to GET `url` from byte `offset` whose body is not read yet (retries included).
+
+        The caller reads `response.content` and must `close()` or `release()` the response.
+        """
+        headers = {"Range": _range_header(offset, None)} if offset else {}
+        return await self._with_retries(
+            url, key, lambda: self._send(url, headers, offset or None), limited=False
+        )
+
+    async def _with_retries(
+        self, url: str, key: Any, attempt: Callable[[], Awaitable[T]], limited: bool = True
+    ) -> T:
+        made = 0
+        failure: Failure | None = None
+        try:
+            async with asyncio.timeout(self.timeouts.deadline):
+                while True:
+                    made += 1
+                    try:
+                        return await (self._limited(attempt) if limited else attempt())
+                    except Failure as exc:
+                        failure = exc
+                    if not failure.retryable or made >= self.retry.attempts:
+                        break
+                    delay = self.retry.delay(made, failure.retry_after)
+                    self.counts["retries"] += 1
+                    log.debug(
+                        "GET %s: %s (attempt %d of %d); retrying in %.3f s",
+                        redact_url(url), failure.reason, made, self.retry.attempts, delay,
+                    )  # fmt: skip
+                    await asyncio.sleep(delay)
+        except TimeoutError:
+            last = f"; last error: {failure.reason}" if failure is not None else ""
+            reason = f"deadline of {self.timeouts.deadline:g} s passed{last}"
+            failure = Failure(reason, retryable=False, status=failure.status if failure else None)
+        assert failure is not None
+        self.counts["failures"] += 1
+        status = f"status {failure.status}" if failure.status is not None else "no HTTP status"
+        message = (
+            f"GET {redact_url(url)} failed after {made} attempt(s) ({status}): {failure.reason}"
+        )
+        log.warning("%s", message)
+        raise FetchError(message, key=key, stage="fetch") from None
+
+    async def _limited(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        if self.limiter is None:
+            return await attempt()
+        ticket = await self.limiter.acquire()
+        throttled = False
+        try:
+            return await attempt()
+        except Failure as failure:
+            throttled = failure.status in _THROTTLE_STATUSES
+            raise
+        finally:
+            self.limiter.release(ticket, throttled=throttled)
+
+    async def _send(
+        self, url: str, headers: dict[str, str], offset: int | None
+    ) -> aiohttp.ClientResponse:
+        session = self.session()
+        if self.sign is not None:
+            headers = self.sign("GET", url, {**self.headers, **headers})
+        self.counts["requests"] += 1
+        try:
+            resp = await session.get(
+                URL(url, encoded=True), headers=headers, allow_redirects=self.redirects
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise failure_from(exc, url) from None
+        if resp.status == (200 if offset is None else 206):
+            if offset is not None and not _range_ok(resp.headers.get("Content-Range"), offset):
+                resp.close()
+                raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
+            return resp
+        try:
+            detail = await error_detail(resp)
+        finally:
+            resp.close()
+        raise self._status_failure(
+            resp.status, resp.reason, resp.headers.get("Retry-After"), detail
+        )
+
+    async def _fast_get(self, url: str, headers: dict[str, str], offset: int | None) -> bytearray:
+        if self._fast is None:
+            t = self.timeouts
+            self._fast = FastPool(self.limit, self.ssl, t.connect, t.read)
+        headers = {**self.headers, **headers}
+        if self.sign is not None:
+            headers = self.sign("GET", url, headers)
+        self.counts["requests"] += 1
+        try:
+            resp = await self._fast.get(url, headers)
+        except ValueError as exc:
+            raise failure_from(exc, url) from None
+        if resp.status == (200 if offset is None else 206):
+            if offset is not None and not _range_ok(resp.headers.get("content-range"), offset):
+                raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
+            self.counts["bytes"] += len(resp.body)
+            return resp.body
+        detail = error_text(resp.body, url)
+        raise self._status_failure(
+            resp.status, resp.reason, resp.headers.get("retry-after"), detail
+        )
+
+    def _status_failure(
+        self, status: int, reason: str | None, retry_after_header: str | None, detail: str
+    ) -> Failure:
+        text = f"HTTP {status} {reason or ''}".rstrip() + detail
+        if status == 200:
+            return Failure(f"{text}: the server ignored the Range header", retryable=False)
+        retry_after = parse_retry_after(retry_after_header)
+        if retry_after is not None:
+            text += f" (Retry-After: {retry_after:g} s)"
+        retryable = status in self.retry.statuses
+        return Failure(text, status=status, retryable=retryable, retry_after=retry_after)
+
+
+def _range_ok(content_range: str | None, offset: int) -> bool:
+    return (content_range or "").startswith(f"bytes {offset}-")
+
+
+def _range_header(offset: int, length: int | None) -> str:
+    return f"bytes={offset}-" if length is None else f"bytes={offset}-{offset + length - 1}"

@@ -1,0 +1,224 @@
+"""WebDataset tar shards: samples streamed out of .tar files on disk, over HTTP(S) or in S3.
+
+Members are grouped into samples the way the `webdataset` package does: consecutive members that share
+a key (the path up to the first "." of the file name) make one dict `{"__key__": key, "__url__": shard,
+"jpg": bytes, "cls": bytes, ...}` (extensions lower-cased; `__*__` metadata members skipped).
+
+Per epoch, the shard list is shuffled with (seed, epoch) and dealt out across `world_size * num_workers`
+readers without overlap; `parallel` shards are read at once and their samples interleaved round-robin
+(a fixed order, whatever the timing), then mixed by a bounded shuffle buffer.
+
+Since samples exist only once a shard is read, the keys of this source are produced while streaming:
+`keys()` is an async iterable of `SampleRef`s (each full iteration is one epoch) that carry their sample,
+and `fetch(ref)` hands the sample over. Iterating the source itself (`async for sample in shards`)
+gives the samples directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+from .._exceptions import FetchError
+from .._validate import check_int
+from ._redact import redact_url
+from ._shards import interleave, open_shard, shuffled
+from ._tarstream import tar_members
+
+__all__ = ["SampleRef", "TarShards", "tar_shards"]
+
+log = logging.getLogger("aioloader")
+
+_META = re.compile(r"__[^/]*__($|/)")
+
+
+def split_name(name: str) -> tuple[str | None, str]:
+    """(key, extension) of a member name: "a/b.seg.jpg" -> ("a/b", "seg.jpg"); (None, "") if none."""
+    folder, slash, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not dot or not stem:
+        return None, ""
+    return folder + slash + stem, ext
+
+
+class SampleRef:
+    """The key of one streamed sample: where it came from, and the sample until `fetch` takes it."""
+
+    __slots__ = ("index", "name", "sample", "shard")
+
+    def __init__(self, shard: str, index: int, sample: dict[str, Any]) -> None:
+        self.shard = shard
+        self.index = index
+        self.name = sample["__key__"]
+        self.sample: dict[str, Any] | None = sample
+
+    def __repr__(self) -> str:
+        return f"<sample {self.name!r} #{self.index} of {redact_url(self.shard)}>"
+
+
+class _Epochs:
+    """An async iterable whose every iteration streams one more epoch of `SampleRef`s."""
+
+    def __init__(self, shards: TarShards) -> None:
+        self._shards = shards
+
+    def __aiter__(self) -> AsyncIterator[SampleRef]:
+        return self._shards._refs(self._shards._next_epoch())
+
+
+class TarShards:
+    """Samples from WebDataset-style tar shards, as a source. See `tar_shards()` for the arguments.
+
+    Example:
+        >>> shards = tar_shards(["/data/train-000.tar", "/data/train-001.tar"], shuffle_buffer=1000)
+        >>> async def first_keys():
+        ...     async for sample in shards:
+        ...         print(sample["__key__"], sorted(sample))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        shards: str | Sequence[str],
+        *,
+        shuffle: bool = True,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        worker: int = 0,
+        num_workers: int = 1,
+        parallel: int = 2,
+        suffixes: Sequence[str] | None = None,
+        http_options: dict[str, Any] | None = None,
+        s3_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.shards = [shards] if isinstance(shards, str) else list(shards)
+        if not self.shards:
+            raise ValueError("shards: no shards given")
+        for name, value, low in (("world_size", world_size, 1), ("num_workers", num_workers, 1),
+                                 ("rank", rank, 0), ("worker", worker, 0), ("parallel", parallel, 1),
+                                 ("shuffle_buffer", shuffle_buffer, 0), ("seed", seed, 0)):  # fmt: skip
+            check_int(name, value, minimum=low)
+        if rank >= world_size or worker >= num_workers:
+            raise ValueError(
+                f"need rank < world_size and worker < num_workers, got {rank}, {worker}"
+            )
+        self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
+        self.slot, self.slots = rank * num_workers + worker, world_size * num_workers
+        self._worker, self._num_workers = worker, num_workers
+        self.parallel = parallel
+        self.suffixes = None if suffixes is None else frozenset(s.lower() for s in suffixes)
+        self._http_options = dict(http_options or {})
+        self._s3_options = dict(s3_options or {})
+        self._remotes: dict[str, Any] = {}
+        self._epoch = 0
+
+    def __repr__(self) -> str:
+        return f"tar_shards([{len(self.shards)} shards], slot {self.slot} of {self.slots})"
+
+    def bind(self, *, rank: int, world_size: int) -> None:
+        """Take the loader's rank and world size, unless this source was given its own share.
+
+        The loader calls this at construction; it then leaves the sharding to this source.
+        """
+        if self.slots == self._num_workers:  # built for rank 0 of 1: use the loader's
+            self.slot = rank * self._num_workers + self._worker
+            self.slots = world_size * self._num_workers
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration stream `epoch` (which decides the shard order and the mixing)."""
+        self._epoch = check_int("epoch", epoch, minimum=0)
+
+    def _next_epoch(self) -> int:
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        return epoch
+
+    def shards_for(self, epoch: int) -> list[str]:
+        """The shards this rank and worker read in `epoch`, in reading order."""
+        order = list(self.shards)
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        mine = order[self.slot :: self.slots]
+        if not mine:
+            log.warning("tar shards: %d shards for %d readers; reader %d has none",
+                        len(order), self.slots, self.slot)  # fmt: skip
+        return mine
+
+    def samples(self, epoch: int) -> AsyncGenerator[dict[str, Any], None]:
+        """The samples of `epoch` for this rank and worker, streamed."""
+        streams = [self._shard_samples(shard) for shard in self.shards_for(epoch)]
+        merged = interleave(streams, self.parallel)
+        rng = random.Random(f"{self.seed}/{epoch}/{self.slot}")
+        return shuffled(merged, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else merged
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self.samples(self._next_epoch())
+
+    async def _shard_samples(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+        label = redact_url(shard)
+        current: dict[str, Any] | None = None
+        members = tar_members(open_shard(shard, self._remotes, self._options), label)
+        async with contextlib.aclosing(members):
+            async for name, data in members:
+                if _META.match(name) or name.rpartition("/")[2].startswith("__"):
+                    continue
+                key, ext = split_name(name)
+                if key is None:
+                    continue
+                ext = ext.lower()
+                if current is None or key != current["__key__"]:
+                    if current is not None:
+                        yield current
+                    current = {"__key__": key, "__url__": shard}
+                if ext in current:
+                    raise FetchError(f"tar shard {label}: {name!r} twice in one sample", key=shard)
+                if self.suffixes is None or ext in self.suffixes:
+                    current[ext] = data
+        if current is not None:
+            yield current
+
+    def _options(self, kind: str) -> dict[str, Any]:
+        return self._s3_options if kind == "s3" else self._http_options
+
+    async def _refs(self, epoch: int) -> AsyncIterator[SampleRef]:
+        index = 0
+        async for sample in self.samples(epoch):
+            yield SampleRef(sample["__url__"], index, sample)
+            index += 1
+
+    def keys(self) -> _Epochs:
+        """An async iterable of the `SampleRef`s of one epoch per iteration (streamed, no length)."""
+        return _Epochs(self)
+
+    async def fetch(self, ref: SampleRef) -> dict[str, Any]:
+        """The sample `ref` carries (handed over once)."""
+        sample, ref.sample = ref.sample, None
+        if sample is None:
+            raise FetchError(f"{ref!r} was already fetched", key=ref, stage="fetch")
+        return sample
+
+    async def aclose(self) -> None:
+        """Close the connection pools of the remote shards. Idempotent."""
+        remotes, self._remotes = self._remotes, {}
+        for remote in remotes.values():
+            await remote.aclose()
+
+
+def tar_shards(shards: str | Sequence[str], **options: Any) -> TarShards:
+    """A source of the samples in WebDataset tar shards.
+
+    Args:
+        shards: paths, http(s) URLs or s3:// URLs of .tar files.
+        shuffle: shuffle the shard order per epoch (seeded by `seed` and the epoch).
+        shuffle_buffer: samples held to mix the stream (0: no sample shuffle).
+        rank, world_size, worker, num_workers: read only this reader's share of the shards.
+        parallel: shards read at once (their samples interleaved round-robin).
+        suffixes: keep only these extensions (others are dropped from the samples).
+        http_options: passed to `http()` for http(s) shards (timeouts, retries, headers, ssl).
+        s3_options: passed to `s3()` for s3:// shards (endpoint_url, credentials, region, ...).
+    """
+    return TarShards(shards, **options)

@@ -1,0 +1,201 @@
+"""Real HTTP on 127.0.0.1 for the remote-source tests: an object server and a fault-injecting proxy.
+
+`Origin` serves in-memory objects (GET with Range, optional auth). `FaultProxy` sits between a client
+and an origin and, for the n-th request of each path, does what `proxy.plan(path, n)` says: forward it
+(after `Fault.seconds`), answer 503 (with or without Retry-After, or as S3's "SlowDown"), reset the
+connection, send a body shorter than its Content-Length, or stall. Each runs its own event loop on
+its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import ssl
+import struct
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["Fault", "FaultProxy", "Origin", "ServerThread"]
+
+KINDS = ("503", "503-retry-after", "429", "reset", "reset-mid-body", "truncate", "stall", "latency")
+SLOWDOWN = (
+    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What the proxy does to one request. `kind` is one of KINDS; `seconds` is the latency or stall."""
+
+    kind: str
+    seconds: float = 0.0
+
+
+class ServerThread:
+    """An aiohttp application served on 127.0.0.1 (a free port) by an event loop on its own thread."""
+
+    def __init__(
+        self, app: web.Application, name: str, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
+        self.app = app
+        self.ssl_context = ssl_context
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
+        self.port: int = self.call(self._start())
+
+    async def _start(self) -> int:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
+        await site.start()
+        return int(self.runner.addresses[0][1])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 10.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def open_connections(self) -> int:
+        """Client connections the server holds open now."""
+
+        async def count() -> int:
+            server = self.runner.server
+            return 0 if server is None else len(server.connections)
+
+        return int(self.call(count()))
+
+    def stop(self) -> None:
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+class Origin(ServerThread):
+    """Serves `objects` at /<name>; `token`, when set, must come as `Authorization: Bearer <token>`."""
+
+    def __init__(self, objects: dict[str, bytes], token: str | None = None) -> None:
+        self.objects = objects
+        self.token = token
+        self.hits: collections.Counter[str] = collections.Counter()
+        app = web.Application()
+        app.router.add_get("/{name:.*}", self._get)
+        super().__init__(app, "test-origin")
+
+    async def _get(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        self.hits[name] += 1
+        if (
+            self.token is not None
+            and request.headers.get("Authorization") != f"Bearer {self.token}"
+        ):
+            return web.Response(status=401, text="no entry")
+        body = self.objects.get(name)
+        if body is None:
+            return web.Response(status=404, text="no such object")
+        ranged = request.headers.get("Range")
+        if ranged is None:
+            return web.Response(body=body)
+        first, _, last = ranged.removeprefix("bytes=").partition("-")
+        start, end = int(first), min(int(last) if last else len(body) - 1, len(body) - 1)
+        if start >= len(body):
+            return web.Response(status=416)
+        headers = {"Content-Range": f"bytes {start}-{end}/{len(body)}"}
+        return web.Response(status=206, body=body[start : end + 1], headers=headers)
+
+
+def _reset(request: web.Request) -> None:
+    """Close the request's connection with a TCP reset (SO_LINGER 0)."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.close()
+
+
+class FaultProxy(ServerThread):
+    """Forwards GETs to `upstream`, injecting the faults `plan(path, n)` asks for (None: forward)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.plan: Callable[[str, int], Fault | None] = lambda path, n: None
+        self.seen: collections.Counter[str] = collections.Counter()
+        self.injected: collections.Counter[str] = collections.Counter()
+        self._session: aiohttp.ClientSession | None = None
+        app = web.Application()
+        app.router.add_get("/{path:.*}", self._handle)
+        app.on_cleanup.append(self._close_session)
+        super().__init__(app, "test-faultproxy")
+
+    def reset_counts(self) -> None:
+        self.seen.clear()
+        self.injected.clear()
+
+    async def _close_session(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.match_info["path"]
+        self.seen[path] += 1
+        fault = self.plan(path, self.seen[path])
+        if fault is not None:
+            self.injected[fault.kind] += 1
+            if fault.kind == "latency":
+                await asyncio.sleep(fault.seconds)
+            else:
+                return await self._inject(request, fault)
+        status, headers, body = await self._forward(request)
+        return web.Response(status=status, headers=headers, body=body)
+
+    async def _forward(self, request: web.Request) -> tuple[int, dict[str, str], bytes]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        keep = ("authorization", "range", "host")  # and x-amz-*: a signed request must pass intact
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() in keep or k.lower().startswith("x-amz-")
+        }
+        async with self._session.get(
+            self.upstream + request.path_qs, headers=headers, allow_redirects=False
+        ) as resp:
+            body = await resp.read()
+            passed = ("Content-Range", "Retry-After", "Content-Type")
+            return resp.status, {k: v for k, v in resp.headers.items() if k in passed}, body
+
+    async def _inject(self, request: web.Request, fault: Fault) -> web.StreamResponse:
+        if fault.kind in ("503", "429"):
+            return web.Response(status=int(fault.kind), text="busy")
+        if fault.kind == "slowdown":
+            return web.Response(status=503, body=SLOWDOWN, content_type="application/xml")
+        if fault.kind == "503-retry-after":
+            return web.Response(status=503, headers={"Retry-After": "1"}, text="busy")
+        if fault.kind == "reset":
+            _reset(request)
+            return web.Response(status=500)  # never reaches the client
+        if fault.kind == "stall":
+            await asyncio.sleep(fault.seconds)
+            return web.Response(status=503, text="stalled")
+        status, headers, body = await self._forward(request)
+        resp = web.StreamResponse(status=status, headers=headers)
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body[: len(body) // 2])
+        if fault.kind == "reset-mid-body":
+            _reset(request)
+        elif request.transport is not None:
+            request.transport.close()  # a FIN before Content-Length bytes were sent
+        return resp

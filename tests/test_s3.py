@@ -1,0 +1,216 @@
+"""The S3 source against a real SeaweedFS server (SigV4-signed requests over aiohttp), and AIMD units."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+from faultproxy import Fault, FaultProxy
+from s3server import SeaweedServer
+
+from aioloader import FetchError, Loader
+from aioloader.sources._aimd import Aimd
+from aioloader.sources._s3auth import bucket_base, list_query, parse_listing
+from aioloader.sources.s3 import S3, s3
+
+PREFIX = "s3test/"
+FAST = {"backoff": 0.01, "max_backoff": 0.05}
+
+
+@pytest.fixture(scope="module")
+def stored(seaweed: SeaweedServer) -> dict[str, bytes]:
+    """Objects under PREFIX (odd names included) plus one outside it, written once per module."""
+    rng = random.Random(3)
+    names = [f"{PREFIX}{i:04d}.bin" for i in range(30)]
+    names += [f"{PREFIX}dir a/ü+x=1.bin", f"{PREFIX}z~tilde&amp.bin"]
+    objects = {name: rng.randbytes(2048 + 97 * i) for i, name in enumerate(names)}
+    for name, body in objects.items():
+        seaweed.put(name, body)
+    seaweed.put("elsewhere/x.bin", b"not listed")
+    return objects
+
+
+def source(server: SeaweedServer, **options: object) -> S3:
+    options.setdefault("credentials", server.credentials)
+    return s3(f"s3://{server.bucket}/{PREFIX}", endpoint_url=server.endpoint, **options)
+
+
+def test_keys_are_listed_sorted_across_pages(
+    seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    src = source(seaweed, page_size=7)
+    expected = sorted(stored, key=str.encode)
+    assert src.keys() == expected
+    assert src.stats()["requests"] == 0  # the sync listing used a pool of its own
+
+    async def streamed() -> list[str]:
+        try:
+            return [key async for key in src.iter_keys()]
+        finally:
+            await src.aclose()
+
+    assert asyncio.run(streamed()) == expected
+    assert src.stats()["requests"] == 5  # 32 keys in pages of 7
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+def test_loader_reads_every_object(
+    engine: str, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    src = source(seaweed, engine=engine)
+    with Loader(src, concurrency=16, collate=None) as loader:
+        got = {key: bytes(x) for key, x in zip(src.keys(), loader, strict=True)}
+    assert got == stored
+    assert src.transport._session is None
+
+
+def test_streamed_listing_feeds_the_loader(
+    seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    src = source(seaweed, page_size=5, stream_keys=True, engine="fast")
+    with Loader(src, concurrency=8, collate=None) as loader:
+        epochs = [[bytes(x) for x in loader] for _ in range(2)]
+    assert epochs == [[stored[k] for k in sorted(stored, key=str.encode)]] * 2
+    assert src.stats()["requests"] == 2 * (7 + len(stored))  # 7 pages and the GETs, per epoch
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.asyncio
+async def test_ranges_and_missing_objects(
+    engine: str, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    src = source(seaweed, engine=engine, **FAST)
+    key = f"{PREFIX}dir a/ü+x=1.bin"
+    try:
+        assert await src.fetch_range(key, 10, 100) == stored[key][10:110]
+        assert await src.fetch_range(key, 2000) == stored[key][2000:]
+        with pytest.raises(FetchError, match=r"status 404.*NoSuchKey") as info:
+            await src.fetch(f"{PREFIX}absent.bin")
+        assert "1 attempt(s)" in str(info.value)
+    finally:
+        await src.aclose()
+
+
+def test_wrong_secret_is_refused_clearly(seaweed: SeaweedServer, stored: dict[str, bytes]) -> None:
+    wrong = "not-the-secret-0000"
+    src = source(seaweed, credentials=(seaweed.credentials[0], wrong), **FAST)
+    with pytest.raises(FetchError, match=r"status 403.*SignatureDoesNotMatch") as info:
+        src.keys()
+    assert wrong not in str(info.value)
+    listed = source(seaweed, keys=list(stored)[:2], credentials=(seaweed.credentials[0], wrong))
+    with Loader(listed) as loader, pytest.raises(FetchError) as info:
+        list(loader)
+    assert "SignatureDoesNotMatch" in str(info.value)
+    assert info.value.key == next(iter(stored))
+
+
+def test_credentials_come_from_the_standard_chain(
+    seaweed: SeaweedServer, stored: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.credentials[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.credentials[1])
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", endpoint_url=seaweed.endpoint)
+    assert src.signer.region == "us-east-1"
+    assert len(src.keys()) == len(stored)
+
+
+@pytest.fixture
+def s3_proxy(seaweed: SeaweedServer) -> Iterator[FaultProxy]:
+    server = FaultProxy(seaweed.endpoint)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+def test_slowdown_shrinks_the_whole_sources_concurrency(
+    engine: str, s3_proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    def plan(path: str, n: int) -> Fault | None:  # the first burst of 16 requests is throttled
+        return Fault("slowdown") if s3_proxy.seen.total() <= 16 else None
+
+    s3_proxy.plan = plan
+    keys = sorted(stored)
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, endpoint_url=s3_proxy.url,
+             credentials=seaweed.credentials, concurrency=16, engine=engine, **FAST)  # fmt: skip
+    with Loader(src, concurrency=16, collate=None) as loader:
+        got = [bytes(x) for x in loader]
+    assert got == [stored[k] for k in keys]
+    stats = src.stats()
+    assert stats["throttles"] == 16
+    assert stats["decreases"] == 1  # one halving for the burst, not one per throttled request
+    assert 8 < stats["concurrency_limit"] < 16  # halved, then growing back by ~1/limit per success
+    assert stats["failures"] == 0
+
+
+def test_addressing_styles() -> None:
+    aws = bucket_base("my-bucket", None, "eu-west-1", "auto")
+    assert aws == "https://my-bucket.s3.eu-west-1.amazonaws.com/"
+    assert bucket_base("my.bucket", None, "eu-west-1", "auto").endswith("amazonaws.com/my.bucket/")
+    assert bucket_base("b1b", "http://127.0.0.1:9000", "x", "auto") == "http://127.0.0.1:9000/b1b/"
+    assert bucket_base("b1b", "http://minio:9000", "x", "virtual") == "http://b1b.minio:9000/"
+    with pytest.raises(ValueError, match="host name"):
+        bucket_base("Bad_Bucket", None, "x", "virtual")
+    src = s3("s3://my-bucket/p/", region="eu-west-1", credentials=("AK", "SK"))
+    assert src.url("p/a b+c.jpg") == "https://my-bucket.s3.eu-west-1.amazonaws.com/p/a%20b%2Bc.jpg"
+    headers = src.signer("GET", src.url("p/x"), {})
+    assert headers["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=AK/")
+    assert "SK" not in repr(src)
+    assert "SK" not in repr(src.signer)
+
+
+def test_listing_parse_and_query() -> None:
+    body = (
+        b'<?xml version="1.0"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        b"<IsTruncated>true</IsTruncated><Contents><Key>a&amp;b</Key><Size>3</Size></Contents>"
+        b"<NextContinuationToken>t/1=</NextContinuationToken></ListBucketResult>"
+    )
+    page = parse_listing(body)
+    assert page.objects == [("a&b", 3)]
+    assert page.next_token == "t/1="
+    assert list_query("p q/", 10, "t/1=") == (
+        "continuation-token=t%2F1%3D&list-type=2&max-keys=10&prefix=p%20q%2F"
+    )
+
+
+@pytest.mark.asyncio
+async def test_aimd_halves_once_per_round_and_grows_back() -> None:
+    limiter = Aimd(maximum=8)
+    tickets = [await limiter.acquire() for _ in range(8)]
+    waiter = asyncio.ensure_future(limiter.acquire())
+    await asyncio.sleep(0)
+    assert not waiter.done()  # full
+    for ticket in tickets[:4]:
+        limiter.release(ticket, throttled=True)
+    assert limiter.limit == 4.0  # four throttles of one round: one halving
+    assert limiter.decreases == 1
+    assert not waiter.done()  # 4 still in flight under a limit of 4
+    limiter.release(tickets[4])
+    ticket = await asyncio.wait_for(waiter, 1)
+    assert limiter.in_flight <= int(limiter.limit)
+    for t in [*tickets[5:], ticket]:
+        limiter.release(t)
+    assert 4.0 < limiter.limit < 6.0  # additive: about +1/limit per success
+    for _ in range(200):
+        limiter.release(await limiter.acquire())
+    assert limiter.limit == 8.0
+    assert limiter.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_aimd_cancelled_waiter_gives_its_slot_on() -> None:
+    limiter = Aimd(maximum=1)
+    held = await limiter.acquire()
+    first = asyncio.ensure_future(limiter.acquire())
+    second = asyncio.ensure_future(limiter.acquire())
+    await asyncio.sleep(0)
+    limiter.release(held)  # hands the slot to `first`...
+    first.cancel()  # ...which is cancelled before it runs
+    ticket = await asyncio.wait_for(second, 1)
+    assert limiter.in_flight == 1
+    limiter.release(ticket)
+    assert limiter.in_flight == 0

@@ -1,0 +1,220 @@
+"""Tar shards: webdataset compatibility, streaming, errors with offsets, sharding, HTTP, S3, Loader."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import random
+import tarfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import webdataset as wds
+from aiohttp import web
+from faultproxy import Fault, FaultProxy, Origin, ServerThread
+from s3server import SeaweedServer
+
+from aioloader import FetchError, Loader
+from aioloader.sources.tar import TarShards, split_name, tar_shards
+
+N_SHARDS, PER_SHARD = 6, 7
+
+
+def write_shards(folder: Path) -> list[str]:
+    """Shards written by webdataset's own TarWriter: mixed extensions, a folder key, a long name."""
+    rng = random.Random(11)
+    paths = []
+    for s in range(N_SHARDS):
+        path = folder / f"shard-{s:03d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for i in range(PER_SHARD):
+                key = f"s{s}/{'x' * 120 if i == 3 else 'sample'}{i:04d}"
+                sink.write({"__key__": key, "jpg": rng.randbytes(rng.randrange(1, 3000)),
+                            "cls": str(i).encode(), "seg.PNG": rng.randbytes(40)})  # fmt: skip
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return write_shards(tmp_path_factory.mktemp("shards"))
+
+
+def reference(paths: list[str]) -> list[dict[str, Any]]:
+    """What webdataset's own tar iterator and grouping make of `paths`, in order."""
+    out = []
+    for path in paths:
+        with open(path, "rb") as stream:
+            members = wds.tariterators.tar_file_expander([{"url": path, "stream": stream}])
+            out += list(wds.tariterators.group_by_keys(members))
+    return out
+
+
+def collect(src: TarShards, epoch: int = 0) -> list[dict[str, Any]]:
+    async def run() -> list[dict[str, Any]]:
+        try:
+            return [sample async for sample in src.samples(epoch)]
+        finally:
+            await src.aclose()
+
+    return asyncio.run(run())
+
+
+def test_samples_match_webdataset(shards: list[str]) -> None:
+    got = collect(tar_shards(shards, shuffle=False, parallel=1))
+    want = reference(shards)
+    assert len(want) == N_SHARDS * PER_SHARD
+    assert got == want
+    assert set(got[0]) == {"__key__", "__url__", "jpg", "cls", "seg.png"}
+
+
+def test_split_name_like_webdataset() -> None:
+    assert split_name("a/b.seg.jpg") == ("a/b", "seg.jpg")
+    assert split_name("a.b/c.txt") == ("a.b/c", "txt")
+    assert split_name("noext") == (None, "")
+    assert split_name("dir/.hidden") == (None, "")
+
+
+def test_truncated_and_corrupt_shards_name_shard_and_offset(
+    shards: list[str], tmp_path: Path
+) -> None:
+    data = Path(shards[0]).read_bytes()
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[:3000])
+    with pytest.raises(FetchError, match=r"cut\.tar: stream ended inside a member .* offset \d+"):
+        collect(tar_shards([str(cut)], shuffle=False))
+    with tarfile.open(shards[0]) as tar:
+        at = tar.getmembers()[2].offset
+    bad = bytearray(data)
+    bad[at + 10] ^= 0xFF  # a byte of the third member's header
+    corrupt = tmp_path / "corrupt.tar"
+    corrupt.write_bytes(bytes(bad))
+    with pytest.raises(
+        FetchError, match=rf"corrupt\.tar: bad header checksum .* offset {at}$"
+    ) as info:
+        collect(tar_shards([str(corrupt)], shuffle=False))
+    assert info.value.key == str(corrupt)
+    ended = tmp_path / "ended.tar"
+    with tarfile.open(shards[0]) as tar:
+        last = tar.getmembers()[-1]
+    end = last.offset_data + -(-last.size // 512) * 512
+    ended.write_bytes(data[:end])  # whole members, but no end-of-archive blocks
+    with pytest.raises(FetchError, match="without the end-of-archive"):
+        collect(tar_shards([str(ended)], shuffle=False))
+
+
+def test_shards_split_across_ranks_and_workers_without_overlap(shards: list[str]) -> None:
+    seen: list[str] = []
+    for rank in range(2):
+        for worker in range(2):
+            src = tar_shards(shards, rank=rank, world_size=2, worker=worker, num_workers=2)
+            mine = src.shards_for(epoch=3)
+            assert mine == TarShards(shards, rank=rank, world_size=2, worker=worker,
+                                     num_workers=2).shards_for(3)  # fmt: skip
+            seen += mine
+    assert sorted(seen) == sorted(shards)
+    one = tar_shards(shards)
+    assert one.shards_for(0) != one.shards_for(1)  # reshuffled per epoch
+    assert sorted(one.shards_for(0)) == sorted(shards)
+
+
+def test_shuffle_buffer_mixes_deterministically(shards: list[str]) -> None:
+    plain = [s["__key__"] for s in collect(tar_shards(shards, shuffle=False, parallel=1))]
+    mixed = [s["__key__"] for s in collect(tar_shards(shards, shuffle_buffer=10, seed=5))]
+    again = [s["__key__"] for s in collect(tar_shards(shards, shuffle_buffer=10, seed=5))]
+    assert mixed == again
+    assert mixed != plain
+    assert sorted(mixed) == sorted(plain)
+
+
+def test_loader_streams_samples_per_epoch(shards: list[str]) -> None:
+    src = tar_shards(shards, parallel=3, shuffle_buffer=8, suffixes=["cls", "jpg"])
+    with Loader(src, concurrency=4, collate=None) as loader:
+        epochs = [[(s["__key__"], s["cls"]) for s in loader] for _ in range(2)]
+    assert len(epochs[0]) == len(epochs[1]) == N_SHARDS * PER_SHARD
+    assert sorted(epochs[0]) == sorted(epochs[1])
+    assert epochs[0] != epochs[1]
+
+
+@pytest.fixture
+def shard_bytes(shards: list[str]) -> bytes:
+    return Path(shards[0]).read_bytes()
+
+
+@pytest.mark.asyncio
+async def test_first_sample_arrives_before_the_shard_is_read(
+    shards: list[str], shard_bytes: bytes
+) -> None:
+    data = shard_bytes
+    release = asyncio.Event()  # used on the server's loop only: set through call_soon_threadsafe
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_length = len(data)
+        await resp.prepare(request)
+        await resp.write(data[:16384])
+        await release.wait()
+        await resp.write(data[16384:])
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/shard.tar", handler)
+    server = ServerThread(app, "test-slow-shard")
+    src = tar_shards([server.url + "/shard.tar"], shuffle=False)
+    stream: AsyncIterator[dict[str, Any]] = src.samples(0)
+    try:
+        first = await asyncio.wait_for(anext(stream), 10)
+        assert first == reference(shards[:1])[0] | {"__url__": server.url + "/shard.tar"}
+        server.loop.call_soon_threadsafe(release.set)
+        rest = [s async for s in stream]
+        assert len(rest) == PER_SHARD - 1
+    finally:
+        server.loop.call_soon_threadsafe(release.set)
+        await stream.aclose()  # type: ignore[attr-defined]
+        await src.aclose()
+        server.stop()
+
+
+def test_http_shards_resume_after_resets(shards: list[str]) -> None:
+    origin = Origin({Path(p).name: Path(p).read_bytes() for p in shards})
+    proxy = FaultProxy(origin.url)
+    proxy.plan = lambda path, n: Fault("reset-mid-body") if n <= 2 else None
+    try:
+        urls = [f"{proxy.url}/{Path(p).name}" for p in shards]
+        got = collect(tar_shards(urls, shuffle=False, parallel=1, http_options={"backoff": 0.01}))
+        want = [
+            s | {"__url__": u}
+            for s, u in zip(reference(shards), sorted(urls * PER_SHARD), strict=True)
+        ]
+        assert got == want
+        assert proxy.injected["reset-mid-body"] == 2 * N_SHARDS
+    finally:
+        proxy.stop()
+        origin.stop()
+
+
+def test_s3_shards(seaweed: SeaweedServer, shards: list[str]) -> None:
+    urls = []
+    for path in shards[:2]:
+        seaweed.put(f"tars/{Path(path).name}", Path(path).read_bytes())
+        urls.append(f"s3://{seaweed.bucket}/tars/{Path(path).name}")
+    options = {"endpoint_url": seaweed.endpoint, "credentials": seaweed.credentials}
+    got = collect(tar_shards(urls, shuffle=False, parallel=1, s3_options=options))
+    assert [s["jpg"] for s in got] == [s["jpg"] for s in reference(shards[:2])]
+
+
+def test_members_without_data_kinds_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "dirs.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(tarfile.TarInfo("d"))  # a regular empty file without an extension
+        info = tarfile.TarInfo("d/sub")
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+        body = b"\xe9t\xe9"
+        info = tarfile.TarInfo("d/\u00e9t\u00e9.txt")  # a pax header carries the non-ASCII path
+        info.size = len(body)
+        tar.addfile(info, io.BytesIO(body))
+    got = collect(tar_shards([str(path)], shuffle=False))
+    assert got == [{"__key__": "d/\u00e9t\u00e9", "__url__": str(path), "txt": body}]
