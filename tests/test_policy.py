@@ -1,0 +1,125 @@
+"""Error policy (on_error / max_skipped) and bad arguments: typed errors, nothing else lost."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioloader import CollateError, Loader
+
+
+def failing_on(bad: set[int]) -> Any:
+    async def fetch(key: int) -> np.ndarray:
+        await asyncio.sleep(0)
+        if key in bad:
+            raise OSError(f"cannot read {key}")
+        return np.full(2, key)
+
+    return fetch
+
+
+def test_skip_drops_failed_samples_and_lists_them() -> None:
+    bad = {3, 4, 17}
+    with Loader(
+        list(range(20)), failing_on(bad), batch_size=4, on_error="skip", max_skipped=3
+    ) as ld:
+        batches = list(ld)
+        stats = ld.stats()
+    delivered = [int(x) for b in batches for x in b[:, 0]]
+    assert delivered == [k for k in range(20) if k not in bad]  # the others, in order
+    assert stats.skipped_count == 3
+    assert sorted(k for k, _ in stats.skipped) == sorted(bad)
+    assert all("OSError: cannot read" in reason for _, reason in stats.skipped)
+    assert stats.stages["fetch"].skipped == 3
+
+
+def test_skip_budget_spent_raises_the_sample_error() -> None:
+    bad = {1, 5, 9}
+    with Loader(
+        list(range(12)), failing_on(bad), batch_size=2, on_error="skip", max_skipped=2
+    ) as ld:
+        batches = iter(ld)
+        got = [
+            next(batches) for _ in range(4)
+        ]  # keys 0, 2-3, 4+6? no: groups [0,1] [2,3] [4,5] [6,7]
+        with pytest.raises(OSError, match="cannot read 9") as err:
+            next(batches)
+    assert [len(b) for b in got] == [1, 2, 1, 2]
+    assert any("max_skipped=2 is spent" in n for n in err.value.__notes__)
+    assert any("key 9" in n for n in err.value.__notes__)
+
+
+def test_skip_budget_as_a_fraction_of_the_epoch() -> None:
+    bad = set(range(0, 100, 10))  # 10 % of the epoch
+    ok = Loader(list(range(100)), failing_on(bad), batch_size=10, on_error="skip", max_skipped=0.1)
+    with ok:
+        assert sum(len(b) for b in ok) == 90
+    tight = Loader(
+        list(range(100)), failing_on(bad), batch_size=10, on_error="skip", max_skipped=0.05
+    )
+    with tight, pytest.raises(OSError, match="cannot read"):
+        list(tight)
+
+
+def test_a_batch_whose_samples_all_fail_is_skipped_whole() -> None:
+    with Loader(
+        list(range(6)), failing_on({2, 3}), batch_size=2, on_error="skip", max_skipped=2
+    ) as ld:
+        assert [b[:, 0].tolist() for b in ld] == [[0, 1], [4, 5]]
+
+
+def test_collate_failure_names_keys_and_shapes_and_can_be_skipped() -> None:
+    def fetch(key: int) -> np.ndarray:
+        return np.zeros(3 if key == 5 else 2)
+
+    with Loader(list(range(8)), fetch, batch_size=4) as ld, pytest.raises(CollateError) as err:
+        list(ld)
+    assert "(2,)" in str(err.value)
+    assert "(3,)" in str(err.value)
+    assert any("keys [4, 5, 6, 7]" in n for n in err.value.__notes__)
+    with Loader(list(range(8)), fetch, batch_size=4, on_error="skip", max_skipped=4) as ld:
+        batches = list(ld)
+        assert len(batches) == 1
+        assert ld.stats().skipped_count == 4
+
+
+def test_raise_is_the_default_and_keeps_the_original_type() -> None:
+    with Loader(list(range(4)), failing_on({2}), batch_size=1) as ld:
+        it = iter(ld)
+        assert next(it).tolist() == [[0, 0]]
+        assert next(it).tolist() == [[1, 1]]
+        with pytest.raises(OSError, match="cannot read 2"):
+            next(it)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        (dict(batch_size=0), ValueError, "batch_size"),
+        (dict(batch_size=-3), ValueError, "batch_size"),
+        (dict(batch_size=2.5), TypeError, "batch_size"),
+        (dict(concurrency=0), ValueError, "concurrency"),
+        (dict(prefetch=0), ValueError, "prefetch"),
+        (dict(executor="gpu"), ValueError, "executor"),
+        (dict(workers=0), ValueError, "workers"),
+        (dict(timeout=0), ValueError, "timeout"),
+        (dict(on_error="ignore"), ValueError, "on_error"),
+        (dict(max_skipped=-1), ValueError, "max_skipped"),
+        (dict(max_skipped=1.5), ValueError, "max_skipped"),
+        (dict(max_bytes_in_flight=0), ValueError, "max_bytes_in_flight"),
+        (dict(seed=-1), ValueError, "seed"),
+        (dict(decode=3), TypeError, "decode"),
+        (dict(collate="stack"), TypeError, "collate"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], error: type, name: str) -> None:
+    with pytest.raises(error, match=name):
+        Loader([1, 2, 3], lambda k: k, **kwargs)
+
+
+def test_missing_fetch_is_a_type_error_naming_it() -> None:
+    with pytest.raises(TypeError, match="fetch"):
+        Loader([1, 2, 3])
