@@ -16,9 +16,13 @@ from ._exceptions import LoaderClosedError as LoaderClosedError
 from ._exceptions import LoaderTimeout as LoaderTimeout
 from ._exceptions import SampleError as SampleError
 from ._exceptions import StateError as StateError
+from ._exceptions import WorkerDied as WorkerDied
+from ._exceptions import WorkerTimeout as WorkerTimeout
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
+from ._procpool import ProcessExecutor as ProcessExecutor
 from ._rng import sample_generator as sample_generator
+from ._rng import sample_np_generator as sample_np_generator
 from ._rng import sample_seed as sample_seed
 from .dataloader import DataLoader as DataLoader
 
@@ -36,10 +40,14 @@ __all__ = [
     "Loader",
     "LoaderClosedError",
     "LoaderTimeout",
+    "ProcessExecutor",
     "SampleError",
     "StateError",
+    "WorkerDied",
+    "WorkerTimeout",
     "default_collate",
     "sample_generator",
+    "sample_np_generator",
     "sample_seed",
     "sources",
 ]

@@ -3,6 +3,8 @@
 One interface, `Executor.run(fn, arg)`, whatever runs the call. "inline" calls the function on the
 event loop (right for cheap decodes: no hand-off cost); "thread" runs it in `workers` threads, which
 pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or the GIL is off.
+"process" runs it in `workers` persistent processes and returns arrays in shared memory
+(`_procpool.py`): the choice where decode holds the GIL.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from ._procpool import ProcessExecutor
 from ._rng import call_seeded
 from ._threads import LazyThreadPool
 
@@ -18,7 +21,7 @@ __all__ = ["EXECUTORS", "Executor", "InlineExecutor", "ThreadExecutor", "make_ex
 
 T = TypeVar("T")
 
-EXECUTORS = ("inline", "thread")
+EXECUTORS = ("inline", "thread", "process")
 
 
 class Executor(Protocol):
@@ -63,9 +66,11 @@ def default_workers() -> int:
 
 
 def make_executor(name: str, workers: int | None) -> Executor:
-    """Build the executor called `name` ("inline" or "thread")."""
+    """Build the executor called `name` ("inline", "thread" or "process")."""
     if name == "inline":
         return InlineExecutor()
     if name == "thread":
         return ThreadExecutor(workers or default_workers())
+    if name == "process":
+        return ProcessExecutor(workers or default_workers())
     raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")

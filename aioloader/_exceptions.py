@@ -7,6 +7,8 @@ The hierarchy::
     ├── LoaderTimeout         no batch arrived within the `timeout` the user set (also a TimeoutError)
     ├── InvalidKeyError       a key names something outside its source (also a ValueError)
     ├── StateError            a saved state does not fit this loader; `.field` names where (ValueError)
+    ├── WorkerDied            a decode worker process died; carries `.pid`, `.exitcode`, `.tasks`
+    ├── WorkerTimeout         a decode worker spent longer than `timeout` on one task (TimeoutError)
     └── SampleError           one sample failed in a stage; carries `.key` and `.stage`
         ├── FetchError        the source could not produce the raw bytes
         ├── DecodeError       the decode callable failed and its error could not be kept as it was
@@ -32,6 +34,8 @@ __all__ = [
     "LoaderTimeout",
     "SampleError",
     "StateError",
+    "WorkerDied",
+    "WorkerTimeout",
 ]
 
 
@@ -87,3 +91,33 @@ class DecodeError(SampleError):
 
 class CollateError(SampleError, TypeError):
     """The samples of one batch cannot be collated (mixed types, mismatched shapes)."""
+
+
+class WorkerDied(AioloaderError):
+    """A decode worker process died (killed, crashed, exited) while tasks were in flight on it.
+
+    Attributes:
+        pid: the worker's process id.
+        exitcode: its exit code; negative: the number of the signal that ended it.
+        tasks: what was in flight on it (the sample keys where known, else task numbers).
+    """
+
+    def __init__(self, message: str, *, pid: int, exitcode: int | None, tasks: list[Any]) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.exitcode = exitcode
+        self.tasks = tasks
+
+
+class WorkerTimeout(AioloaderError, TimeoutError):
+    """A decode worker ran one task for longer than the executor's `timeout`; it was killed.
+
+    Attributes:
+        pid: the worker's process id.
+        timeout: the limit, in seconds.
+    """
+
+    def __init__(self, message: str, *, pid: int, timeout: float) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.timeout = timeout

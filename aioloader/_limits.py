@@ -6,7 +6,15 @@ import asyncio
 import os
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MAX_BYTES", "ByteBudget", "ErrorPolicy", "FixedConcurrency", "Gate", "Tuner"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "ByteBudget",
+    "ErrorPolicy",
+    "FixedConcurrency",
+    "Gate",
+    "HeldBound",
+    "Tuner",
+]
 
 ON_ERROR = ("raise", "skip")
 
@@ -41,6 +49,17 @@ class FixedConcurrency(Tuner):
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+
+
+class HeldBound(Tuner):
+    """The samples an epoch may hold: `base` (its prefetched batches) plus the fetch limit of now."""
+
+    def __init__(self, fetch: Tuner, base: int) -> None:
+        self._fetch, self._base = fetch, base
+
+    @property
+    def limit(self) -> int:  # type: ignore[override]
+        return self._base + self._fetch.limit
 
 
 class Gate:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -11,18 +13,22 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from ._autotune import resolve_concurrency, resolve_decoder
 from ._collate import BufferPool, make_collate
-from ._decode import EXECUTORS, ThreadExecutor, make_executor
+from ._decode import EXECUTORS, Executor, ThreadExecutor
+from ._diagnose import Diagnosis, diagnose
 from ._distributed import resolve_rank
 from ._exceptions import LoaderClosedError, LoaderTimeout
-from ._fetch import Fetcher
+from ._fetch import Fetcher, is_async_callable
 from ._limits import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._pipeline import END, SKIPPED, Epoch, Stages
+from ._progress import with_progress
 from ._resume import Resumable
 from ._state import Progress
-from ._stats import LoaderStats, Recorder
+from ._stats import LoaderStats, NullRecorder, Recorder
 from ._sync import STOP_TIMEOUT_S, LoopThread
+from ._trace import Trace, env_trace_path
 from ._transfer import DeviceStage, Feed, make_device_stage
 from ._validate import check_callable, check_int, check_timeout
 from .sources import Source
@@ -30,6 +36,7 @@ from .sources import Source
 __all__ = ["DEFAULT_COLLATE", "Loader"]
 
 T = TypeVar("T")
+logger = logging.getLogger("aioloader")
 
 
 class _DefaultCollate:
@@ -63,12 +70,16 @@ class Loader(Resumable, Generic[T]):
             torch.distributed process group, else RANK / WORLD_SIZE, else 0 and 1). Every rank
             gets the same number of batches: the epoch is padded by wrapping around, or cut with
             `drop_last`.
-        concurrency: fetches in flight at most.
+        concurrency: fetches in flight at most; "auto" moves it while running, on measured
+            throughput, within the byte budget (see `_autotune.py`; `stats().concurrency` shows it).
         prefetch: batches made ready ahead of the consumer. Samples held at most:
             `prefetch * batch_size + concurrency`.
         in_order: deliver batches in key order (True) or whole batches as they complete (False).
-        executor: where decode runs: "inline" (on the event loop) or "thread".
-        workers: decode threads for executor="thread" (default: the usable cores).
+        executor: where decode runs: "inline" (on the event loop), "thread", "process" (worker
+            processes returning arrays in shared memory), or an Executor instance such as
+            `aioloader.ProcessExecutor(2, timeout=30, max_worker_restarts=3)` (then yours to close).
+        workers: decode threads for executor="thread" (default: the usable cores); "auto" uses
+            as many of the cores as raise throughput (processes: one per core).
         timeout: seconds to wait for one batch before raising `LoaderTimeout` (None: no limit).
         device: move each batch to this device ("cuda", "cuda:1", a torch.device): pinned staging,
             a copy on a side stream, and a hand-over that makes the consumer's stream wait for it.
@@ -79,6 +90,11 @@ class Loader(Resumable, Generic[T]):
         use_caller_loop: for `async for`, run the pipeline in the caller's event loop instead of the
             loader's own loop thread. Cheaper hand-over, but a consumer that blocks its loop (a model
             step that does not await) then stalls fetching; keep the default unless your steps await.
+        stats: keep the counters behind `stats()`, `diagnose()` and `trace()` (False: a no-op
+            recorder; the counters read zero).
+
+    See inside: `stats()` (numbers per stage), `diagnose()` (the bottleneck, in words),
+    `trace(path)` (a Perfetto/Chrome trace; or set AIOLOADER_TRACE=path), `iter(progress=True)`.
 
     The loader's threads and connections live across epochs until `close()`/`aclose()` or the end of a
     `with`/`async with` block. Each full iteration is one epoch; `set_epoch(n)` picks the next one.
@@ -102,13 +118,14 @@ class Loader(Resumable, Generic[T]):
         drop_last: bool = False,
         shuffle: bool = False,
         seed: int = 0,
-        concurrency: int = 16,
+        concurrency: int | str = 16,
         prefetch: int = 2,
         in_order: bool = True,
-        executor: str = "inline",
-        workers: int | None = None,
+        executor: str | Executor = "inline",
+        workers: int | str | None = None,
         timeout: float | None = None,
         use_caller_loop: bool = False,
+        stats: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
         device: str | torch.device | None = None,
@@ -152,7 +169,7 @@ class Loader(Resumable, Generic[T]):
             seed=seed, device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch,
                 memory_format=memory_format, stacklevel=3,
-            ), errors=ErrorPolicy(on_error, max_skipped), max_bytes=max_bytes_in_flight,
+            ), errors=ErrorPolicy(on_error, max_skipped), max_bytes=max_bytes_in_flight, stats=stats,
         )  # fmt: skip
 
     def _setup(
@@ -162,11 +179,11 @@ class Loader(Resumable, Generic[T]):
         *,
         decode: Callable[[Any], Any] | None,
         collate: Callable[[list[Any]], Any] | None,
-        concurrency: int,
+        concurrency: int | str,
         prefetch: int,
         in_order: bool,
-        executor: str,
-        workers: int | None,
+        executor: str | Executor,
+        workers: int | str | None,
         timeout: float | None,
         use_caller_loop: bool,
         fetch_initializer: Callable[[], None] | None = None,
@@ -175,15 +192,22 @@ class Loader(Resumable, Generic[T]):
         device: DeviceStage | None = None,
         errors: ErrorPolicy | None = None,
         max_bytes: int | None = DEFAULT_MAX_BYTES,
+        stats: bool = True,
     ) -> None:
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
-        check_int("concurrency", concurrency, minimum=1)
         check_int("prefetch", prefetch, minimum=1)
-        if workers is not None:
-            check_int("workers", workers, minimum=1)
-        if executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        recorder = Recorder() if stats else NullRecorder()
+        concurrency, tuner = resolve_concurrency(
+            concurrency, is_async=is_async_callable(fetch), recorder=recorder, max_bytes=max_bytes,
+            source=source,
+        )  # fmt: skip
+        if isinstance(executor, str) and executor not in EXECUTORS:
+            raise ValueError(
+                f"executor must be one of {EXECUTORS} or an Executor, got {executor!r}"
+            )
+        if not isinstance(executor, str) and not callable(getattr(executor, "run", None)):
+            raise TypeError(f"executor must be a name or an Executor, got {executor!r}")
         if max_bytes is not None:
             check_int("max_bytes_in_flight", max_bytes, minimum=1)
         self._pool: BufferPool | None = None
@@ -197,7 +221,7 @@ class Loader(Resumable, Generic[T]):
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, fetch_initializer),
             decode=decode,
-            decoder=make_executor(executor, workers),
+            decoder=resolve_decoder(executor, workers) if isinstance(executor, str) else executor,
             collate=collate,
             collator=ThreadExecutor(1, "aioloader-collate"),
             concurrency=concurrency,
@@ -205,10 +229,12 @@ class Loader(Resumable, Generic[T]):
             in_order=bool(in_order),
             group_size=plan.group_size,
             seed=seed,
-            recorder=Recorder(),
+            recorder=recorder,
+            tuner=tuner,
             errors=errors or ErrorPolicy(),
             max_bytes=max_bytes,
         )
+        self._executor = executor
         self._in_order = bool(in_order)
         self._timeout = check_timeout("timeout", timeout)
         self._use_caller_loop = use_caller_loop
@@ -216,7 +242,11 @@ class Loader(Resumable, Generic[T]):
         self._loop_thread: LoopThread | None = None
         self._live: set[Epoch | Feed] = set()
         self._lock = threading.Lock()
+        self._trace: Trace | None = None
         self._closed = False
+        traced = env_trace_path()
+        if traced is not None and stats:
+            self.trace(traced)
 
     # -- epochs ------------------------------------------------------------------------------------
 
@@ -243,7 +273,8 @@ class Loader(Resumable, Generic[T]):
     ) -> Epoch | Feed:
         run: Epoch | Feed = Epoch(self._stages, groups, epoch, self._epoch_samples())
         if self._device is not None:
-            run = self._device.feed(run)  # staged on the device ahead of the consumer
+            # staged on the device ahead of the consumer
+            run = self._device.feed(run, self._stages.recorder)
         self._live.add(run)
         return run
 
@@ -269,6 +300,39 @@ class Loader(Resumable, Generic[T]):
         Cheap (no lock, no wait); safe from any thread. See `LoaderStats`.
         """
         return self._stages.snapshot(self._extra_stats())
+
+    def diagnose(self) -> Diagnosis:
+        """Which stage sets the pace, in plain words, with the numbers that say so.
+
+        Reads `stats()`: cheap, safe from any thread, most telling after a few batches. Example:
+        `print(loader.diagnose())`; `loader.diagnose().bottleneck` is one of "fetch", "decode",
+        "collate", "transfer", "consumer" (the model is slower than the loader) or "loop".
+        """
+        executor = self._executor
+        if not isinstance(executor, str):
+            executor = "process" if hasattr(executor, "batch_buffer") else "thread"
+        return diagnose(self.stats(), executor=executor)
+
+    def trace(self, path: str | os.PathLike[str]) -> Trace:
+        """Record every fetch, decode, collate, transfer and consumer wait into a trace at `path`.
+
+        Returns the `Trace`: `with loader.trace("t.json"): ...` writes the file at the end of the
+        block; otherwise it is written at `close()` (or by `Trace.write()`). The file opens in
+        https://ui.perfetto.dev or chrome://tracing. A trace started before ends (and is written).
+        Scripts you cannot edit: set AIOLOADER_TRACE=path in the environment.
+        """
+        if isinstance(self._stages.recorder, NullRecorder):
+            raise ValueError("trace() needs the loader's stats: create it with stats=True")
+        if self._trace is not None:
+            self._trace.close()
+        self._trace = Trace(path, self._stages.recorder)
+        return self._trace
+
+    def iter(self, *, progress: bool = False) -> Iterator[T]:
+        """`iter(loader)`, with a live progress line on stderr when `progress` (needs tqdm):
+        batches/s, samples/s, MB/s fetched and the share of time the consumer waited for data.
+        """
+        return with_progress(self, iter(self)) if progress else iter(self)
 
     def _extra_stats(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
@@ -380,12 +444,18 @@ class Loader(Resumable, Generic[T]):
             with contextlib.suppress(Exception):
                 asyncio.run(self._source.aclose())
         self._stages.fetch.close()
-        self._stages.decoder.close()
+        if isinstance(self._executor, str):  # an Executor the user passed is theirs to close
+            self._stages.decoder.close()
         self._stages.collator.close()
         if self._device is not None:
             self._device.close()
         if self._pool is not None:
             self._pool.clear()
+        if self._trace is not None:
+            try:
+                self._trace.close()
+            except OSError:
+                logger.exception("aioloader: could not write the trace %s", self._trace.path)
 
     async def aclose(self) -> None:
         """`close()` without blocking the caller's event loop. Idempotent."""

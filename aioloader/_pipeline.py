@@ -25,7 +25,7 @@ from typing import Any
 from ._decode import Executor
 from ._exceptions import LoaderClosedError
 from ._fetch import Fetcher
-from ._limits import ByteBudget, ErrorPolicy, FixedConcurrency, Gate, Tuner
+from ._limits import ByteBudget, ErrorPolicy, FixedConcurrency, Gate, HeldBound, Tuner
 from ._order import Group
 from ._rng import derive_seed
 from ._stats import LoaderStats, Recorder, nbytes
@@ -67,16 +67,22 @@ class Stages:
     def __post_init__(self) -> None:
         if self.tuner is None:
             self.tuner = FixedConcurrency(self.concurrency)
+        for name, limit in self.limits().items():
+            self.recorder.stages[name].cap = limit or 0
+
+    def limits(self) -> dict[str, int | None]:
+        """The most items each stage may work on at once, now."""
+        assert self.tuner is not None
+        return {
+            "fetch": self.tuner.limit, "decode": getattr(self.decoder, "workers", 1),
+            "collate": 1, "transfer": 1,
+        }  # fmt: skip
 
     def snapshot(self, extra: dict[str, Any]) -> LoaderStats:
         """`loader.stats()`: the recorder's counters with this pipeline's limits."""
         rec = self.recorder
         assert self.tuner is not None
-        limits = {
-            "fetch": self.tuner.limit, "decode": getattr(self.decoder, "workers", 1),
-            "collate": 1, "transfer": None,
-        }  # fmt: skip
-        stages = rec.snapshot(limits, extra)
+        stages = rec.snapshot(self.limits(), extra)
         wall = time.perf_counter() - rec.t0
         since = wall if rec.first_wait is None else time.perf_counter() - rec.first_wait
         return LoaderStats(
@@ -86,6 +92,7 @@ class Stages:
             ready_batches=rec.ready, held_samples=rec.held_samples, held_bytes=rec.held_bytes,
             max_bytes_in_flight=self.max_bytes, concurrency=self.tuner.limit,
             skipped=list(rec.skipped), skipped_count=rec.skipped_count, extra=extra,
+            first_batch_s=rec.first_wait_s,
         )  # fmt: skip
 
 
@@ -146,8 +153,8 @@ class Epoch:
         self._groups = groups
         self._rec = stages.recorder
         self._out: asyncio.Queue[_Item] = asyncio.Queue()
-        self._held = asyncio.Semaphore(stages.prefetch * stages.group_size + stages.concurrency)
         assert stages.tuner is not None
+        self._held = Gate(HeldBound(stages.tuner, stages.prefetch * stages.group_size))
         self._in_flight = Gate(stages.tuner)
         self._bytes = ByteBudget(stages.max_bytes)
         self._skipped = 0
@@ -234,11 +241,14 @@ class Epoch:
             finally:
                 self._in_flight.release()
         except asyncio.CancelledError:
-            rec.stop("fetch", t0, error=True, key=key)
+            rec.cancelled("fetch")
             raise
         except BaseException as exc:
             # SystemExit & co. too: they belong to the consumer; escaping, they would stop the loop
             rec.stop("fetch", t0, error=True, key=key)
+            if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
+                assert stages.tuner is not None
+                stages.tuner.throttled()
             return await self._failed(state, slot, key, "fetch", exc)
         size = nbytes(raw)
         rec.stop("fetch", t0, size, key=key)
@@ -250,7 +260,7 @@ class Epoch:
             try:
                 raw = await stages.decoder.run(stages.decode, raw, seed)
             except asyncio.CancelledError:
-                rec.stop("decode", t0, error=True, key=key)
+                rec.cancelled("decode")
                 raise
             except BaseException as exc:
                 rec.stop("decode", t0, error=True, key=key)
@@ -305,7 +315,7 @@ class Epoch:
         try:
             batch = await self._stages.collator.run(self._stages.collate, samples)
         except asyncio.CancelledError:
-            rec.stop("collate", t0, error=True)
+            rec.cancelled("collate")
             raise
         except BaseException as exc:
             rec.stop("collate", t0, error=True)
@@ -313,7 +323,7 @@ class Epoch:
             if self._skip(exc, "collate", keys):
                 return self._deliver(group, SKIPPED, None, state.bytes)
             return self._deliver(group, None, _note(exc, "collate", keys), state.bytes)
-        rec.stop("collate", t0, state.bytes)
+        rec.stop("collate", t0, state.bytes, key=group.index)
         self._deliver(group, batch, None, state.bytes)
 
     def _deliver(self, group: Group, batch: Any, error: BaseException | None, size: int) -> None:

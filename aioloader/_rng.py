@@ -1,26 +1,41 @@
-"""Per-sample randomness that does not depend on timing, threads or processes.
+"""Per-sample randomness: a seed derived from (seed, epoch, position), the same in every executor.
 
-Each decode call runs with a seed derived from (seed, epoch, key position); `sample_generator()` and
-`sample_seed()` read it. So a random augmentation gives the same result for the same sample in the
-same epoch whatever the executor, the number of workers, the concurrency, or a resume in between.
+The pipeline derives each sample's seed with `derive_seed(seed, epoch, position)` and hands it to the
+executor with the decode call; the executor runs the call through `call_seeded`, which makes that
+seed current for the call. A decode callable that augments at random draws from
+`sample_generator()` (torch) or `sample_np_generator()` (numpy) and so depends only on the loader's
+seed, the epoch and the key's position — never on which thread or process ran it, or when.
+
+Inline and thread executors call `call_seeded` in the parent; the process executor sends the seed
+with the task and its worker calls `call_seeded` around the decode call.
+
+Example:
+    >>> seed = derive_seed(0, epoch=1, position=7)
+    >>> a = call_seeded(lambda _: torch.rand(2, generator=sample_generator()), None, seed)
+    >>> b = call_seeded(lambda _: torch.rand(2, generator=sample_generator()), None, seed)
+    >>> bool((a == b).all())
+    True
 """
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
-__all__ = ["call_seeded", "derive_seed", "sample_generator", "sample_seed"]
+__all__ = [
+    "call_seeded",
+    "derive_seed",
+    "sample_generator",
+    "sample_np_generator",
+    "sample_seed",
+]
 
 T = TypeVar("T")
-
-_current: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "aioloader_seed", default=None
-)
 
 
 def derive_seed(seed: int, epoch: int, position: int) -> int:
@@ -29,25 +44,71 @@ def derive_seed(seed: int, epoch: int, position: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+class _Current:
+    """The seed of the running decode call, and the generators made from it (one of each per call)."""
+
+    __slots__ = ("numpy", "seed", "torch")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.torch: torch.Generator | None = None
+        self.numpy: np.random.Generator | None = None
+
+
+_current: ContextVar[_Current | None] = ContextVar("aioloader_sample_seed", default=None)
+
+
 def call_seeded(fn: Callable[[Any], T], arg: Any, seed: int | None) -> T:
-    """Call `fn(arg)` with `seed` as the current sample's seed (in this thread or process)."""
-    token = _current.set(seed)
+    """Call `fn(arg)` with `seed` as the current sample's seed (None: no seed for this call).
+
+    The seed is set in the calling context only (thread, task or worker process) and reset after the
+    call, whatever it raises.
+    """
+    token = _current.set(None if seed is None else _Current(seed))
     try:
         return fn(arg)
     finally:
         _current.reset(token)
 
 
+def _require(name: str) -> _Current:
+    current = _current.get()
+    if current is None:
+        raise RuntimeError(
+            f"aioloader.{name}() works only inside a loader's decode callable, where the sample's "
+            "seed (from the loader's seed, the epoch and the key's position) is known"
+        )
+    return current
+
+
 def sample_seed() -> int:
-    """The current sample's seed; raises RuntimeError outside a decode call."""
-    seed = _current.get()
-    if seed is None:
-        raise RuntimeError("sample_seed() is only available inside a loader's decode call")
-    return seed
+    """The current sample's seed (63 bits).
+
+    Raises:
+        RuntimeError: outside a decode call run by a loader's executor.
+    """
+    return _require("sample_seed").seed
 
 
 def sample_generator() -> torch.Generator:
-    """A torch.Generator seeded for the current sample (a new one per call, same seed)."""
-    gen = torch.Generator()
-    gen.manual_seed(sample_seed())
-    return gen
+    """A torch generator seeded with `sample_seed()`; the same object for the whole decode call.
+
+    Raises:
+        RuntimeError: outside a decode call run by a loader's executor.
+    """
+    current = _require("sample_generator")
+    if current.torch is None:
+        current.torch = torch.Generator().manual_seed(current.seed)
+    return current.torch
+
+
+def sample_np_generator() -> np.random.Generator:
+    """A numpy generator (PCG64) seeded with `sample_seed()`; one per decode call.
+
+    Raises:
+        RuntimeError: outside a decode call run by a loader's executor.
+    """
+    current = _require("sample_np_generator")
+    if current.numpy is None:
+        current.numpy = np.random.default_rng(current.seed)
+    return current.numpy

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["STAGES", "LoaderStats", "Recorder", "StageStats", "nbytes"]
+__all__ = ["STAGES", "LoaderStats", "NullRecorder", "Recorder", "StageStats", "nbytes"]
 
 STAGES = ("fetch", "decode", "collate", "transfer")
 _LATENCY_WINDOW = 2048  # latencies kept per stage for the percentiles
@@ -50,6 +50,7 @@ class StageStats:
     busy: int = 0  # in flight now
     busy_mean: float = 0.0  # in flight, averaged over the wall time
     limit: int | None = None  # the most that may be in flight (concurrency, workers)
+    full_pct: float = 0.0  # share of the wall time with `limit` or more in flight (all slots taken)
     errors: int = 0
     retries: int = 0
     skipped: int = 0
@@ -57,22 +58,53 @@ class StageStats:
 
 @dataclass
 class LoaderStats:
-    """What `loader.stats()` returns: per stage, the consumer, and the bounds."""
+    """What `loader.stats()` returns: every stage, the consumer, and the bounds, since the start.
+
+    Attributes:
+        wall_s: seconds since the loader started (or its counters were reset).
+        stages: "fetch", "decode", "collate" and "transfer" -> `StageStats`: items and bytes done,
+            their rates, latency percentiles, `busy` (in flight now), `busy_mean` against `limit`
+            (the stage's occupancy: `busy_mean / limit` near 1 means it runs flat out; above 1,
+            items queue for a worker), errors, retries (fetch: the source's) and skipped samples.
+        batches, samples: handed to the consumer.
+        consumer_wait_s: time the consumer spent waiting for its next batch.
+        data_bound_pct: that wait as a share of the consumer's time since it first asked (100: the
+            consumer always waits for data; near 0: the loader is ahead and the model sets the pace).
+        first_batch_s: the first wait (start-up), included in the two above; None before it.
+        ready_batches: batches collated and waiting for the consumer (the output queue).
+        held_samples, held_bytes: samples and bytes held from launch to hand-over, against
+            `max_bytes_in_flight` (None: no byte bound).
+        concurrency: the fetch limit now (it moves with `concurrency="auto"`).
+        skipped: (key, reason) of the first 100 skipped samples; `skipped_count` counts them all.
+        extra: the source's own `stats()` (retries, throttles, ...) and, with a device, "transfer".
+
+    Example:
+        >>> async def fetch(i: int) -> int:
+        ...     return i
+        >>> with Loader(range(8), fetch, batch_size=4) as loader:  # doctest: +SKIP
+        ...     batches = list(loader)
+        ...     print(loader.stats().table())
+    """
 
     wall_s: float
     stages: dict[str, StageStats]
     batches: int
     samples: int
     consumer_wait_s: float
-    data_bound_pct: float  # share of the consumer's time spent waiting for the next batch
-    ready_batches: int  # batches collated and waiting for the consumer
+    data_bound_pct: float
+    ready_batches: int
     held_samples: int
     held_bytes: int
     max_bytes_in_flight: int | None
-    concurrency: int  # the fetch limit now (moves with concurrency="auto")
-    skipped: list[tuple[Any, str]] = field(default_factory=list)  # (key, reason), the first 100
+    concurrency: int
+    skipped: list[tuple[Any, str]] = field(default_factory=list)
     skipped_count: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # from the source and the device stage
+    extra: dict[str, Any] = field(default_factory=dict)
+    first_batch_s: float | None = None
+
+    def table(self) -> str:
+        """These numbers as a plain-text table, one row per stage, then the consumer and memory."""
+        return _table(self)
 
 
 class _Stage:
@@ -80,7 +112,9 @@ class _Stage:
         "area",
         "busy",
         "bytes",
+        "cap",
         "errors",
+        "full",
         "items",
         "last",
         "latencies",
@@ -91,11 +125,16 @@ class _Stage:
     def __init__(self, now: float) -> None:
         self.items = self.bytes = self.errors = self.retries = self.skipped = self.busy = 0
         self.area = 0.0  # integral of `busy` over time
+        self.full = 0.0  # time with `busy >= cap`
+        self.cap = 0  # the stage's limit, as the pipeline last said (0: none)
         self.last = now
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
     def move(self, now: float, delta: int) -> None:
-        self.area += self.busy * (now - self.last)
+        dt = now - self.last
+        self.area += self.busy * dt
+        if self.busy >= self.cap > 0:
+            self.full += dt
         self.last = now
         self.busy += delta
 
@@ -113,6 +152,7 @@ class Recorder:
         self.batches = self.samples = 0
         self.consumer_wait = 0.0
         self.first_wait: float | None = None
+        self.first_wait_s: float | None = None
         self.ready = self.held_samples = self.held_bytes = 0
         self.skipped: list[tuple[Any, str]] = []
         self.skipped_count = 0
@@ -138,6 +178,10 @@ class Recorder:
         if self.tracer is not None:
             self.tracer.span(stage, t0, now, key)
 
+    def cancelled(self, stage: str) -> None:
+        """A call started with `start(stage)` was cancelled: not an item, not an error."""
+        self.stages[stage].move(time.perf_counter(), -1)
+
     def skip(self, stage: str, key: Any, reason: str) -> None:
         self.stages[stage].skipped += 1
         self.skipped_count += 1
@@ -147,7 +191,7 @@ class Recorder:
     def waited(self, t0: float, t1: float) -> None:
         """The consumer waited from t0 to t1 (perf_counter) for its next batch."""
         if self.first_wait is None:
-            self.first_wait = t0
+            self.first_wait, self.first_wait_s = t0, t1 - t0
         self.consumer_wait += t1 - t0
         if self.tracer is not None:
             self.tracer.span("consumer wait", t0, t1, None)
@@ -159,17 +203,84 @@ class Recorder:
         wall = max(now - self.t0, 1e-9)
         out = {}
         for name, s in self.stages.items():
+            s.cap = limits.get(name) or 0  # a single store: safe beside the loop's thread
+            pending = now - s.last
+            area = s.area + s.busy * pending
+            full = s.full + (pending if s.busy >= s.cap > 0 else 0.0)
             lat = sorted(s.latencies)
             out[name] = StageStats(
                 items=s.items, bytes=s.bytes, items_per_s=s.items / wall, bytes_per_s=s.bytes / wall,
                 latency_p50_s=_pct(lat, 0.50), latency_p95_s=_pct(lat, 0.95),
                 latency_p99_s=_pct(lat, 0.99),
-                busy=s.busy, busy_mean=(s.area + s.busy * (now - s.last)) / wall,
-                limit=limits.get(name), errors=s.errors, retries=s.retries, skipped=s.skipped,
+                busy=s.busy, busy_mean=area / wall, limit=limits.get(name),
+                full_pct=100.0 * full / wall, errors=s.errors, retries=s.retries,
+                skipped=s.skipped,
             )  # fmt: skip
         out["fetch"].retries += int(extra.get("retries", 0))
         return out
 
 
+class NullRecorder(Recorder):
+    """Keeps only what the pipeline needs to run (`Loader(stats=False)`): no timings, no trace.
+
+    The occupancy counters the pipeline updates itself (held samples and bytes, batches) stay exact;
+    stage rates, latencies and the consumer's waits read zero.
+    """
+
+    def start(self, stage: str) -> float:
+        return 0.0
+
+    def stop(
+        self, stage: str, t0: float, nbytes: int = 0, error: bool = False, key: Any = None
+    ) -> None:
+        pass
+
+    def cancelled(self, stage: str) -> None:
+        pass
+
+    def waited(self, t0: float, t1: float) -> None:
+        pass
+
+
 def _pct(ordered: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _table(st: LoaderStats) -> str:
+    head = ("stage", "items", "items/s", "MB/s", "p50 ms", "p95 ms", "p99 ms", "busy/limit",
+            "full %", "errors", "retries", "skipped")  # fmt: skip
+    rows = [head]
+    for name, s in st.stages.items():
+        limit = "-" if s.limit is None else str(s.limit)
+        rows.append((
+            name, str(s.items), f"{s.items_per_s:.1f}", f"{s.bytes_per_s / 1e6:.2f}",
+            _ms(s.latency_p50_s), _ms(s.latency_p95_s), _ms(s.latency_p99_s),
+            f"{s.busy_mean:.1f}/{limit}", f"{s.full_pct:.0f}", str(s.errors), str(s.retries), str(s.skipped),
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
+    first = "" if st.first_batch_s is None else f", first batch after {st.first_batch_s:.2f} s"
+    budget = "no byte budget" if st.max_bytes_in_flight is None else (
+        f"of a {_size(st.max_bytes_in_flight)} budget "
+        f"({100 * st.held_bytes / st.max_bytes_in_flight:.1f}%)")  # fmt: skip
+    lines += [
+        f"consumer: {st.batches} batches, {st.samples} samples in {st.wall_s:.2f} s; waited "
+        f"{st.consumer_wait_s:.2f} s for data ({st.data_bound_pct:.1f}% data-bound{first}); "
+        f"{st.ready_batches} batches ready",
+        f"memory: {_size(st.held_bytes)} in {st.held_samples} samples held, {budget}",
+        f"fetch concurrency: {st.concurrency}; skipped: {st.skipped_count}",
+    ]
+    return "\n".join(lines)

@@ -16,6 +16,8 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from ._exceptions import LoaderClosedError
+
 __all__ = ["LoopThread", "new_event_loop"]
 
 T = TypeVar("T")
@@ -56,7 +58,14 @@ class LoopThread:
         loop = self.loop
         asyncio.set_event_loop(loop)
         try:
-            loop.run_forever()
+            while True:
+                try:
+                    loop.run_forever()
+                    break
+                except (KeyboardInterrupt, SystemExit):
+                    # raised in a task by user code: the task holds it for whoever awaits it (the
+                    # consumer), so keep serving the loader until stop() instead of dying mid-epoch
+                    continue
             tasks = asyncio.all_tasks(loop)
             for task in tasks:
                 task.cancel()
@@ -74,8 +83,15 @@ class LoopThread:
         return threading.current_thread() is self._thread
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule `coro` on the loop; returns a thread-safe future (cancelling it cancels the task)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Schedule `coro` on the loop; returns a thread-safe future (cancelling it cancels the task).
+
+        Raises `LoaderClosedError` (a RuntimeError) once the loop has been stopped and closed.
+        """
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # "Event loop is closed": close `coro` so it is not left unawaited
+            coro.close()
+            raise LoaderClosedError("the loader's event loop thread was stopped") from None
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and block until it ends. Raises TimeoutError after `timeout`."""

@@ -37,6 +37,7 @@ import torch
 from ._device import CudaBackend, DeviceBackend, Event, Pinning, register_host_memory
 from ._pinned import PinnedPool, Slab, round_up, slab_size
 from ._pipeline import END
+from ._stats import Recorder
 from ._threads import LazyThreadPool
 from ._validate import check_int
 
@@ -182,9 +183,9 @@ class DeviceStage:
         """`stage(batch)` in the transfer thread. Safe to cancel: the staged batch is then dropped."""
         return await self._threads.run(self.stage, batch)
 
-    def feed(self, epoch: _Batches) -> Feed:
+    def feed(self, epoch: _Batches, recorder: Recorder | None = None) -> Feed:
         """Stage `epoch`'s batches ahead of the consumer (see `Feed`); call on the epoch's loop."""
-        return Feed(self, epoch)
+        return Feed(self, epoch, recorder)
 
     def register_host_memory(self, tensor: torch.Tensor) -> Pinning:
         """`register_host_memory(tensor, self.backend)`, reported in `stats()["pinning"]`."""
@@ -261,8 +262,11 @@ class Feed:
     batches are staged and not handed over. Construct it on the epoch's event loop.
     """
 
-    def __init__(self, stage: DeviceStage, epoch: _Batches) -> None:
+    def __init__(
+        self, stage: DeviceStage, epoch: _Batches, recorder: Recorder | None = None
+    ) -> None:
         self._stage, self._epoch = stage, epoch
+        self._rec = recorder or Recorder()  # times each staging as the "transfer" stage
         self._slots = asyncio.Semaphore(stage.device_prefetch)
         self._out: asyncio.Queue[tuple[tuple[int, Any], BaseException | None]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -302,11 +306,17 @@ class Feed:
                 return self._out.put_nowait(((-1, None), exc))
             if batch is END:
                 return self._out.put_nowait(((-1, END), None))
+            t0 = self._rec.start("transfer")
             try:
                 staged = await self._stage.astage(batch)
+            except asyncio.CancelledError:
+                self._rec.cancelled("transfer")
+                raise
             except Exception as exc:
+                self._rec.stop("transfer", t0, error=True, key=index)
                 exc.add_note("aioloader: raised in stage 'transfer'")
                 return self._out.put_nowait(((-1, None), exc))
+            self._rec.stop("transfer", t0, key=index)
             del batch  # the host batch's buffers may be recycled now
             staged.on_hand_over = self._release
             self._out.put_nowait(((index, staged), None))

@@ -1,0 +1,87 @@
+"""Command line: `python -m aioloader profile MODULE:FACTORY` (see `python -m aioloader -h`).
+
+`profile` calls FACTORY() (a function of MODULE, a module name or a path to a .py file, that returns a
+Loader), draws `--batches` batches from it with a progress bar, then prints the stats table and the
+verdict of `loader.diagnose()`, and saves throughput and occupancy over time as a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._loader import Loader
+from ._profile import MATPLOTLIB_MISSING, SAMPLE_INTERVAL_S, Sampler, draw, plot
+
+
+def _factory(spec: str) -> Callable[[], Any]:
+    """MODULE:FACTORY -> the function; MODULE is a dotted name (found from the cwd) or a .py path."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SystemExit(f"aioloader: expected MODULE:FACTORY, got {spec!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        if loaded is None or loaded.loader is None or not path.exists():
+            raise SystemExit(f"aioloader: no such file: {module_name}")
+        module = importlib.util.module_from_spec(loaded)
+        sys.modules[path.stem] = module
+        loaded.loader.exec_module(module)
+    else:
+        sys.path.insert(0, str(Path.cwd()))
+        module = importlib.import_module(module_name)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise SystemExit(f"aioloader: {module_name} has no function {attr!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m aioloader", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("profile", help="run a loader, print its stats and its bottleneck")
+    p.add_argument("factory", metavar="MODULE:FACTORY", help="a function that returns a Loader")
+    p.add_argument("--batches", type=int, default=100, help="batches to draw (default 100)")
+    p.add_argument("--interval", type=float, default=SAMPLE_INTERVAL_S,
+                   help=f"seconds between stats samples (default {SAMPLE_INTERVAL_S})")  # fmt: skip
+    p.add_argument("--png", default="aioloader-profile.png", help="where to save the plot")
+    p.add_argument("--no-png", action="store_true", help="do not plot")
+    p.add_argument("--trace", help="also write a Perfetto/Chrome trace to this path")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def profile(args: argparse.Namespace) -> int:
+    loader = _factory(args.factory)()
+    if not isinstance(loader, Loader):
+        print(f"aioloader: {args.factory} returned {type(loader).__name__}, not a Loader")
+        return 2
+    with loader:
+        trace = loader.trace(args.trace) if args.trace else None
+        with Sampler(loader, args.interval) as sampler:
+            drawn = sum(1 for _ in draw(loader, args.batches, progress=not args.no_progress))
+        print(f"{drawn} batches\n")
+        print(loader.stats().table())
+        print()
+        print(loader.diagnose())
+        if trace is not None:
+            trace.close()
+            print(f"\ntrace: {trace.path}")
+    if not args.no_png:
+        saved = plot(sampler.samples, args.png)
+        print(f"plot: {saved}" if saved is not None else MATPLOTLIB_MISSING)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return profile(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""`loader.diagnose()`: which stage sets the pace, in plain words, with the numbers that say so.
+
+The reasoning, from a `LoaderStats` snapshot:
+1. If the consumer rarely waits for data (after its first batch), the model is the bottleneck.
+2. A source that retries or is throttled is named as the cause when the consumer waits.
+3. Otherwise the stage that spent the largest share of the time full (every fetch slot or decode
+   worker taken: `StageStats.full_pct`) is the bottleneck, if it was full most of the time.
+4. Decode that runs inline and keeps the event loop busy, or no stage full while the consumer waits,
+   points at the event loop itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._stats import LoaderStats, StageStats
+
+__all__ = ["BOTTLENECKS", "Diagnosis", "diagnose"]
+
+BOTTLENECKS = ("fetch", "decode", "collate", "transfer", "consumer", "loop")
+CONSUMER_BOUND_PCT = 10.0  # data-bound below this: the loader is ahead of the model
+SATURATED = 0.6  # share of the consumer's time a stage was full from which it is the limit
+INLINE_BUSY = 0.5  # ... for inline decode: the share of the loop's time spent decoding
+RETRY_SHARE = 0.05  # retries per fetch from which the source's retries are the story
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A verdict: `bottleneck` (one of `BOTTLENECKS`), what to do (`text`), and the facts behind it.
+
+    `str(diagnosis)` is the text followed by the evidence, one fact a line.
+    """
+
+    bottleneck: str
+    text: str
+    evidence: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "\n".join([self.text, *(f"  - {line}" for line in self.evidence)])
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+class _View:
+    """The snapshot seen from the consumer: its span of time, its waits, each stage's full share."""
+
+    def __init__(self, st: LoaderStats) -> None:
+        self.st = st
+        since = st.consumer_wait_s * 100.0 / st.data_bound_pct if st.data_bound_pct > 0 else 0.0
+        self.active = since if since > 0 else st.wall_s  # the time the consumer has been asking
+        first = st.first_batch_s if st.batches >= 2 and st.first_batch_s is not None else 0.0
+        span = self.active - first
+        wait = st.consumer_wait_s - first
+        self.data_bound = 100.0 * wait / span if span > 0 else st.data_bound_pct
+        f = st.stages["fetch"]
+        self.retry_share = f.retries / max(1, f.items + f.errors)
+        self.throttles = int(st.extra.get("throttles", 0))
+
+    def full(self, s: StageStats) -> float:
+        """Share of the consumer's time that every slot of the stage was taken."""
+        return min(1.0, s.full_pct / 100.0 * self.st.wall_s / max(self.active, 1e-9))
+
+    def evidence(self) -> list[str]:
+        st, lines = self.st, []
+        for name, s in st.stages.items():
+            if s.items or s.errors or s.busy:
+                limit = "-" if s.limit is None else s.limit
+                lines.append(
+                    f"{name}: all {limit} slots taken {100 * self.full(s):.0f}% of the time, "
+                    f"{s.busy_mean:.1f} in flight on average, p50 {_ms(s.latency_p50_s)}, "
+                    f"p95 {_ms(s.latency_p95_s)}, {s.items_per_s:.0f} items/s, "
+                    f"{s.errors} errors, {s.retries} retries"
+                )
+        lines.append(
+            f"consumer: waited {st.consumer_wait_s:.2f} s for data over {st.batches} batches "
+            f"({self.data_bound:.0f}% of its time after the first batch), "
+            f"{st.ready_batches} batches ready now"
+        )
+        if st.max_bytes_in_flight:
+            share = 100 * st.held_bytes / st.max_bytes_in_flight
+            lines.append(f"memory: {share:.0f}% of max_bytes_in_flight held now")
+        return lines
+
+
+def _fetch_text(v: _View) -> str:
+    f, st = v.st.stages["fetch"], v.st
+    if v.retry_share >= RETRY_SHARE or v.throttles:
+        return (
+            f"Fetch is the bottleneck, and the source is retrying: {f.retries} retries "
+            f"({100 * v.retry_share:.0f}% of fetches) and {v.throttles} throttled answers. The "
+            "store is failing or throttling requests (timeouts, 429/503 SlowDown) and each retry "
+            "waits out its backoff: check the store's health and request rate before raising "
+            "concurrency."
+        )
+    bound = f.limit or st.concurrency
+    rate = bound / f.latency_p50_s if f.latency_p50_s else 0.0
+    return (
+        f"Fetch is the bottleneck: all {bound} fetch slots were taken {100 * v.full(f):.0f}% of "
+        f"the time and each fetch takes {_ms(f.latency_p50_s)} (p50), so fetch cannot go past "
+        f"about {rate:.0f} items/s. Raise concurrency (e.g. concurrency={2 * bound}) or use "
+        "concurrency='auto'."
+    )
+
+
+def _decode_text(v: _View, executor: str) -> str:
+    d = v.st.stages["decode"]
+    workers = d.limit or 1
+    if executor == "inline":
+        return (
+            f"The event loop is the bottleneck: decode runs inline on it and took "
+            f"{100 * v.full(d):.0f}% of its time, so fetches wait for it. Run decode in a pool: "
+            "executor='thread' (decoders that release the GIL) or executor='process'."
+        )
+    more = (
+        "add processes (workers=...)"
+        if executor == "process"
+        else f"add workers (workers={2 * workers} or workers='auto') or, if the decoder holds the "
+        "GIL (pure-Python work), move it to processes with executor='process'"
+    )
+    return (
+        f"Decode is the bottleneck: all {workers} decode workers were busy "
+        f"{100 * v.full(d):.0f}% of the time and {max(0.0, d.busy_mean - workers):.1f} samples "
+        f"waited for one on average (a decode takes {_ms(d.latency_p50_s)} p50, waiting "
+        f"included). To go faster, {more}."
+    )
+
+
+def _text(name: str, v: _View, executor: str) -> str:
+    if name == "fetch":
+        return _fetch_text(v)
+    if name == "decode":
+        return _decode_text(v, executor)
+    if name == "collate":
+        c = v.st.stages["collate"]
+        return (
+            f"Collate is the bottleneck: the collate thread was busy {100 * v.full(c):.0f}% of the "
+            f"time, {_ms(c.latency_p50_s)} per batch. Use the default collate (recycled buffers), "
+            "or return fixed-shape arrays from decode so that batching is a plain stack."
+        )
+    if name == "transfer":
+        return (
+            "The host-to-device transfer is the bottleneck: staging batches on the device takes "
+            "longer than the model uses them. Keep pin_memory on, send smaller dtypes (uint8, "
+            "float16) and convert on the device."
+        )
+    return (
+        "The event loop is the bottleneck: the consumer waits, yet no stage is full. Something "
+        "blocks the loop (a blocking call inside an async fetch), the loader's bounds hold it back "
+        "(prefetch, max_bytes_in_flight), or the per-sample overhead dominates: make samples "
+        "larger, or fetch several keys per call."
+    )
+
+
+def diagnose(st: LoaderStats, *, executor: str = "inline") -> Diagnosis:
+    """The verdict for one snapshot. `executor`: where decode runs ("inline", "thread", "process")."""
+    v = _View(st)
+    evidence = v.evidence()
+    if v.data_bound < CONSUMER_BOUND_PCT and st.batches > 0:
+        return Diagnosis("consumer", (
+            f"The consumer is the bottleneck: it waited for data only {v.data_bound:.0f}% of its "
+            "time after the first batch. The model (the training step) sets the pace and the "
+            "loader keeps up; loading faster would not help."
+        ), evidence)  # fmt: skip
+    if v.retry_share >= RETRY_SHARE or v.throttles > 0:
+        return Diagnosis("fetch", _fetch_text(v), evidence)
+    full = {name: v.full(s) for name, s in st.stages.items() if s.items or s.busy}
+    busiest = max(full, key=lambda n: full[n], default="loop")
+    inline = busiest == "decode" and executor == "inline"
+    if full.get(busiest, 0.0) < (INLINE_BUSY if inline else SATURATED):
+        busiest = "loop"
+    bottleneck = "loop" if inline else busiest
+    return Diagnosis(bottleneck, _text(busiest, v, executor), evidence)

@@ -1,0 +1,302 @@
+"""The worker process of the process executor: its main loop, and the wire format both sides use.
+
+A worker serves one socket from the parent: it receives decode callables (pickled once by the
+parent), slab file descriptors (SCM_RIGHTS) and tasks, runs each task's callable with the task's
+seed current (`_rng.call_seeded`), and answers with metadata only. Arrays in the result (torch tensors
+and numpy arrays, wherever they sit in dicts, lists, tuples or objects) are written into the output
+slot the task came with; the answer is the result pickled with each array replaced by a persistent
+id `(kind, offset, nbytes, dtype, shape, strides)`. An array that does not fit is pickled in-band.
+A task may instead name a batch row `(slab, offset, nbytes, dtype, shape)`: a result that is one
+tensor (or array) of that dtype and shape is written there and the answer carries nothing at all.
+
+Messages are pickled tuples, first item the kind:
+
+    parent -> worker                               worker -> parent
+    (FN, fn_id, blob)                              (READY, pid)
+    (SLAB, slab_id, size) + fd (SCM_RIGHTS)        (INIT_FAILED, error)
+    (DROP, slab_id)                                (DONE, task_id, data, how, needed)
+    (TASK, task_id, fn_id, seed, kind, inline,     (FAILED, task_id, error)
+     in_ref, out_ref, row)
+
+A worker dies with its parent: PR_SET_PDEATHSIG (Linux; its parent is the forkserver, which exits
+when the main process does) and a thread that waits for EOF on a "lifeline" pipe whose only write
+end the main process holds, and calls `os._exit` at once, even in the middle of a decode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import io
+import mmap
+import os
+import pickle
+import random
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._exceptions import DecodeError
+from ._rng import call_seeded
+from ._shm import Arena, Slot
+
+__all__ = [
+    "RemoteTraceback",
+    "Unpacker",
+    "die_with_parent",
+    "encode_error",
+    "pack",
+    "rebuild_error",
+    "serve",
+]
+
+READY, INIT_FAILED, DONE, FAILED = "ready", "init-failed", "done", "failed"
+FN, SLAB, DROP, TASK = "fn", "slab", "drop", "task"
+RAW, RAW_BYTEARRAY, PICKLED = "raw", "bytearray", "pickled"  # how a task's argument travels
+SHM, ROW = "shm", "row"  # how a result travels: in its output slot, or written into a batch row
+ALIGN = 64
+_PR_SET_PDEATHSIG = 1
+
+Error = tuple[bytes | None, str, str]  # (pickled exception or None, "Type: message", traceback)
+
+
+def encode_error(exc: BaseException) -> Error:
+    """The exception pickled (if it survives a round trip), its summary and its traceback text."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        blob = pickle.dumps(exc, protocol=5)
+        pickle.loads(blob)
+    except Exception:
+        return None, f"{type(exc).__qualname__}: {exc}", text
+    return blob, f"{type(exc).__qualname__}: {exc}", text
+
+
+class _Packer(pickle.Pickler):
+    """Pickles a result, writing each plain tensor or array into `buf` instead (when it fits)."""
+
+    def __init__(self, file: io.BytesIO, buf: memoryview | None) -> None:
+        super().__init__(file, protocol=5)
+        self.buf = buf
+        self.needed = 0
+        self.used = False
+        self._seen: dict[int, tuple[Any, ...]] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor:
+            if obj.layout != torch.strided or obj.device.type != "cpu" or obj.requires_grad:
+                return None
+            if obj.is_quantized or obj.is_nested:
+                return None
+            kind, nbytes = "t", obj.numel() * obj.element_size()
+        elif type(obj) is np.ndarray:
+            if obj.dtype.hasobject or obj.dtype.fields is not None or obj.dtype.kind == "V":
+                return None
+            kind, nbytes = "n", obj.nbytes
+        else:
+            return None
+        if id(obj) in self._seen:
+            return self._seen[id(obj)]
+        offset = -(-self.needed // ALIGN) * ALIGN
+        self.needed = offset + nbytes
+        if self.buf is None or nbytes == 0 or self.needed > len(self.buf):
+            return None
+        pid = _write(self.buf, offset, obj) if kind == "t" else _write_np(self.buf, offset, obj)
+        self._seen[id(obj)] = pid
+        self.used = True
+        return pid
+
+
+def _write(buf: memoryview, offset: int, t: torch.Tensor) -> tuple[Any, ...]:
+    dst = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
+    dst.copy_(t)
+    nbytes = t.numel() * t.element_size()
+    return ("t", offset, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape), dst.stride())
+
+
+def _write_np(buf: memoryview, offset: int, a: np.ndarray[Any, Any]) -> tuple[Any, ...]:
+    dst: np.ndarray[Any, Any] = np.ndarray(a.shape, a.dtype, buffer=buf, offset=offset)
+    np.copyto(dst, a, casting="no")
+    return ("n", offset, a.nbytes, a.dtype.str, a.shape, dst.strides)
+
+
+def pack(result: Any, buf: memoryview | None) -> tuple[bytes, bool, int]:
+    """(pickled result, whether `buf` was written, bytes all its arrays need in one slot)."""
+    out = io.BytesIO()
+    packer = _Packer(out, buf)
+    packer.dump(result)
+    return out.getvalue(), packer.used, packer.needed
+
+
+class Unpacker(pickle.Unpickler):
+    """Parent side of `pack`: rebuilds the result with each array a view of `slot` (no copy)."""
+
+    def __init__(self, data: bytes, arena: Arena, slot: Slot) -> None:
+        super().__init__(io.BytesIO(data))
+        self.arena = arena
+        self.slot = slot
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, offset, nbytes, dtype, shape, strides = pid
+        owner = self.arena.view(self.slot, offset, nbytes)
+        if kind == "t":
+            return torch.frombuffer(owner, dtype=getattr(torch, dtype)).as_strided(shape, strides)
+        return np.ndarray(shape, np.dtype(dtype), buffer=owner, strides=strides)
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process (set as its `__cause__`)."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0]).rstrip()
+
+
+def rebuild_error(error: Error, pid: int, where: str = "decode") -> BaseException:
+    """The worker's exception with its own type where it unpickles, else `DecodeError`; noted."""
+    blob, summary, text = error
+    exc: BaseException | None = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = DecodeError(
+            f"{where} raised {summary} (its type cannot be rebuilt here)", stage="decode"
+        )
+        exc.remote_traceback = text  # type: ignore[attr-defined]
+    exc.__cause__ = RemoteTraceback(text)
+    exc.add_note(f"aioloader: raised in {where} in worker process pid {pid}")
+    return exc
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _watch_lifeline(lifeline: Connection) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv_bytes()
+    os._exit(0)  # the main process is gone (or closed us): stop now, even mid-decode
+
+
+class _Worker:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self.fns: dict[int, Callable[[Any], Any] | BaseException] = {}
+        self.slabs: dict[int, tuple[mmap.mmap, memoryview]] = {}
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        self.conn.send_bytes(pickle.dumps(msg, protocol=5))
+
+    def loop(self) -> None:
+        while True:
+            try:
+                msg = pickle.loads(self.conn.recv_bytes())
+            except EOFError:
+                return
+            kind = msg[0]
+            if kind == TASK:
+                self.task(*msg[1:])
+            elif kind == FN:
+                self.fns[msg[1]] = _load_fn(msg[2])
+            elif kind == SLAB:
+                _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
+                mm = mmap.mmap(fds[0], msg[2])
+                os.close(fds[0])
+                self.slabs[msg[1]] = (mm, memoryview(mm))
+            elif kind == DROP:
+                self.slabs.pop(msg[1], None)  # unmapped once no array of ours views it
+
+    def region(self, ref: tuple[int, int, int]) -> memoryview:
+        slab_id, offset, size = ref
+        return self.slabs[slab_id][1][offset : offset + size]
+
+    def task(self, task_id: int, fn_id: int, seed: int | None, kind: str, inline: Any,
+             in_ref: tuple[int, int, int] | None, out_ref: tuple[int, int, int] | None,
+             row: tuple[int, int, int, str, tuple[int, ...]] | None) -> None:  # fmt: skip
+        try:
+            fn = self.fns[fn_id]
+            if isinstance(fn, BaseException):
+                raise fn
+            data = inline if in_ref is None else self.region(in_ref)
+            arg = pickle.loads(data) if kind == PICKLED else _raw(data, kind)
+            del data
+            result = call_seeded(fn, arg, seed)
+            del arg
+            if row is not None and _into_row(result, self.region(row[:3]), row[3], row[4]):
+                self.send((DONE, task_id, b"", ROW, 0))
+                return
+            blob, in_slot, needed = pack(result, None if out_ref is None else self.region(out_ref))
+        except Exception as exc:
+            self.send((FAILED, task_id, encode_error(exc)))
+            return
+        self.send((DONE, task_id, blob, SHM if in_slot else PICKLED, needed))
+
+
+def _into_row(result: Any, buf: memoryview, dtype: str, shape: tuple[int, ...]) -> bool:
+    """Write `result` into a batch row if it is one plain tensor (or array) of that dtype and shape."""
+    if type(result) is np.ndarray and not result.dtype.hasobject and result.dtype.fields is None:
+        with contextlib.suppress(TypeError):
+            result = torch.from_numpy(result)
+    if type(result) is not torch.Tensor or result.requires_grad or result.device.type != "cpu":
+        return False
+    if result.layout != torch.strided or str(result.dtype) != f"torch.{dtype}":
+        return False
+    if tuple(result.shape) != shape:
+        return False
+    _write(buf, 0, result)
+    return True
+
+
+def _load_fn(blob: bytes) -> Callable[[Any], Any] | BaseException:
+    try:
+        fn: Callable[[Any], Any] = pickle.loads(blob)
+    except Exception as exc:
+        return exc
+    return fn
+
+
+def _raw(data: Any, kind: str) -> Any:
+    if kind == RAW_BYTEARRAY:
+        return bytearray(data)
+    return data if type(data) is bytes else bytes(data)
+
+
+def serve(conn: Connection, lifeline: Connection, worker_id: int, seed: int, init: bool) -> None:
+    """The worker process's target: set up, run `worker_init_fn(worker_id)`, then serve tasks.
+
+    With `init`, the parent's first message is the pickled `worker_init_fn`.
+    """
+    gc.freeze()  # inherited objects: collections here never write to (and so copy) their pages
+    die_with_parent()
+    threading.Thread(target=_watch_lifeline, args=(lifeline,), name="lifeline", daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    torch.set_num_threads(1)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    worker = _Worker(conn)
+    try:
+        if init:
+            pickle.loads(conn.recv_bytes())(worker_id)
+    except Exception as exc:
+        worker.send((INIT_FAILED, encode_error(exc)))
+        return
+    worker.send((READY, os.getpid()))
+    worker.loop()

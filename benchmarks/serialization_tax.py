@@ -1,0 +1,262 @@
+"""W1, the "serialization tax": torch DataLoader vs aioloader on an I/O-bound stream of large items.
+
+A stream of 10,000 items; each waits 3.125 ms on I/O and returns `np.random.random((1000, 150))`
+(1.2 MB of float64). Batches of 128 are stacked into one tensor; the consumer's train step is
+`time.sleep(0.05)`. Worker processes pay for every batch twice: written into fresh shared memory, then
+mapped by the main process. aioloader keeps everything in one process and stacks into recycled buffers.
+
+Usage: python benchmarks/serialization_tax.py [--quick]
+The last line printed is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from aioloader import Loader
+
+N_ITEMS = 10_000
+IO_WAIT_S = 0.003125
+SHAPE = (1000, 150)
+BATCH = 128
+STEP_S = 0.05
+
+
+def make_item() -> np.ndarray:
+    """One item, as in the forum case (numpy's global generator)."""
+    return np.random.random(SHAPE)
+
+
+_local = threading.local()
+
+
+def make_item_local(_key: Any = None) -> np.ndarray:
+    """One item from a per-thread MT19937 (the same generator without the global generator's lock).
+
+    Worker processes each own a global generator; threads would all queue on one lock.
+    """
+    rng = getattr(_local, "rng", None)
+    if rng is None:
+        rng = _local.rng = np.random.RandomState()
+    return rng.random_sample(SHAPE)
+
+
+class SleepyArrays(Dataset[np.ndarray]):
+    """Map-style dataset: each item sleeps on "I/O", then returns a fresh array."""
+
+    def __len__(self) -> int:
+        return N_ITEMS
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        time.sleep(IO_WAIT_S)
+        return make_item()
+
+
+def fetch_global(_key: int) -> np.ndarray:
+    time.sleep(IO_WAIT_S)
+    return make_item()
+
+
+def fetch_local(_key: int) -> np.ndarray:
+    time.sleep(IO_WAIT_S)
+    return make_item_local()
+
+
+async def fetch_wait(key: int) -> int:
+    await asyncio.sleep(IO_WAIT_S)
+    return key
+
+
+def generate_global(_key: int) -> np.ndarray:
+    return make_item()
+
+
+@dataclass
+class Result:
+    name: str
+    s_per_batch: float
+    ttfb_s: float
+    cpu_s_per_batch: float  # this process and its workers, over the measured batches
+
+
+def cpu_seconds() -> float:
+    """CPU time used so far by this process and its live child processes (torch's workers)."""
+    total = time.process_time()
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
+def time_batches(make: Callable[[], Iterable[Any]], warmup: int, measure: int) -> Result:
+    """Time to first batch, then mean seconds (and CPU seconds) per batch over the measured ones."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    for batch in make():
+        stamps.append(time.perf_counter())
+        assert batch.shape == (BATCH, *SHAPE)
+        del batch
+        if len(stamps) == warmup + 1:
+            cpu_start = cpu_seconds()
+        if len(stamps) > warmup + measure:
+            break
+        time.sleep(STEP_S)  # the train step
+    cpu = (cpu_seconds() - cpu_start) / measure
+    return Result("", (stamps[-1] - stamps[warmup]) / measure, stamps[0] - start, cpu)
+
+
+def best_of(repeats: int, name: str, once: Callable[[], Result]) -> Result:
+    """The fastest of `repeats` runs (the machine may be shared; noise only ever slows a run)."""
+    result = min((once() for _ in range(repeats)), key=lambda r: r.s_per_batch)
+    result.name = name
+    print_table([result], header=False)
+    return result
+
+
+def run_torch(workers: int, warmup: int, measure: int) -> Result:
+    extra: dict[str, Any] = {}
+    if workers:
+        extra = {"prefetch_factor": 4, "persistent_workers": True}
+    loaders = [DataLoader(SleepyArrays(), batch_size=BATCH, num_workers=workers, **extra)]
+    try:
+        return time_batches(lambda: loaders[0], warmup, measure)
+    finally:
+        loaders.clear()  # persistent workers stop when their loader goes
+        gc.collect()
+        for child in multiprocessing.active_children():  # joins the workers that have exited
+            child.join(5)
+        assert not multiprocessing.active_children(), "DataLoader workers still running"
+
+
+def run_aio(kwargs: dict[str, Any], warmup: int, measure: int) -> Result:
+    kwargs = dict(kwargs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(kwargs.pop("intra_op_threads", before))  # inherited by the collate thread
+    loader: Loader[torch.Tensor] | None = None
+
+    def make() -> Iterable[Any]:
+        nonlocal loader
+        loader = Loader(range(N_ITEMS), batch_size=BATCH, **kwargs)
+        return loader
+
+    try:
+        return time_batches(make, warmup, measure)
+    finally:
+        if loader is not None:
+            loader.close()
+        torch.set_num_threads(before)
+
+
+def aio_configs(quick: bool) -> dict[str, dict[str, Any]]:
+    """The aioloader configurations to try (name -> Loader keyword arguments).
+
+    "1 intra-op thread" makes torch's stack in the collate thread single-threaded, as DataLoader makes
+    its workers: an OpenMP team of 2 on 2 cores that decode threads keep busy stalls at every barrier.
+    "per-thread RNG": each thread draws from its own MT19937, as each worker process does (numpy's
+    global generator would serialize the threads on its lock).
+    """
+    one = {"intra_op_threads": 1}
+    decode = {"fetch": fetch_wait, "decode": make_item_local, "executor": "thread",
+              "workers": len(os.sched_getaffinity(0))}  # fmt: skip
+    configs: dict[str, dict[str, Any]] = {
+        "fetch in 32 threads, global RNG": {"fetch": fetch_global, "concurrency": 32, **one},
+        "fetch in 64 threads, global RNG": {"fetch": fetch_global, "concurrency": 64, **one},
+        "fetch in 64 threads, per-thread RNG": {"fetch": fetch_local, "concurrency": 64, **one},
+        "async wait, decode in threads, global RNG": {**decode, "decode": generate_global, **one},
+        "async wait, decode in threads, c64": {**decode, "concurrency": 64, **one},
+        "async wait, decode in threads, c16": {**decode, "concurrency": 16, **one},
+        "async wait, decode in threads, c16, prefetch 1": {
+            **decode, "concurrency": 16, "prefetch": 1, **one,
+        },
+        "async wait, decode in threads, c16, 2 intra-op threads": {**decode, "concurrency": 16},
+    }  # fmt: skip
+    if quick:
+        keep = ("fetch in 64 threads, global RNG", "async wait, decode in threads, c16")
+        configs = {name: configs[name] for name in keep}
+    return configs
+
+
+def measure_floor(repeats: int = 3) -> tuple[float, float]:
+    """(seconds per batch at best, CPU seconds to make one batch's items on one core)."""
+    cpu = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(BATCH):
+            item = make_item()
+            del item
+        cpu = min(cpu, time.thread_time() - start)
+    return max(cpu / len(os.sched_getaffinity(0)), STEP_S), cpu
+
+
+def print_table(results: list[Result], header: bool = True) -> None:
+    if header:
+        print(
+            f"{'configuration':<62} {'s/batch':>8} {'samples/s':>9} {'ttfb s':>7} {'CPU s/batch':>11}"
+        )
+    for r in results:
+        print(f"{r.name:<62} {r.s_per_batch:>8.4f} {BATCH / r.s_per_batch:>9.0f} {r.ttfb_s:>7.3f} "
+              f"{r.cpu_s_per_batch:>11.3f}", flush=True)  # fmt: skip
+
+
+def summary(torch_results: list[Result], aio_results: list[Result], floor: float) -> str:
+    best_torch = min(torch_results, key=lambda r: r.s_per_batch)
+    best_aio = min(aio_results, key=lambda r: r.s_per_batch)
+    print(f"best: {best_torch.name} vs {best_aio.name}")
+    return json.dumps({
+        "workload": "serialization_tax",
+        "torch_best_s_per_batch": round(best_torch.s_per_batch, 4),
+        "aioloader_s_per_batch": round(best_aio.s_per_batch, 4),
+        "floor_s_per_batch": round(floor, 4),
+        "ratio_vs_torch": round(best_aio.s_per_batch / best_torch.s_per_batch, 3),
+        "ratio_vs_floor": round(best_aio.s_per_batch / floor, 3),
+        "ttfb_s": {"torch": round(best_torch.ttfb_s, 3), "aioloader": round(best_aio.ttfb_s, 3)},
+    })  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer configs and batches (< 60 s)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per config; the best counts")
+    args = parser.parse_args()
+    warmup, measure = (3, 8) if args.quick else (5, 20)
+    print(f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, numpy {np.__version__}, "
+          f"warm-up {warmup} batches, measured {measure}, best of {args.repeats}")  # fmt: skip
+    floor, cpu = measure_floor()
+    print(f"one batch's items on one core: {cpu:.3f} s CPU -> floor {floor:.4f} s/batch")
+    print_table([])
+    torch_results = []  # torch first: its workers fork before aioloader starts any thread
+    for workers in (0, 8) if args.quick else (0, 2, 4, 8):
+        repeats = 1 if workers == 0 else args.repeats  # 0 workers is never close
+        name = f"torch DataLoader num_workers={workers}"
+        torch_results.append(
+            best_of(repeats, name, lambda w=workers: run_torch(w, warmup, measure))
+        )
+    aio_results = [
+        best_of(args.repeats, f"aioloader {name}", lambda kw=kwargs: run_aio(kw, warmup, measure))
+        for name, kwargs in aio_configs(args.quick).items()
+    ]
+    line = summary(torch_results, aio_results, floor)
+    print(line)
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message="This DataLoader will create")  # 8 workers on 2 cores
+    main()

@@ -1,0 +1,113 @@
+"""The shared-memory arena: slots are reused only once nothing views them, within a byte budget."""
+
+from __future__ import annotations
+
+import gc
+import os
+import stat
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aioloader import _shm
+from aioloader._shm import NAME_PREFIX, SHM_DIR, Arena, arena_budget, check_room, size_class
+
+
+def our_entries() -> list[str]:
+    return [name for name in os.listdir(SHM_DIR) if name.startswith(f"{NAME_PREFIX}{os.getpid()}-")]
+
+
+@pytest.fixture
+def arena() -> Any:
+    arena = Arena(budget=4 << 20)
+    yield arena
+    arena.close()
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 4097, 100_000, 602_112, 5 << 20, (5 << 20) + 1])
+def test_size_classes_hold_the_bytes_in_whole_pages_wasting_little(nbytes: int) -> None:
+    size = size_class(nbytes)
+    assert size >= nbytes
+    assert size % 4096 == 0
+    assert size <= max(4096, nbytes * 1.25 + 4096)
+
+
+def test_slabs_are_private_and_unlinked_at_once(arena: Arena) -> None:
+    slot = arena.acquire(10_000)
+    assert slot is not None
+    fd, size = arena.slab_fd(slot.slab_id)
+    assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+    assert os.fstat(fd).st_nlink == 0  # no name left in /dev/shm, even while it is in use
+    assert size >= slot.capacity
+    assert our_entries() == []
+    arena.release(slot)
+
+
+def test_a_slot_is_reused_only_after_every_view_is_gone(arena: Arena) -> None:
+    slot = arena.acquire(64 << 10)
+    assert slot is not None
+    owner = arena.view(slot, 0, 1024)
+    tensor = torch.frombuffer(owner, dtype=torch.float32)[10:20]  # a view of a view
+    array = owner.view(np.int32)[::2]
+    del owner
+    arena.release(slot)  # the lease ends; the views still pin it
+    others = [arena.acquire(64 << 10) for _ in range(3)]
+    assert slot not in others
+    del tensor
+    assert arena.acquire(64 << 10) is not slot  # `array` still views it
+    del array
+    gc.collect()
+    assert arena.acquire(64 << 10) is slot
+
+
+def test_views_stay_valid_after_close() -> None:
+    arena = Arena(budget=1 << 20)
+    slot = arena.acquire(4096)
+    assert slot is not None
+    slot.write(b"\x07" * 16)
+    view = torch.frombuffer(arena.view(slot, 0, 16), dtype=torch.uint8)
+    arena.release(slot)
+    arena.close()
+    assert view.sum().item() == 7 * 16
+    assert arena.acquire(16) is None  # closed
+
+
+def test_the_budget_bounds_the_arena_and_acquire_never_blocks() -> None:
+    arena = Arena(budget=1 << 20)
+    slots = [arena.acquire(256 << 10) for _ in range(4)]
+    assert all(s is not None for s in slots)
+    assert arena.acquire(256 << 10) is None  # all held: the caller falls back to ordinary memory
+    assert arena.mapped_bytes <= arena.budget
+    arena.release(slots[2])  # type: ignore[arg-type]
+    assert arena.acquire(256 << 10) is slots[2]
+    arena.close()
+
+
+def test_an_idle_slab_of_another_size_is_retired_for_room() -> None:
+    arena = Arena(budget=1 << 20)
+    small = arena.acquire(100_000)
+    assert small is not None
+    arena.release(small)
+    big = arena.acquire(900_000)  # needs the room the idle small-slot slab takes
+    assert big is not None
+    assert arena.take_dropped() == [small.slab_id]
+    assert arena.take_dropped() == []
+    arena.release(big)
+    arena.close()
+
+
+def test_too_small_dev_shm_is_named_with_the_size_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.statvfs(SHM_DIR)
+
+    class Tiny:
+        f_bavail, f_frsize = 1000, real.f_frsize
+
+    monkeypatch.setattr(_shm.os, "statvfs", lambda path: Tiny())
+    with pytest.raises(OSError, match=r"/dev/shm has .* MiB free .* needs 64\.0 MiB"):
+        check_room(64 << 20)
+    with pytest.raises(OSError, match="/dev/shm"):
+        arena_budget(None)
+    with pytest.raises(OSError, match="/dev/shm"):
+        Arena(budget=64 << 20)
