@@ -87,19 +87,43 @@ class Gate:
 class ByteBudget:
     """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
 
-    A sample of the oldest batch still being assembled is never held back, so a batch larger than
-    the whole budget still completes (the bound is then exceeded by that one batch).
+    A sample's size is known only once fetched, so each launch reserves the mean size seen so far
+    (before any is known, nothing more is launched until one is). A sample of the oldest batch still
+    being assembled is never held back, so a batch larger than the whole budget still completes (the
+    bound is then exceeded by that one batch).
     """
 
     def __init__(self, max_bytes: int | None) -> None:
         self.max_bytes = max_bytes
         self.held = 0
+        self.pending = 0  # launched, size not yet known
+        self._seen_bytes = 0
+        self._seen = 0
         self._changed = asyncio.Event()
 
+    def _full(self) -> bool:
+        if self.max_bytes is None:
+            return False
+        if not self._seen:
+            return self.pending > 0
+        mean = self._seen_bytes / self._seen
+        return self.held + (self.pending + 1) * mean > self.max_bytes
+
     async def room(self, oldest: bool) -> None:
-        while self.max_bytes is not None and self.held >= self.max_bytes and not oldest:
+        while not oldest and self._full():
             self._changed.clear()
             await self._changed.wait()
+
+    def launched(self) -> None:
+        self.pending += 1
+
+    def measured(self, n: int) -> None:
+        """A launched sample turned out to be `n` bytes (0: it failed)."""
+        self.pending -= 1
+        if n:
+            self._seen_bytes += n
+            self._seen += 1
+        self._changed.set()
 
     def add(self, n: int) -> None:
         self.held += n

@@ -212,7 +212,10 @@ class Loader(Resumable, Generic[T]):
             check_int("max_bytes_in_flight", max_bytes, minimum=1)
         self._pool: BufferPool | None = None
         if collate is DEFAULT_COLLATE:
-            self._pool = BufferPool(per_shape=prefetch + _SPARE_BUFFERS, max_bytes=max_bytes)
+            pool_bytes = (
+                None if max_bytes is None else max_bytes // 2
+            )  # the rest: samples in flight
+            self._pool = BufferPool(per_shape=prefetch + _SPARE_BUFFERS, max_bytes=pool_bytes)
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
         self._plan = plan
@@ -233,6 +236,7 @@ class Loader(Resumable, Generic[T]):
             tuner=tuner,
             errors=errors or ErrorPolicy(),
             max_bytes=max_bytes,
+            pool_bytes=self._pool.max_bytes or 0 if self._pool is not None else 0,
         )
         self._executor = executor
         self._in_order = bool(in_order)

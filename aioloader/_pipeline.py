@@ -63,6 +63,7 @@ class Stages:
     tuner: Tuner | None = None
     errors: ErrorPolicy = field(default_factory=ErrorPolicy)
     max_bytes: int | None = None
+    pool_bytes: int = 0  # of max_bytes, what the recycled batch buffers may keep
 
     def __post_init__(self) -> None:
         if self.tuner is None:
@@ -156,7 +157,9 @@ class Epoch:
         assert stages.tuner is not None
         self._held = Gate(HeldBound(stages.tuner, stages.prefetch * stages.group_size))
         self._in_flight = Gate(stages.tuner)
-        self._bytes = ByteBudget(stages.max_bytes)
+        self._bytes = ByteBudget(
+            None if stages.max_bytes is None else stages.max_bytes - stages.pool_bytes
+        )
         self._skipped = 0
         self._ready: dict[int, _Item] = {}
         self._launched: deque[int] = deque()  # group indices in launch order, until delivered
@@ -229,6 +232,7 @@ class Epoch:
                     await self._held.acquire()
                     await self._bytes.room(oldest=self._launched[0] == group.index)
                     await self._in_flight.acquire()
+                    self._bytes.launched()
                     self._rec.held_samples += 1
                     tasks.create_task(self._sample(state, slot, key))
 
@@ -249,8 +253,11 @@ class Epoch:
             if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
                 assert stages.tuner is not None
                 stages.tuner.throttled()
+            self._bytes.measured(0)
             return await self._failed(state, slot, key, "fetch", exc)
         size = nbytes(raw)
+        self._bytes.measured(size)
+        self._hold(state, size)
         rec.stop("fetch", t0, size, key=key)
         assert stages.tuner is not None
         stages.tuner.completed(rec.stages["fetch"].last)
@@ -267,12 +274,15 @@ class Epoch:
                 return await self._failed(state, slot, key, "decode", exc)
             decoded = nbytes(raw)
             rec.stop("decode", t0, decoded, key=key)
-            size = max(size, decoded)
-        state.bytes += size
-        self._bytes.add(size)
-        rec.held_bytes += size
+            self._hold(state, max(0, decoded - size))
         state.samples[slot] = raw
         await self._done(state)
+
+    def _hold(self, state: _GroupState, size: int) -> None:
+        """Count `size` more bytes as held by the group until it is handed over."""
+        state.bytes += size
+        self._bytes.add(size)
+        self._rec.held_bytes += size
 
     async def _done(self, state: _GroupState) -> None:
         state.remaining -= 1
