@@ -88,9 +88,9 @@ class ByteBudget:
     """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
 
     A sample's size is known only once fetched, so each launch reserves the mean size seen so far
-    (before any is known, nothing more is launched until one is). A sample of the oldest batch still
-    being assembled is never held back, so a batch larger than the whole budget still completes (the
-    bound is then exceeded by that one batch).
+    (before any is known, the first wave is bounded by the fetch concurrency alone). A sample of the
+    oldest batch still being assembled is never held back, so a batch larger than the whole budget
+    still completes (the bound is then exceeded by that one batch).
     """
 
     def __init__(self, max_bytes: int | None) -> None:
@@ -104,8 +104,8 @@ class ByteBudget:
     def _full(self) -> bool:
         if self.max_bytes is None:
             return False
-        if not self._seen:
-            return self.pending > 0
+        if not self._seen:  # the first wave: bounded by the fetch concurrency alone
+            return False
         mean = self._seen_bytes / self._seen
         return self.held + (self.pending + 1) * mean > self.max_bytes
 

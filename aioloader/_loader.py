@@ -365,7 +365,7 @@ class Loader(Resumable, Generic[T]):
                 t0 = time.perf_counter()
                 try:
                     index, batch = runner.run(run.get(), self._timeout)
-                except TimeoutError:
+                except LoaderTimeout:
                     raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
                 wait(t0, time.perf_counter())
                 if batch is END:
@@ -412,8 +412,11 @@ class Loader(Resumable, Generic[T]):
         while True:
             t0 = time.perf_counter()
             try:
-                index, batch = await asyncio.wait_for(get(), self._timeout)
+                async with asyncio.timeout(self._timeout) as deadline:
+                    index, batch = await get()
             except TimeoutError:
+                if not deadline.expired():
+                    raise  # the pipeline's own, from a user callable
                 raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
             wait(t0, time.perf_counter())
             if batch is END:

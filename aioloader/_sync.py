@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from ._exceptions import LoaderClosedError
+from ._exceptions import LoaderClosedError, LoaderTimeout
 
 __all__ = ["LoopThread", "new_event_loop"]
 
@@ -94,10 +94,19 @@ class LoopThread:
             raise LoaderClosedError("the loader's event loop thread was stopped") from None
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run `coro` on the loop and block until it ends. Raises TimeoutError after `timeout`."""
+        """Run `coro` on the loop and block until it ends.
+
+        Raises `LoaderTimeout` (a TimeoutError) when `timeout` passes first; a TimeoutError that
+        `coro` itself raises comes through as it is.
+        """
         future = self.submit(coro)
         try:
             return future.result(timeout)
+        except TimeoutError:
+            if future.done() and not future.cancelled():
+                raise  # the coroutine's own
+            future.cancel()
+            raise LoaderTimeout(f"no result within timeout={timeout} s") from None
         except BaseException:
             future.cancel()
             raise

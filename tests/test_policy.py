@@ -123,3 +123,27 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], error: type, na
 def test_missing_fetch_is_a_type_error_naming_it() -> None:
     with pytest.raises(TypeError, match="fetch"):
         Loader([1, 2, 3])
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_timeout_error_from_fetch_is_not_a_loader_timeout(asynchronous: bool) -> None:
+    from aioloader import LoaderTimeout
+
+    def fetch(key: int) -> int:
+        raise TimeoutError(f"upstream timed out for {key}")
+
+    async def consume() -> None:
+        async with Loader([1], fetch, timeout=30) as ld:
+            async for _ in ld:
+                pass
+
+    def run() -> None:
+        if asynchronous:
+            asyncio.run(consume())
+        else:
+            with Loader([1], fetch, timeout=30) as ld:
+                list(ld)
+
+    with pytest.raises(TimeoutError, match="upstream") as err:
+        run()
+    assert not isinstance(err.value, LoaderTimeout)
