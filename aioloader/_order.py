@@ -27,7 +27,7 @@ import torch
 from ._exceptions import StateError
 from ._ranges import Ranges
 
-__all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "achunk", "chunk"]
+__all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "achunk", "chunk", "shard"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,6 +94,7 @@ class Resumable:
         for s in states:
             check_config(s, type(self).__name__, config)
         own = pick_own(states, *self._plan.rank_and_world())
+        self._plan.restore(own or states[0])  # before the plan recomputes the saved ranks' batches
         if own is not None:
             resume = Resume(
                 int(own["epoch"]), Ranges(own.get("consumed", [])),
@@ -102,7 +103,6 @@ class Resumable:
         else:
             epoch, consumed = elastic_consumed(states, self._plan.group_indices)
             resume = Resume(epoch, consumed, set())
-        self._plan.restore(own or states[0])
         with self._lock:
             self._resume, self._epoch = resume, resume.epoch
         self._progress = Progress(resume.epoch, resume.consumed, set(resume.skip))

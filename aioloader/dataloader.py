@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     Dataset,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -41,7 +42,7 @@ from torch.utils.data import (
 from ._collate import BufferPool, default_collate, make_collate
 from ._exceptions import StateError
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
-from ._order import Group, KeyOrder, KeyPlan, Plan
+from ._order import Group, KeyOrder, KeyPlan, Plan, shard
 from ._ranges import Ranges
 from ._transfer import make_device_stage
 
@@ -67,6 +68,8 @@ class _SamplerPlan:
 
     def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        if consumed:
+            return self._number(iter(self._remainder(consumed)))
         indices = iter(self.index_sampler)
         first = list(itertools.islice(indices, 1))  # draw the sampler's own seed on this thread
         return self._number(itertools.chain(first, indices))
@@ -111,11 +114,46 @@ class _SamplerPlan:
             set_epoch(state["sampler_epoch"])
 
     def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
-        raise StateError(
-            "world_size: aioloader.DataLoader resumes on the world size it saved at; use "
-            "aioloader.Loader for elastic resume",
-            field="world_size",
-        )
+        """Dataset indices of batch `group` that rank `rank` of `world_size` had (elastic resume)."""
+        sampler = self._distributed()
+        if consumed:
+            raise StateError(
+                "states: resuming an elastic resume again on another world size is not "
+                "supported by aioloader.DataLoader; use aioloader.Loader",
+                field="world_size",
+            )
+        old: DistributedSampler[Any] = DistributedSampler(
+            sampler.dataset, num_replicas=world_size, rank=rank, shuffle=sampler.shuffle,
+            seed=sampler.seed, drop_last=sampler.drop_last,
+        )  # fmt: skip
+        old.set_epoch(sampler.epoch)
+        size = self.group_size
+        return list(old)[group * size : (group + 1) * size]
+
+    def _distributed(self) -> DistributedSampler[Any]:
+        sampler = self._sampler()
+        if not isinstance(sampler, DistributedSampler) or not self.batched:
+            raise StateError(
+                "world_size: aioloader.DataLoader resumes on another world size only with a "
+                "DistributedSampler and batch_size; use aioloader.Loader otherwise",
+                field="world_size",
+            )
+        return sampler
+
+    def _remainder(self, consumed: Ranges) -> list[list[int]]:
+        """This rank's batches of what the saved ranks left of the epoch, shared equally."""
+        sampler = self._distributed()
+        n = len(sampler.dataset)  # type: ignore[arg-type]
+        order: Iterable[int] = range(n)
+        if sampler.shuffle:
+            gen = torch.Generator()
+            gen.manual_seed(sampler.seed + sampler.epoch)
+            order = torch.randperm(n, generator=gen).tolist()
+        left = [i for i in order if i not in consumed]
+        mine = shard(left, sampler.rank, sampler.num_replicas, sampler.drop_last)
+        size, drop = self.group_size, bool(getattr(self.index_sampler, "drop_last", False))
+        cut = [mine[i : i + size] for i in range(0, len(mine), size)]
+        return [b for b in cut if len(b) == size or not drop]
 
 
 class _WorkerIds:

@@ -226,3 +226,31 @@ def test_state_of_a_fresh_loader_points_at_its_next_epoch() -> None:
     assert (state["epoch"], state["delivered"], state["consumed"]) == (4, [], [])
     assert isinstance(json.dumps(state), str)
     assert aioloader.StateError is StateError
+
+
+@pytest.mark.parametrize(("old_world", "new_world"), [(2, 3), (3, 2)])
+def test_dataloader_elastic_resume_with_distributed_sampler(old_world: int, new_world: int) -> None:
+    from torch.utils.data import DistributedSampler
+
+    def loader(rank: int, world: int) -> DataLoader:
+        sampler = DistributedSampler(Squares(), num_replicas=world, rank=rank, seed=4)
+        sampler.set_epoch(1)
+        return DataLoader(Squares(), batch_size=3, sampler=sampler)
+
+    delivered: list[int] = []
+    states = []
+    for rank in range(old_world):
+        with loader(rank, old_world) as ours:
+            it = iter(ours)
+            delivered += [i for _ in range(2) for i in next(it)["i"].tolist()]
+            states.append(ours.state_dict())
+            it.close()
+    rest = []
+    for rank in range(new_world):
+        with loader(rank, new_world) as ours:
+            ours.load_state_dict(states)
+            rest.append([i for b in ours for i in b["i"].tolist()])
+    assert len({len(r) for r in rest}) == 1  # equal steps on the new ranks
+    after = [i for r in rest for i in r]
+    assert set(after) == set(range(37)) - set(delivered)
+    assert len(after) - len(set(after)) < new_world  # wrap-around padding only
