@@ -193,6 +193,7 @@ class Loader(Resumable, Generic[T]):
         errors: ErrorPolicy | None = None,
         max_bytes: int | None = DEFAULT_MAX_BYTES,
         stats: bool = True,
+        own_executor: bool = False,
     ) -> None:
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
@@ -239,6 +240,7 @@ class Loader(Resumable, Generic[T]):
             pool_bytes=self._pool.max_bytes or 0 if self._pool is not None else 0,
         )
         self._executor = executor
+        self._owns_decoder = isinstance(executor, str) or own_executor
         self._in_order = bool(in_order)
         self._timeout = check_timeout("timeout", timeout)
         self._use_caller_loop = use_caller_loop
@@ -451,7 +453,7 @@ class Loader(Resumable, Generic[T]):
             with contextlib.suppress(Exception):
                 asyncio.run(self._source.aclose())
         self._stages.fetch.close()
-        if isinstance(self._executor, str):  # an Executor the user passed is theirs to close
+        if self._owns_decoder:  # an Executor the user passed is theirs to close
             self._stages.decoder.close()
         self._stages.collator.close()
         if self._device is not None:

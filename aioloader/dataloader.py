@@ -5,12 +5,12 @@ the same things and fail the same way, and for the same dataset, sampler and gen
 come in the same order as torch's DataLoader. What changes is how samples are fetched: `__getitem__`
 calls run concurrently (`concurrency` at a time) instead of one after another per worker process.
 
-What `num_workers` means here: it is validated as torch validates it, sets the default
-`concurrency` (`max(16, num_workers * prefetch_factor)`), and `worker_init_fn(i)` runs once in each
-fetch thread as it starts. No worker processes are started: samples are fetched by threads (plain
-`__getitem__`) or on the event loop (a coroutine `__getitem__`), which is what pays when the dataset
-waits on disk or network. `multiprocessing_context` and `persistent_workers` are accepted and have
-no effect; the threads always persist until `close()`.
+What `num_workers` means here: with 0, `__getitem__` calls run in `concurrency` threads (default
+16), which pays when the dataset waits on disk or network. With N > 0 they run in N persistent
+worker processes (aioloader's process pool: results come back in shared memory), where
+`torch.utils.data.get_worker_info()` and `worker_init_fn` behave as in torch's workers;
+`worker_mode="thread"` keeps threads instead. An IterableDataset is always iterated in the main
+process.
 
 Async datasets: a map-style dataset whose `__getitem__` is a coroutine function
 (`async def __getitem__(self, index)`) is fetched on the loader's event loop, `concurrency` at a time.
@@ -38,12 +38,15 @@ from torch.utils.data import (
     SequentialSampler,
     default_convert,
 )
+from torch.utils.data import default_collate as torch_default_collate
 
 from ._collate import BufferPool, default_collate, make_collate
 from ._exceptions import StateError
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
+from ._procpool import ProcessExecutor
 from ._ranges import Ranges
+from ._torchworkers import ReadBatch, ReadItem, WorkerSetup
 from ._transfer import make_device_stage
 
 __all__ = ["DataLoader"]
@@ -65,6 +68,7 @@ class _SamplerPlan:
         self.batched = batched
         self.generator = generator
         self.group_size = getattr(index_sampler, "batch_size", None) or 1
+        self.reads_batches = False  # each key is a whole batch's indices (`__getitems__`)
 
     def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
@@ -267,6 +271,7 @@ class DataLoader(Loader[Any]):
         concurrency: int | None = None,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
+        worker_mode: str = "process",
     ) -> None:
         _check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, drop_last,
@@ -310,17 +315,48 @@ class DataLoader(Loader[Any]):
             collate_fn = DEFAULT_COLLATE
         else:
             self.collate_fn = collate_fn = collate_fn or default_convert
+        processes = (
+            num_workers > 0 and worker_mode == "process" and not iterable
+            and not inspect.iscoroutinefunction(dataset.__getitem__)
+        )  # fmt: skip
         fetch, plan = self._plan_for(dataset, iterable, auto_collation, collate_fn, concurrency)
+        decode: Callable[[Any], Any] | None = None
+        executor: str | ProcessExecutor = "inline"
+        if processes:
+            fetch, decode, executor = self._in_processes(fetch, plan, collate_fn, auto_collation)
         self._setup(
-            plan, fetch, decode=None,
-            collate=collate_fn if auto_collation else None,
+            plan, fetch, decode=decode,
+            collate=collate_fn if auto_collation and not _reads_batches(plan) else None,
             concurrency=concurrency, prefetch=max(2, prefetch_factor or 2), in_order=in_order,
-            executor="inline", workers=None, timeout=timeout or None, use_caller_loop=False,
-            fetch_initializer=_WorkerIds(worker_init_fn) if worker_init_fn else None,
+            executor=executor, workers=None, timeout=timeout or None, use_caller_loop=False,
+            fetch_initializer=_WorkerIds(worker_init_fn) if worker_init_fn and not processes
+            else None,
             device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
             ) if device is not None else None,
+            own_executor=True,
         )  # fmt: skip
+
+    def _in_processes(
+        self, fetch: Any, plan: Plan, collate_fn: Callable[..., Any], auto_collation: bool
+    ) -> tuple[Callable[[Any], Any], Callable[[Any], Any], ProcessExecutor]:
+        """Read the dataset in `num_workers` processes: the index travels, the sample comes back
+        in shared memory."""
+        dataset = self.dataset
+        if _reads_batches(plan):
+            collate = torch_default_collate if collate_fn is DEFAULT_COLLATE else collate_fn
+            read: Callable[[Any], Any] = ReadBatch(dataset, collate)
+        else:
+            read = ReadItem(dataset, None if auto_collation else collate_fn)
+        context = self.multiprocessing_context
+        method = getattr(context, "get_start_method", lambda: context)()
+        gen = self.generator
+        base_seed = gen.initial_seed() if gen is not None else torch.initial_seed()
+        pool = ProcessExecutor(
+            self.num_workers, start_method=method,
+            worker_init_fn=WorkerSetup(self.num_workers, base_seed, self.worker_init_fn),
+        )  # fmt: skip
+        return _same, read, pool
 
     def _plan_for(
         self,
@@ -344,6 +380,7 @@ class DataLoader(Loader[Any]):
             plan = _SamplerPlan(index_sampler, False, self.generator)  # type: ignore[arg-type]
             if collate_fn is DEFAULT_COLLATE:  # batches are collated in fetch threads, many at once
                 collate_fn = make_collate(BufferPool(per_shape=concurrency + _SPARE_BUFFERS))
+            plan.reads_batches = True
             return _batch_reader(getitems, collate_fn), plan
         plan = _SamplerPlan(index_sampler, auto_collation, self.generator)  # type: ignore[arg-type]
         getitem = dataset.__getitem__
@@ -388,6 +425,10 @@ class DataLoader(Loader[Any]):
         if self.batch_size is None:
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
+
+
+def _reads_batches(plan: Plan) -> bool:
+    return bool(getattr(plan, "reads_batches", False))
 
 
 def _converting(

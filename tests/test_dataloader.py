@@ -256,7 +256,9 @@ def test_worker_init_fn_runs_once_per_fetch_thread() -> None:
         with lock:
             seen.append((worker_id, threading.current_thread().name))
 
-    with DataLoader(MapDataset(12), batch_size=4, num_workers=2, worker_init_fn=init) as ours:
+    with DataLoader(
+        MapDataset(12), batch_size=4, num_workers=2, worker_init_fn=init, worker_mode="thread"
+    ) as ours:
         list(ours)
     ids = [w for w, _ in seen]
     assert sorted(ids) == list(range(len(ids)))
@@ -296,3 +298,47 @@ def test_error_in_getitem_keeps_type_and_names_the_index() -> None:
 
 def test_is_a_loader() -> None:
     assert issubclass(DataLoader, aioloader.Loader)
+
+
+class WhereAmI(Dataset[Any]):
+    """Each sample says which process read it and what get_worker_info() said there."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import os
+
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()  # None in the main process (torch with num_workers=0)
+        return {
+            "i": i, "pid": os.getpid(), "x": torch.full((3,), float(i)),
+            "worker": -1 if info is None else info.id,
+            "num_workers": 0 if info is None else info.num_workers,
+            "has_dataset": info is not None and isinstance(info.dataset, WhereAmI),
+        }  # fmt: skip
+
+
+def _mark_worker(worker_id: int) -> None:
+    import os
+
+    os.environ["AIOLOADER_TEST_WORKER"] = str(worker_id)
+
+
+def test_num_workers_reads_in_worker_processes_with_worker_info() -> None:
+    import os
+
+    expected = list(TorchDataLoader(WhereAmI(), batch_size=4, shuffle=True, generator=seeded(5)))
+    with DataLoader(
+        WhereAmI(), batch_size=4, shuffle=True, generator=seeded(5), num_workers=2,
+        worker_init_fn=_mark_worker,
+    ) as ours:  # fmt: skip
+        got = list(ours)
+    assert [b["i"].tolist() for b in got] == [b["i"].tolist() for b in expected]
+    assert all(torch.equal(a["x"], b["x"]) for a, b in zip(got, expected, strict=True))
+    pids = {int(p) for b in got for p in b["pid"]}
+    assert os.getpid() not in pids  # read in other processes
+    assert {int(w) for b in got for w in b["worker"]} <= {0, 1}
+    assert {int(n) for b in got for n in b["num_workers"]} == {2}
+    assert all(bool(h) for b in got for h in b["has_dataset"])
