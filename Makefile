@@ -5,7 +5,9 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup test lint demo bench bench-quick clean
+BENCHES := serialization_tax remote decode autotune stats_overhead h2d_overlap
+
+.PHONY: setup test lint demo bench bench-quick soak clean
 
 setup: $(STAMP)
 
@@ -26,11 +28,16 @@ test: setup lint
 demo: setup
 	$(VPY) examples/demo.py
 
+# Every benchmark prints a table and, as its last line, JSON with its ratios against the peers.
 bench-quick: setup
-	$(VPY) benchmarks/serialization_tax.py --quick
+	for b in $(BENCHES); do $(VPY) benchmarks/$$b.py --quick || exit 1; done
 
 bench: setup
-	$(VPY) benchmarks/serialization_tax.py
+	for b in $(BENCHES); do $(VPY) benchmarks/$$b.py || exit 1; done
+
+# The full 50-epoch soak (a 10-epoch version runs in `make test`).
+soak: setup
+	AIOLOADER_SOAK=1 $(VPY) -m pytest -q tests/test_soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
