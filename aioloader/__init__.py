@@ -7,6 +7,7 @@ buffers and handed to `for batch in loader` or `async for batch in loader`.
 from . import sources as sources
 from ._collate import BufferPool as BufferPool
 from ._collate import default_collate as default_collate
+from ._diagnose import Diagnosis as Diagnosis
 from ._exceptions import AioloaderError as AioloaderError
 from ._exceptions import CollateError as CollateError
 from ._exceptions import DecodeError as DecodeError
@@ -24,6 +25,9 @@ from ._procpool import ProcessExecutor as ProcessExecutor
 from ._rng import sample_generator as sample_generator
 from ._rng import sample_np_generator as sample_np_generator
 from ._rng import sample_seed as sample_seed
+from ._stats import LoaderStats as LoaderStats
+from ._stats import StageStats as StageStats
+from ._trace import Trace as Trace
 from .dataloader import DataLoader as DataLoader
 
 __version__ = "0.1.0"
@@ -35,14 +39,18 @@ __all__ = [
     "CollateError",
     "DataLoader",
     "DecodeError",
+    "Diagnosis",
     "FetchError",
     "InvalidKeyError",
     "Loader",
     "LoaderClosedError",
+    "LoaderStats",
     "LoaderTimeout",
     "ProcessExecutor",
     "SampleError",
+    "StageStats",
     "StateError",
+    "Trace",
     "WorkerDied",
     "WorkerTimeout",
     "default_collate",

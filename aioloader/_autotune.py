@@ -1,32 +1,30 @@
 """`concurrency="auto"` and `workers="auto"`: limits that follow the measured throughput.
 
-Both use one `Climber`: throughput is measured over short windows (a fifth of a second, or four
-latencies when those are longer); the first window after a change is left to settle. Then:
-- slow start: while throughput keeps improving, the limit doubles; after the first time it does not,
-  growth is additive (steps of a quarter of the limit);
-- a step that gains nothing is undone, and the next try waits `HOLD_WINDOWS` windows;
-- a step after which throughput drops, and any throttling or timeout (`throttled()`), cut the limit
-  multiplicatively (x0.5 for throttling, x0.7 for a drop);
-- the limit only grows while it is what holds the stage back (`mean in flight >= BOUND x limit`): a
-  fetch stage starved by a slow decode or consumer is left where it is;
-- when throughput changes by more than `CHANGE` at an unchanged limit (the store got slower or faster),
-  the measure starts afresh and growth resumes at once: a slower store needs more requests in flight
-  for the same rate (Little's law).
-Fetch concurrency never exceeds what the byte budget can hold (`max_bytes / mean fetched bytes`).
-Each change is logged on the "aioloader" logger at INFO.
+`AutoConcurrency` is the fetch stage's `Tuner`: a `Climber` (see `_climber.py`: additive increase
+while throughput improves, multiplicative decrease when it drops) fed by every finished fetch, whose
+limit the pipeline's gate reads at every launch. Throttling and timeouts (`throttled()`, or a rise in
+the source's "throttles"/"retries" counts) halve it at once. It never exceeds what the byte budget can
+hold (`max_bytes / mean fetched bytes`) nor `AUTO_MAX_ASYNC` (`AUTO_MAX_THREADS` for a plain fetch,
+where each request holds a thread).
+
+`AutoWorkers` is a decode executor for executor="thread": a pool of one thread per core, of which a
+`Climber` lets as many decode at once as raise throughput (a decoder that holds the GIL gains nothing
+from a second thread, and keeps one). Process pools are sized once, to the cores.
+
+Every change is logged on the "aioloader" logger at INFO; `loader.stats().concurrency` and
+`stats().stages["decode"].limit` show the values in force.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ._climber import Climber
 from ._decode import Executor, ThreadExecutor, default_workers, make_executor
 from ._limits import Tuner
 from ._stats import NullRecorder, Recorder
@@ -40,135 +38,8 @@ logger = logging.getLogger("aioloader")
 AUTO_INITIAL = 16  # fetches in flight to start from
 AUTO_MAX_ASYNC = 256  # the ceiling for an async fetch (requests on the event loop)
 AUTO_MAX_THREADS = 64  # ... and for a plain fetch (each request holds a thread)
-MIN_WINDOW_S = 0.15
-MIN_ITEMS = 16  # completions a window needs at least
-WINDOW_LATENCIES = 2.0  # a window lasts at least this many mean latencies
-SETTLE_LATENCIES = 1.0  # after a change, wait this many latencies before measuring
-GAIN = 0.05  # a step counts as a gain above +5% throughput
-DROP = 0.2  # ... and as a loss below -20%
-CHANGE = 0.3  # at an unchanged limit, a move this large means the source itself changed
-BOUND = 0.8  # the limit binds when the mean in flight reaches this share of it
-HOLD_WINDOWS = 8
-THROTTLE_DECREASE = 0.5
-DROP_DECREASE = 0.7
-ADD_SHARE = 1 / 4
-CONFIRM_WINDOWS = 2  # windows in a row that must agree that the source changed
-MAX_JUMP = 4.0  # the most a slower source multiplies the limit by at once
+THROTTLE_DECREASE = 0.5  # the cut on throttling and timeouts
 THROTTLE_CHECK_S = 0.05  # how often the source's throttle count is read
-
-
-@dataclass(frozen=True)
-class _Point:
-    limit: int
-    rate: float  # items/s
-    latency: float  # s, by Little's law: mean in flight / rate
-
-
-class Climber:
-    """One limit between `minimum` and a ceiling, moved by throughput windows (see the module doc).
-
-    Not thread-safe: feed it from one thread (the event loop).
-    """
-
-    def __init__(
-        self, what: str, initial: int, minimum: int, maximum: int, keep_flat: bool = True
-    ) -> None:
-        self.what, self.minimum, self.maximum = what, minimum, maximum
-        self.limit = max(minimum, min(initial, maximum))
-        self.keep_flat = keep_flat  # keep a growth step that neither gained nor lost
-        self.slow_start = True
-        self._base: _Point | None = None  # the operating point accepted so far
-        self._hold = self._moved = 0
-        self._probing = False
-        self._latency = 0.0
-        self._restart(0.0)
-
-    def _restart(self, settle_until: float) -> None:
-        self._settle_until, self._t, self._n, self._area = settle_until, -1.0, 0, 0.0
-
-    def settling(self, now: float) -> bool:
-        """Whether the last change is still settling (what finishes now was sent before it)."""
-        return now < self._settle_until
-
-    def tick(self, now: float, area: float, ceiling: int | None = None) -> None:
-        """One item finished at `now`; `area`: the integral of items in flight up to `now`."""
-        if now < self._settle_until:
-            return
-        if self._t < 0:  # a window starts
-            self._t, self._area = now, area
-            return
-        self._n += 1
-        dt = now - self._t
-        if dt < max(MIN_WINDOW_S, WINDOW_LATENCIES * self._latency) or self._n < MIN_ITEMS:
-            return
-        rate, in_flight = self._n / dt, (area - self._area) / dt
-        point = _Point(self.limit, rate, in_flight / rate)
-        self._latency = point.latency
-        cap = self.maximum if ceiling is None else max(self.minimum, min(self.maximum, ceiling))
-        self._decide(point, in_flight >= BOUND * self.limit, cap)
-        if self.limit > cap:
-            self._set(cap, "memory budget")
-        changed = self.limit != point.limit
-        self._restart(now + SETTLE_LATENCIES * point.latency if changed else 0.0)
-
-    def cut(self, factor: float, why: str, now: float) -> None:
-        """Decrease the limit multiplicatively now and measure afresh."""
-        self.slow_start = False
-        self._base = None
-        self._set(max(self.minimum, int(self.limit * factor)), why)
-        self._restart(now + SETTLE_LATENCIES * self._latency)
-
-    def _decide(self, now: _Point, bound: bool, ceiling: int) -> None:
-        base = self._base
-        if base is None or now.limit < base.limit:
-            self._base, self._moved = now, 0
-            return self._grow(bound, ceiling, "measuring") if self._hold <= 0 else None
-        if now.limit > base.limit:  # the last step was a try
-            return self._judge(base, now, bound, ceiling)
-        moved = now.rate / base.rate - 1
-        if abs(moved) > CHANGE:  # the same limit, another world, if the next window agrees
-            self._moved += 1 if moved > 0 else -1
-            if abs(self._moved) < CONFIRM_WINDOWS:
-                return None
-            self._base, self._moved = now, 0
-            if moved < 0 and now.latency > base.latency * (1 + CHANGE) and bound:
-                # a slower source: Little's law wants more in flight for the same rate
-                jump = min(MAX_JUMP, now.latency / base.latency)
-                self.slow_start, self._base, self._hold = True, None, 0
-                return self._set(math.ceil(now.limit * jump), f"throughput {moved:+.0%}, slower")
-            return self._grow(bound, ceiling, f"throughput {moved:+.0%}")
-        self._base, self._moved = _Point(now.limit, (base.rate + now.rate) / 2, now.latency), 0
-        self._hold -= 1
-        if self._hold <= 0:
-            self._grow(bound, ceiling, "probing")
-            self._probing = self.limit > now.limit
-
-    def _judge(self, base: _Point, now: _Point, bound: bool, ceiling: int) -> None:
-        """After a step up: go on if it paid, cut if it hurt; if neither, stay (undo a probe)."""
-        probing, self._probing = self._probing, False
-        if now.rate >= base.rate * (1 + GAIN):
-            self._base = now
-            return self._grow(bound, ceiling, f"throughput +{now.rate / base.rate - 1:.0%}")
-        self.slow_start, self._hold = False, HOLD_WINDOWS
-        if now.rate <= base.rate * (1 - DROP):
-            self._base = None
-            return self._set(max(self.minimum, int(now.limit * DROP_DECREASE)), "throughput fell")
-        if probing or not self.keep_flat:
-            self._base = None  # measure afresh at the old limit: the source may have changed
-            return self._set(base.limit, "no gain")
-        self._base = now
-
-    def _grow(self, bound: bool, ceiling: int, why: str) -> None:
-        if not bound or self.limit >= ceiling:
-            return
-        step = self.limit if self.slow_start else max(1, math.ceil(self.limit * ADD_SHARE))
-        self._set(min(ceiling, self.limit + step), why)
-
-    def _set(self, limit: int, why: str) -> None:
-        limit = max(self.minimum, min(limit, self.maximum))
-        if limit != self.limit:
-            logger.info("%s %d -> %d (%s)", self.what, self.limit, limit, why)
-            self.limit = limit
 
 
 class AutoConcurrency(Tuner):
@@ -203,8 +74,7 @@ class AutoConcurrency(Tuner):
             self._area += self.limit * (now - self._t)  # stats off: assume the limit is full
             self._t = now
             return self._area
-        s = self._rec.stages["fetch"]
-        return s.area + s.busy * max(0.0, now - s.last)
+        return self._rec.stages["fetch"].area
 
     def _ceiling(self) -> int | None:
         s = self._rec.stages["fetch"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -47,7 +48,7 @@ class _DefaultCollate:
 DEFAULT_COLLATE: Any = _DefaultCollate()
 """Collate like torch's default_collate, into recycled batch buffers (the default)."""
 
-# Batch buffers kept per shape beyond `prefetch`: one the consumer holds, one being collated, one spare.
+# Batch buffers kept per shape beyond those that may wait: the consumer's, one being stacked, a spare.
 _SPARE_BUFFERS = 3
 
 
@@ -213,10 +214,10 @@ class Loader(Resumable, Generic[T]):
             check_int("max_bytes_in_flight", max_bytes, minimum=1)
         self._pool: BufferPool | None = None
         if collate is DEFAULT_COLLATE:
-            pool_bytes = (
-                None if max_bytes is None else max_bytes // 2
-            )  # the rest: samples in flight
-            self._pool = BufferPool(per_shape=prefetch + _SPARE_BUFFERS, max_bytes=pool_bytes)
+            pool_bytes = None if max_bytes is None else max_bytes // 2  # the rest: in flight
+            group = plan.group_size
+            waiting = -(-(prefetch * group + concurrency) // group)  # batches that may wait at most
+            self._pool = BufferPool(per_shape=waiting + _SPARE_BUFFERS, max_bytes=pool_bytes)
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
         self._plan = plan
@@ -337,6 +338,9 @@ class Loader(Resumable, Generic[T]):
     def iter(self, *, progress: bool = False) -> Iterator[T]:
         """`iter(loader)`, with a live progress line on stderr when `progress` (needs tqdm):
         batches/s, samples/s, MB/s fetched and the share of time the consumer waited for data.
+
+        Example: `for batch in loader.iter(progress=True): ...`. Raises ImportError (with the
+        install hint) when tqdm is missing: pip install 'aioloader[profile]'.
         """
         return with_progress(self, iter(self)) if progress else iter(self)
 
@@ -369,6 +373,10 @@ class Loader(Resumable, Generic[T]):
                     index, batch = runner.run(run.get(), self._timeout)
                 except LoaderTimeout:
                     raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
+                except concurrent.futures.CancelledError:
+                    if self._closed:  # close() from elsewhere won the race with this wait
+                        raise LoaderClosedError("the loader was closed") from None
+                    raise
                 wait(t0, time.perf_counter())
                 if batch is END:
                     return self._finished(progress)
@@ -420,6 +428,11 @@ class Loader(Resumable, Generic[T]):
                 if not deadline.expired():
                     raise  # the pipeline's own, from a user callable
                 raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed and task is not None and not task.cancelling():
+                    raise LoaderClosedError("the loader was closed") from None
+                raise
             wait(t0, time.perf_counter())
             if batch is END:
                 self._finished(progress)

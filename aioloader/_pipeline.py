@@ -245,7 +245,7 @@ class Epoch:
             finally:
                 self._in_flight.release()
         except asyncio.CancelledError:
-            rec.cancelled("fetch")
+            rec.cancelled("fetch", t0)
             raise
         except BaseException as exc:
             # SystemExit & co. too: they belong to the consumer; escaping, they would stop the loop
@@ -267,7 +267,7 @@ class Epoch:
             try:
                 raw = await stages.decoder.run(stages.decode, raw, seed)
             except asyncio.CancelledError:
-                rec.cancelled("decode")
+                rec.cancelled("decode", t0)
                 raise
             except BaseException as exc:
                 rec.stop("decode", t0, error=True, key=key)
@@ -325,7 +325,7 @@ class Epoch:
         try:
             batch = await self._stages.collator.run(self._stages.collate, samples)
         except asyncio.CancelledError:
-            rec.cancelled("collate")
+            rec.cancelled("collate", t0)
             raise
         except BaseException as exc:
             rec.stop("collate", t0, error=True)

@@ -53,7 +53,8 @@ def with_progress(
 ) -> Iterator[T]:
     """Yield `batches` while a tqdm bar (stderr; `bar` are tqdm's options) shows the loader's pace.
 
-    Closing this generator closes `batches` (and so stops the epoch) and the bar.
+    Raises ImportError at once when tqdm is missing. Closing the returned iterator closes `batches`
+    (and so stops the epoch) and the bar.
     """
     tqdm = tqdm_class()
     if total is None:
@@ -63,7 +64,10 @@ def with_progress(
             total = None
     bar.setdefault("unit", "batch")
     bar.setdefault("dynamic_ncols", True)
-    progress = tqdm(total=total, **bar)
+    return _shown(loader, batches, tqdm(total=total, **bar))
+
+
+def _shown(loader: _Loader, batches: Iterator[T], progress: Any) -> Iterator[T]:
     last, shown = loader.stats(), time.perf_counter()
     try:
         for batch in batches:

@@ -3,7 +3,12 @@
 The pipeline calls `Recorder.start(stage)` / `Recorder.stop(...)` around each fetch, decode, collate
 and transfer, all on the event loop's thread, so the counters need no lock. The consumer's waits are
 added from the consumer's thread with single float additions. Cost: two `perf_counter()` calls and a
-few additions per stage per sample.
+few additions per stage per sample (about 1 µs; `benchmarks/stats_overhead.py` measures it, and
+`Loader(stats=False)` swaps in a `NullRecorder` that does none of it).
+
+Occupancy without a clock per change: `area`, the integral of calls in flight over time, is the sum of
+the calls' durations; `full`, the time with `cap` or more in flight, is timed from the call that
+reached the cap to the one that left it.
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._table import format_table
+
 __all__ = ["STAGES", "LoaderStats", "NullRecorder", "Recorder", "StageStats", "nbytes"]
 
 STAGES = ("fetch", "decode", "collate", "transfer")
 _LATENCY_WINDOW = 2048  # latencies kept per stage for the percentiles
 _SKIPPED_LISTED = 100  # skipped keys listed with their reasons (all are counted)
+_clock = time.perf_counter
 
 
 def nbytes(obj: Any) -> int:
@@ -104,7 +112,7 @@ class LoaderStats:
 
     def table(self) -> str:
         """These numbers as a plain-text table, one row per stage, then the consumer and memory."""
-        return _table(self)
+        return format_table(self)
 
 
 class _Stage:
@@ -115,6 +123,7 @@ class _Stage:
         "cap",
         "errors",
         "full",
+        "full_since",
         "items",
         "last",
         "latencies",
@@ -124,19 +133,25 @@ class _Stage:
 
     def __init__(self, now: float) -> None:
         self.items = self.bytes = self.errors = self.retries = self.skipped = self.busy = 0
-        self.area = 0.0  # integral of `busy` over time
-        self.full = 0.0  # time with `busy >= cap`
+        self.area = 0.0  # the durations of the calls that ended: the integral of `busy` over time
+        self.full = 0.0  # time with `busy >= cap`, up to `full_since`
+        self.full_since = -1.0  # when `busy` last reached `cap` (-1: below it now)
         self.cap = 0  # the stage's limit, as the pipeline last said (0: none)
-        self.last = now
+        self.last = now  # when the last call ended
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
-    def move(self, now: float, delta: int) -> None:
-        dt = now - self.last
-        self.area += self.busy * dt
-        if self.busy >= self.cap > 0:
-            self.full += dt
+    def enter(self, now: float) -> None:
+        self.busy += 1
+        if self.full_since < 0 and self.busy >= self.cap > 0:
+            self.full_since = now
+
+    def leave(self, now: float, t0: float) -> None:
+        self.busy -= 1
+        self.area += now - t0
         self.last = now
-        self.busy += delta
+        if self.full_since >= 0 and self.busy < self.cap:
+            self.full += now - self.full_since
+            self.full_since = -1.0
 
 
 class Recorder:
@@ -159,16 +174,24 @@ class Recorder:
         self.tracer: Any = None  # a `_trace.Tracer` while tracing
 
     def start(self, stage: str) -> float:
-        now = time.perf_counter()
-        self.stages[stage].move(now, +1)
+        now = _clock()
+        s = self.stages[stage]
+        s.busy += 1  # `_Stage.enter`, inlined: this runs for every stage of every sample
+        if s.busy >= s.cap > 0 > s.full_since:
+            s.full_since = now
         return now
 
     def stop(
         self, stage: str, t0: float, nbytes: int = 0, error: bool = False, key: Any = None
     ) -> None:
-        now = time.perf_counter()
+        now = _clock()
         s = self.stages[stage]
-        s.move(now, -1)
+        s.busy -= 1  # `_Stage.leave`, inlined
+        s.area += now - t0
+        s.last = now
+        if s.full_since >= 0 and s.busy < s.cap:
+            s.full += now - s.full_since
+            s.full_since = -1.0
         if error:
             s.errors += 1
         else:
@@ -178,9 +201,9 @@ class Recorder:
         if self.tracer is not None:
             self.tracer.span(stage, t0, now, key)
 
-    def cancelled(self, stage: str) -> None:
-        """A call started with `start(stage)` was cancelled: not an item, not an error."""
-        self.stages[stage].move(time.perf_counter(), -1)
+    def cancelled(self, stage: str, t0: float) -> None:
+        """A call started at `t0` with `start(stage)` was cancelled: not an item, not an error."""
+        self.stages[stage].leave(_clock(), t0)
 
     def skip(self, stage: str, key: Any, reason: str) -> None:
         self.stages[stage].skipped += 1
@@ -204,15 +227,14 @@ class Recorder:
         out = {}
         for name, s in self.stages.items():
             s.cap = limits.get(name) or 0  # a single store: safe beside the loop's thread
-            pending = now - s.last
-            area = s.area + s.busy * pending
-            full = s.full + (pending if s.busy >= s.cap > 0 else 0.0)
+            since = s.full_since
+            full = s.full + (now - since if since >= 0 else 0.0)
             lat = sorted(s.latencies)
             out[name] = StageStats(
                 items=s.items, bytes=s.bytes, items_per_s=s.items / wall, bytes_per_s=s.bytes / wall,
                 latency_p50_s=_pct(lat, 0.50), latency_p95_s=_pct(lat, 0.95),
                 latency_p99_s=_pct(lat, 0.99),
-                busy=s.busy, busy_mean=area / wall, limit=limits.get(name),
+                busy=s.busy, busy_mean=s.area / wall, limit=limits.get(name),
                 full_pct=100.0 * full / wall, errors=s.errors, retries=s.retries,
                 skipped=s.skipped,
             )  # fmt: skip
@@ -235,7 +257,7 @@ class NullRecorder(Recorder):
     ) -> None:
         pass
 
-    def cancelled(self, stage: str) -> None:
+    def cancelled(self, stage: str, t0: float) -> None:
         pass
 
     def waited(self, t0: float, t1: float) -> None:
@@ -244,43 +266,3 @@ class NullRecorder(Recorder):
 
 def _pct(ordered: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-def _table(st: LoaderStats) -> str:
-    head = ("stage", "items", "items/s", "MB/s", "p50 ms", "p95 ms", "p99 ms", "busy/limit",
-            "full %", "errors", "retries", "skipped")  # fmt: skip
-    rows = [head]
-    for name, s in st.stages.items():
-        limit = "-" if s.limit is None else str(s.limit)
-        rows.append((
-            name, str(s.items), f"{s.items_per_s:.1f}", f"{s.bytes_per_s / 1e6:.2f}",
-            _ms(s.latency_p50_s), _ms(s.latency_p95_s), _ms(s.latency_p99_s),
-            f"{s.busy_mean:.1f}/{limit}", f"{s.full_pct:.0f}", str(s.errors), str(s.retries), str(s.skipped),
-        ))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                       enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
-    first = "" if st.first_batch_s is None else f", first batch after {st.first_batch_s:.2f} s"
-    budget = "no byte budget" if st.max_bytes_in_flight is None else (
-        f"of a {_size(st.max_bytes_in_flight)} budget "
-        f"({100 * st.held_bytes / st.max_bytes_in_flight:.1f}%)")  # fmt: skip
-    lines += [
-        f"consumer: {st.batches} batches, {st.samples} samples in {st.wall_s:.2f} s; waited "
-        f"{st.consumer_wait_s:.2f} s for data ({st.data_bound_pct:.1f}% data-bound{first}); "
-        f"{st.ready_batches} batches ready",
-        f"memory: {_size(st.held_bytes)} in {st.held_samples} samples held, {budget}",
-        f"fetch concurrency: {st.concurrency}; skipped: {st.skipped_count}",
-    ]
-    return "\n".join(lines)

@@ -310,7 +310,7 @@ class Feed:
             try:
                 staged = await self._stage.astage(batch)
             except asyncio.CancelledError:
-                self._rec.cancelled("transfer")
+                self._rec.cancelled("transfer", t0)
                 raise
             except Exception as exc:
                 self._rec.stop("transfer", t0, error=True, key=index)

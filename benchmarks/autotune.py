@@ -134,7 +134,7 @@ def main() -> None:
         return serve(args.serve)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms  %(message)s")
-    phase_s = args.phase_s or (5.0 if args.quick else 8.0)
+    phase_s = args.phase_s or (5.0 if args.quick else 12.0)
     rounds = args.rounds or (1 if args.quick else 3)
     print(f"{SIZE // 1024} KiB objects; GET latency {PHASES_MS[0]} ms, then {PHASES_MS[1]} ms; "
           f"{phase_s:.0f} s per phase; median of {rounds} rounds; {os.cpu_count()} cores")  # fmt: skip

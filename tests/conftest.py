@@ -14,12 +14,7 @@ from typing import Any
 
 import pytest
 from conftest_remote import *  # noqa: F403 - the remote-source fixtures (origin, proxy, seaweed)
-
-# What the loader promises: every task and thread stopped within 2 s of close/break/error/exit.
-STOP_DEADLINE_S = 2.0
-# Interval of `wait_until`, for conditions that nothing signals (a thread seen from outside, a task
-# on another loop, a child process).
-POLL_INTERVAL_S = 0.005
+from fakes import POLL_INTERVAL_S, STOP_DEADLINE_S
 
 
 def loader_threads(ignore: set[int | None] | None = None) -> list[threading.Thread]:

@@ -13,8 +13,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from aioloader import Loader
+
 # Every wait in a fake ends by this deadline, so a broken loader fails a test instead of hanging it.
 WAIT_S = 10.0
+# What the loader promises: every task and thread stopped within 2 s of close/break/error/exit.
+STOP_DEADLINE_S = 2.0
+# Interval of `wait_until`, for conditions that nothing signals (a thread seen from outside, a task
+# on another loop, a child process).
+POLL_INTERVAL_S = 0.005
 
 
 class Boom(Exception):
@@ -102,7 +109,11 @@ class AsyncFetch:
                     self._reached = asyncio.Event()
                 if self.tracker.reached.is_set():
                     self._reached.set()
-                await asyncio.wait_for(self._reached.wait(), WAIT_S)
+                try:
+                    await asyncio.wait_for(self._reached.wait(), WAIT_S)
+                except TimeoutError:  # never reached: stop holding calls (the peak check fails)
+                    self.tracker.reached.set()
+                    self._reached.set()
             await asyncio.sleep(self.delay(key))
             return self.transform(key)
         finally:
@@ -128,8 +139,8 @@ class SyncFetch:
     def __call__(self, key: Any) -> Any:
         self.tracker.enter(key)
         try:
-            if self.hold_until_limit:
-                self.tracker.reached.wait(WAIT_S)
+            if self.hold_until_limit and not self.tracker.reached.wait(WAIT_S):
+                self.tracker.reached.set()  # never reached: stop holding calls (the peak check fails)
             time.sleep(self.delay(key))
             return self.transform(key)
         finally:
@@ -259,3 +270,23 @@ class Keys:
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.n))
+
+
+def consume(loader: Loader[Any], mode: str, step: Callable[[Any], None] = lambda _: None) -> None:
+    """Iterate one epoch with the face `mode`, calling `step(batch)` on each batch."""
+    if mode == "sync":
+        for batch in loader:
+            step(batch)
+        return
+
+    async def main() -> BaseException | None:
+        try:
+            async for batch in loader:
+                step(batch)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            return exc  # raised below: escaping the task, asyncio would log it "never retrieved"
+        return None
+
+    error = asyncio.run(main())
+    if error is not None:
+        raise error

@@ -6,7 +6,6 @@ Every behaviour is checked with each face: `for` ("sync"), `async for` on the lo
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 import time
@@ -15,7 +14,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fakes import WAIT_S, AsyncFailing, AsyncFetch, Boom, Failing, SyncFetch, Tracker, key_delay
+from fakes import (
+    WAIT_S,
+    AsyncFailing,
+    AsyncFetch,
+    Boom,
+    Failing,
+    SyncFetch,
+    Tracker,
+    consume,
+    key_delay,
+)
 
 from aioloader import Loader
 
@@ -24,26 +33,6 @@ MODES = ["sync", "async", "caller"]
 
 def make(mode: str, keys: Any, fetch: Any, **kwargs: Any) -> Loader[Any]:
     return Loader(keys, fetch, use_caller_loop=mode == "caller", **kwargs)
-
-
-def consume(loader: Loader[Any], mode: str, step: Callable[[Any], None] = lambda _: None) -> None:
-    """Iterate one epoch with the face `mode`, calling `step(batch)` on each batch."""
-    if mode == "sync":
-        for batch in loader:
-            step(batch)
-        return
-
-    async def main() -> BaseException | None:
-        try:
-            async for batch in loader:
-                step(batch)
-        except (KeyboardInterrupt, SystemExit) as exc:
-            return exc  # raised below: escaping the task, asyncio would log it "never retrieved"
-        return None
-
-    error = asyncio.run(main())
-    if error is not None:
-        raise error
 
 
 def collect(loader: Loader[Any], mode: str) -> list[Any]:
@@ -140,16 +129,22 @@ def test_reorder_buffer_counts_against_the_bound() -> None:
         finally:
             tracker.exit()
 
+    started_while_stuck: list[int] = []
+
+    def release() -> None:
+        tracker.wait_for(lambda t: t.started >= 2 * 4 + 3)
+        time.sleep(0.05)  # room to overshoot, were the bound not kept
+        started_while_stuck.append(tracker.started)
+        stuck.set()
+
     with Loader(range(100), fetch, batch_size=4, prefetch=2, concurrency=3, collate=None) as loader:
         it = iter(loader)
-        releaser = threading.Thread(target=lambda: (tracker.wait_for(lambda t: t.started >= 11),
-                                                    time.sleep(0.05), stuck.set()))  # fmt: skip
+        releaser = threading.Thread(target=release)
         releaser.start()
         first = next(it)
-        started_while_stuck = tracker.started
         releaser.join()
         rest = list(it)
-    assert started_while_stuck == 2 * 4 + 3
+    assert started_while_stuck == [2 * 4 + 3]
     assert [first, *rest] == batches_of(list(range(100)), 4)
 
 
@@ -236,7 +231,9 @@ def failing_loader(mode: str, stage: str, *, in_order: bool = True) -> Loader[An
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stage", ["fetch", "plain fetch", "decode", "collate"])
-def test_error_reaches_the_consumer_with_type_traceback_and_note(mode: str, stage: str) -> None:
+def test_error_reaches_the_consumer_with_type_traceback_and_note(
+    mode: str, stage: str, threads_stopped: Callable[[], list[str]]
+) -> None:
     got: list[Any] = []
     with failing_loader(mode, stage) as loader:
         with pytest.raises(Boom) as info:
@@ -247,6 +244,7 @@ def test_error_reaches_the_consumer_with_type_traceback_and_note(mode: str, stag
         with pytest.raises(Boom):
             consume(loader, mode, got.append)
         assert got == [[0, 1, 2], [3, 4, 5]]
+    assert threads_stopped() == []  # and closing after the error stops everything
     error = info.value
     frames = traceback.extract_tb(error.__traceback__)
     assert any(f.filename.endswith("fakes.py") and f.name == "__call__" for f in frames)

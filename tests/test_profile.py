@@ -1,0 +1,122 @@
+"""`python -m aioloader profile`, `loader.iter(progress=True)` and the stats sampler and plot."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from profile_factory import make
+
+from aioloader import Loader
+from aioloader._profile import Sampler, draw, plot, series
+from aioloader._progress import live_line
+
+TESTS = Path(__file__).parent
+
+
+def cli(*args: str, cwd: Path = TESTS) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aioloader", *args], cwd=cwd, capture_output=True, text=True,
+        timeout=90, check=False,
+    )  # fmt: skip
+
+
+def test_profile_prints_the_table_and_the_verdict_and_saves_a_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tqdm")
+    png, trace = tmp_path / "p.png", tmp_path / "t.json"
+    done = cli("profile", "profile_factory:make", "--batches", "15", "--interval", "0.05",
+               "--png", str(png), "--trace", str(trace))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.startswith("15 batches")  # 10 a epoch: the second epoch gave the last 5
+    assert "stage" in out
+    assert "fetch" in out
+    assert "consumer:" in out
+    assert "Fetch is the bottleneck" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert trace.exists()
+    assert "batch/s" in done.stderr  # tqdm's bar
+
+
+def test_profile_takes_a_file_path_and_says_when_matplotlib_is_missing(tmp_path: Path) -> None:
+    stub = tmp_path / "stub"
+    (stub / "matplotlib").mkdir(parents=True)
+    (stub / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(stub)!r}); "
+         "from aioloader.__main__ import main; sys.exit(main())",
+         "profile", str(TESTS / "profile_factory.py") + ":make", "--batches", "3", "--no-progress"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "matplotlib is not installed" in done.stdout
+    assert not (tmp_path / "aioloader-profile.png").exists()
+
+
+def test_profile_refuses_what_is_not_a_loader() -> None:
+    done = cli("profile", "profile_factory:not_a_loader", "--no-png", "--no-progress")
+    assert done.returncode == 2
+    assert "not a Loader" in done.stdout
+    assert cli("profile", "profile_factory").returncode != 0
+
+
+def test_iter_with_progress_yields_the_same_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    with make() as loader:
+        plain = list(loader)
+        shown = list(loader.iter(progress=True))
+    assert shown == plain
+    assert "10/10" in capsys.readouterr().err
+
+
+def test_progress_without_tqdm_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    with make() as loader, pytest.raises(ImportError, match=r"aioloader\[profile\]"):
+        loader.iter(progress=True)
+
+
+def test_breaking_out_of_a_progress_loop_stops_the_epoch() -> None:
+    pytest.importorskip("tqdm")
+    with make() as loader:
+        for _ in loader.iter(progress=True):
+            break
+        assert not loader._live
+
+
+def test_live_line_reads_the_interval_between_two_snapshots() -> None:
+    with make() as loader:
+        before = loader.stats()
+        list(loader)
+        after = loader.stats()
+    line = live_line(before, after)
+    assert "batches/s" in line
+    assert "samples/s" in line
+    assert "MB/s" in line
+    assert "wait" in line
+
+
+def test_sampler_series_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    with make() as loader:
+        with Sampler(loader, interval=0.01) as sampler:
+            assert sum(1 for _ in draw(loader, 12, progress=False)) == 12
+        data = series(sampler.samples)
+    assert len(sampler.samples) >= 2
+    assert len(data["t"]) == len(data["fetch items/s"]) == len(data["held samples"])
+    assert sum(data["consumer samples/s"]) > 0
+    assert plot(sampler.samples, tmp_path / "p.png") == tmp_path / "p.png"
+
+
+def test_draw_stops_at_an_empty_epoch() -> None:
+    async def fetch(key: int) -> int:
+        await asyncio.sleep(0)
+        return key
+
+    loader: Loader[Any] = Loader([], fetch, batch_size=2)
+    with loader:
+        assert list(draw(loader, 5, progress=False)) == []
