@@ -120,6 +120,20 @@ def _check_shapes(batch: Sequence[torch.Tensor]) -> None:
         raise CollateError(f"cannot stack samples of different shapes into one batch: {listed}")
 
 
+def _stack_into(batch: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Stack into `out` on this thread alone.
+
+    numpy copies on the calling thread; torch.stack would use the process's intra-op thread team,
+    which stalls whenever the cores are busy (as they are while decode threads run): measured here,
+    0.04 s per 150 MB batch one-threaded against 0.4-0.9 s with the team under load.
+    """
+    try:
+        np.stack([t.numpy() for t in batch], out=out.numpy())
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), or a view it cannot take
+        torch.stack(list(batch), 0, out=out)
+    return out
+
+
 def _make_fn_map(pool: BufferPool | None) -> _CollateFnMap:
     torch_tensor_fn = _torch_fn_map[torch.Tensor]
 
@@ -128,7 +142,7 @@ def _make_fn_map(pool: BufferPool | None) -> _CollateFnMap:
         if pool is None or not _stackable(batch):
             return torch_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
         out = pool.take((len(batch), *batch[0].shape), batch[0].dtype)
-        return torch.stack(list(batch), 0, out=out)
+        return _stack_into(batch, out)
 
     def ndarray_fn(batch: Sequence[np.ndarray[Any, Any]], *, collate_fn_map: Any = None) -> Any:
         if batch[0].dtype.kind in "SaUO":

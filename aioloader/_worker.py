@@ -205,11 +205,13 @@ class _Worker:
         self.conn.send_bytes(pickle.dumps(msg, protocol=5))
 
     def loop(self) -> None:
+        """Serve until the parent hangs up (EOF, or a broken pipe when it closes mid-task)."""
+        with contextlib.suppress(EOFError, BrokenPipeError, ConnectionResetError):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
-            try:
-                msg = pickle.loads(self.conn.recv_bytes())
-            except EOFError:
-                return
+            msg = pickle.loads(self.conn.recv_bytes())
             kind = msg[0]
             if kind == TASK:
                 self.task(*msg[1:])

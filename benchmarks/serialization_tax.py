@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from aioloader import Loader
+from aioloader import BufferPool, Loader
 
 N_ITEMS = 10_000
 IO_WAIT_S = 0.003125
@@ -96,12 +96,22 @@ class Result:
     cpu_s_per_batch: float  # this process and its workers, over the measured batches
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes started by `pid`, and theirs (DataLoader's and aioloader's workers)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in map(int, (task / "children").read_text().split()):
+                found += [child, *descendants(child)]
+    return found
+
+
 def cpu_seconds() -> float:
-    """CPU time used so far by this process and its live child processes (torch's workers)."""
+    """CPU time used so far by this process and the live processes it started."""
     total = time.process_time()
-    for child in multiprocessing.active_children():
+    for pid in descendants(os.getpid()):
         with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
     return total
 
@@ -123,9 +133,13 @@ def time_batches(make: Callable[[], Iterable[Any]], warmup: int, measure: int) -
     return Result("", (stamps[-1] - stamps[warmup]) / measure, stamps[0] - start, cpu)
 
 
-def best_of(repeats: int, name: str, once: Callable[[], Result]) -> Result:
+def best_of(repeats: int, name: str, once: Callable[[], Result]) -> Result | None:
     """The fastest of `repeats` runs (the machine may be shared; noise only ever slows a run)."""
-    result = min((once() for _ in range(repeats)), key=lambda r: r.s_per_batch)
+    try:
+        result = min((once() for _ in range(repeats)), key=lambda r: r.s_per_batch)
+    except Exception as exc:  # one broken config should not cost the others
+        print(f"{name:<64} failed: {exc!r}", flush=True)
+        return None
     result.name = name
     print_table([result], header=False)
     return result
@@ -146,8 +160,21 @@ def run_torch(workers: int, warmup: int, measure: int) -> Result:
         assert not multiprocessing.active_children(), "DataLoader workers still running"
 
 
+def numpy_collate(pool: BufferPool) -> Callable[[list[np.ndarray]], torch.Tensor]:
+    """Stack arrays into the pool's recycled buffers with numpy: one thread, no OpenMP team."""
+
+    def collate(samples: list[np.ndarray]) -> torch.Tensor:
+        out = pool.take((len(samples), *samples[0].shape), torch.as_tensor(samples[0]).dtype)
+        np.stack(samples, out=out.numpy())
+        return out
+
+    return collate
+
+
 def run_aio(kwargs: dict[str, Any], warmup: int, measure: int) -> Result:
     kwargs = dict(kwargs)
+    if kwargs.get("collate") == "numpy":
+        kwargs["collate"] = numpy_collate(BufferPool(per_shape=kwargs.get("prefetch", 2) + 3))
     before = torch.get_num_threads()
     torch.set_num_threads(kwargs.pop("intra_op_threads", before))  # inherited by the collate thread
     loader: Loader[torch.Tensor] | None = None
@@ -168,28 +195,37 @@ def run_aio(kwargs: dict[str, Any], warmup: int, measure: int) -> Result:
 def aio_configs(quick: bool) -> dict[str, dict[str, Any]]:
     """The aioloader configurations to try (name -> Loader keyword arguments).
 
-    "1 intra-op thread" makes torch's stack in the collate thread single-threaded, as DataLoader makes
-    its workers: an OpenMP team of 2 on 2 cores that decode threads keep busy stalls at every barrier.
+    Configs run with 1 intra-op thread (torch.set_num_threads(1) before the loader starts its threads)
+    unless named "2 intra-op" or "numpy collate": torch's stack in the collate thread is then
+    single-threaded, as in DataLoader's workers. An OpenMP team of 2 on 2 cores that the decode threads
+    keep busy stalls at every barrier. "numpy collate" stacks with numpy into a BufferPool instead.
     "per-thread RNG": each thread draws from its own MT19937, as each worker process does (numpy's
-    global generator would serialize the threads on its lock).
+    global generator would serialize the threads on its lock); "decode in processes" gives each
+    worker process its own global generator, as DataLoader's workers have.
     """
     one = {"intra_op_threads": 1}
     decode = {"fetch": fetch_wait, "decode": make_item_local, "executor": "thread",
               "workers": len(os.sched_getaffinity(0))}  # fmt: skip
     configs: dict[str, dict[str, Any]] = {
-        "fetch in 32 threads, global RNG": {"fetch": fetch_global, "concurrency": 32, **one},
         "fetch in 64 threads, global RNG": {"fetch": fetch_global, "concurrency": 64, **one},
         "fetch in 64 threads, per-thread RNG": {"fetch": fetch_local, "concurrency": 64, **one},
         "async wait, decode in threads, global RNG": {**decode, "decode": generate_global, **one},
         "async wait, decode in threads, c64": {**decode, "concurrency": 64, **one},
         "async wait, decode in threads, c16": {**decode, "concurrency": 16, **one},
-        "async wait, decode in threads, c16, prefetch 1": {
-            **decode, "concurrency": 16, "prefetch": 1, **one,
+        "async wait, decode in threads, c16, 2 intra-op": {**decode, "concurrency": 16},
+        "async wait, decode in threads, c64, numpy collate": {
+            **decode, "concurrency": 64, "collate": "numpy",
         },
-        "async wait, decode in threads, c16, 2 intra-op threads": {**decode, "concurrency": 16},
+        "fetch in 64 threads, per-thread RNG, numpy collate": {
+            "fetch": fetch_local, "concurrency": 64, "collate": "numpy",
+        },
+        "async wait, decode in processes, global RNG": {
+            **decode, "decode": generate_global, "executor": "process", "concurrency": 64, **one,
+        },
     }  # fmt: skip
     if quick:
-        keep = ("fetch in 64 threads, global RNG", "async wait, decode in threads, c16")
+        keep = ("fetch in 64 threads, global RNG", "fetch in 64 threads, per-thread RNG",
+                "async wait, decode in threads, c64")  # fmt: skip
         configs = {name: configs[name] for name in keep}
     return configs
 
@@ -209,10 +245,10 @@ def measure_floor(repeats: int = 3) -> tuple[float, float]:
 def print_table(results: list[Result], header: bool = True) -> None:
     if header:
         print(
-            f"{'configuration':<62} {'s/batch':>8} {'samples/s':>9} {'ttfb s':>7} {'CPU s/batch':>11}"
+            f"{'configuration':<64} {'s/batch':>8} {'samples/s':>9} {'ttfb s':>7} {'CPU s/batch':>11}"
         )
     for r in results:
-        print(f"{r.name:<62} {r.s_per_batch:>8.4f} {BATCH / r.s_per_batch:>9.0f} {r.ttfb_s:>7.3f} "
+        print(f"{r.name:<64} {r.s_per_batch:>8.4f} {BATCH / r.s_per_batch:>9.0f} {r.ttfb_s:>7.3f} "
               f"{r.cpu_s_per_batch:>11.3f}", flush=True)  # fmt: skip
 
 
@@ -234,8 +270,11 @@ def summary(torch_results: list[Result], aio_results: list[Result], floor: float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer configs and batches (< 60 s)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per config; the best counts")
+    parser.add_argument(
+        "--repeats", type=int, help="runs per config, the best counts (1 quick, 2 full)"
+    )
     args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.quick else 2)
     warmup, measure = (3, 8) if args.quick else (5, 20)
     print(f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, numpy {np.__version__}, "
           f"warm-up {warmup} batches, measured {measure}, best of {args.repeats}")  # fmt: skip
@@ -253,7 +292,7 @@ def main() -> None:
         best_of(args.repeats, f"aioloader {name}", lambda kw=kwargs: run_aio(kw, warmup, measure))
         for name, kwargs in aio_configs(args.quick).items()
     ]
-    line = summary(torch_results, aio_results, floor)
+    line = summary([r for r in torch_results if r], [r for r in aio_results if r], floor)
     print(line)
 
 
