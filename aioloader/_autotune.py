@@ -17,10 +17,8 @@ Every change is logged on the "aioloader" logger at INFO; `loader.stats().concur
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,6 +27,7 @@ from ._decode import Executor, ThreadExecutor, default_workers, make_executor
 from ._limits import Tuner
 from ._stats import NullRecorder, Recorder
 from ._validate import check_int
+from .sources._aimd import Slots
 
 __all__ = ["AutoConcurrency", "AutoWorkers", "Climber", "resolve_concurrency", "resolve_decoder"]
 
@@ -102,16 +101,16 @@ class AutoConcurrency(Tuner):
             self._changed()
 
 
-class AutoWorkers:
+class AutoWorkers(Slots):
     """`workers="auto"` with executor="thread": a pool of up to `maximum` threads (the cores), of
     which a `Climber` decides how many decode at once. `run` is safe to cancel.
     """
 
     def __init__(self, maximum: int, initial: int = 1) -> None:
+        super().__init__()
         self.climber = Climber("decode workers", initial, 1, maximum, keep_flat=False)
         self._pool = ThreadExecutor(maximum)
         self._in_use = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
         self._area, self._t = 0.0, time.perf_counter()
 
     @property
@@ -124,34 +123,20 @@ class AutoWorkers:
         self._t, self._in_use = now, self._in_use + delta
         return now
 
+    def _free(self) -> bool:
+        return self._in_use < self.climber.limit
+
+    def _count(self, delta: int) -> None:
+        self._move(delta)
+
     async def run(self, fn: Callable[[Any], T], arg: Any, seed: int | None = None) -> T:
-        if self._in_use < self.climber.limit and not self._waiters:
-            self._move(+1)
-        else:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter  # `_wake` counted the worker as ours before it woke us
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._move(-1)  # handed a worker we will not use: pass it on
-                    self._wake()
-                else:
-                    self._waiters.remove(waiter)
-                raise
+        await self._enter()
         try:
             return await self._pool.run(fn, arg, seed)
         finally:
             now = self._move(-1)
             self.climber.tick(now, self._area)
             self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self._in_use < self.climber.limit:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self._move(+1)
-                waiter.set_result(None)
 
     def close(self) -> None:
         self._pool.close()

@@ -18,18 +18,15 @@ Usage: python benchmarks/autotune.py [--quick] [--phase-s SECONDS] [--rounds N] 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
+
+from _objserver import start_server
 
 from aioloader import Loader
 from aioloader.sources import http
@@ -39,52 +36,6 @@ PHASES_MS = (20, 80)
 FIXED = (16, 64, 256)
 BATCH = 32
 POOL = 256  # connections the source may open: as many as the largest setting needs
-
-
-def serve(port_file: str) -> None:
-    """Serve /obj/<n> after the current delay; POST /delay/<ms> sets it. Runs until killed."""
-    from aiohttp import web
-
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    body = os.urandom(SIZE)
-    delay = {"s": PHASES_MS[0] / 1000}
-
-    async def get(_request: web.Request) -> web.Response:
-        await asyncio.sleep(delay["s"])
-        return web.Response(body=body, content_type="application/octet-stream")
-
-    async def set_delay(request: web.Request) -> web.Response:
-        delay["s"] = int(request.match_info["ms"]) / 1000
-        return web.Response(text="ok")
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/obj/{name}", get)
-        app.router.add_post("/delay/{ms}", set_delay)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=2048)
-        await site.start()
-        await asyncio.to_thread(Path(port_file).write_text, str(runner.addresses[0][1]))
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
-
-def start_server() -> tuple[subprocess.Popen[bytes], str]:
-    port_file = Path(tempfile.mkdtemp()) / "port"
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)])
-    deadline = time.monotonic() + 30
-    while not port_file.exists() or not port_file.read_text():
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("the object server did not start")
-        time.sleep(0.05)  # a process boundary: nothing else signals readiness
-    return proc, f"http://127.0.0.1:{port_file.read_text()}"
 
 
 def set_delay(base: str, ms: int) -> None:
@@ -128,10 +79,7 @@ def main() -> None:
     parser.add_argument("--phase-s", type=float, default=None, help="seconds per phase")
     parser.add_argument("--rounds", type=int, default=None, help="runs of every setting")
     parser.add_argument("-v", "--verbose", action="store_true", help="log auto's changes")
-    parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:
-        return serve(args.serve)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms  %(message)s")
     phase_s = args.phase_s or (5.0 if args.quick else 12.0)
@@ -140,7 +88,7 @@ def main() -> None:
           f"{phase_s:.0f} s per phase; median of {rounds} rounds; {os.cpu_count()} cores")  # fmt: skip
     configs: list[int | str] = [*FIXED, "auto"]
     runs: dict[int | str, list[dict[str, Any]]] = {c: [] for c in configs}
-    proc, base = start_server()
+    proc, base = start_server(SIZE, PHASES_MS[0], backlog=2048)
     try:
         for r in range(rounds):  # rotated, so that no setting always runs while the host is busy
             for c in configs[r % len(configs) :] + configs[: r % len(configs)]:

@@ -17,10 +17,8 @@ The last line printed is a JSON summary.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _objserver import start_server
 from torch.utils.data import DataLoader, Dataset
 
 from aioloader import Loader
@@ -40,49 +39,6 @@ from aioloader.sources import http, s3
 SIZE = 256 * 1024
 DELAY_S = 0.020
 BATCH = 32
-
-
-# -- the object server (runs in a subprocess) ------------------------------------------------------
-
-
-def serve(port_file: str) -> None:
-    """Serve /obj/<n> (256 KiB each) after a 20 ms wait, until killed; writes its port to port_file."""
-    from aiohttp import web
-
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    body = os.urandom(SIZE)
-
-    async def get(_request: web.Request) -> web.Response:
-        await asyncio.sleep(DELAY_S)
-        return web.Response(body=body, content_type="application/octet-stream")
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/obj/{name}", get)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
-        await site.start()
-        await asyncio.to_thread(Path(port_file).write_text, str(runner.addresses[0][1]))
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
-
-def start_server() -> tuple[subprocess.Popen[bytes], str]:
-    port_file = Path(tempfile.mkdtemp()) / "port"
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)])
-    deadline = time.monotonic() + 30
-    while not port_file.exists() or not port_file.read_text():
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("the object server did not start")
-        time.sleep(0.05)  # a process boundary: nothing else signals readiness
-    return proc, f"http://127.0.0.1:{port_file.read_text()}/obj/"
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -197,17 +153,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer objects (under 60 s in all)")
     parser.add_argument("--no-s3", action="store_true", help="skip the SeaweedFS run")
     parser.add_argument("--objects", type=int, default=None)
-    parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:
-        return serve(args.serve)
     # torch warns that 8 workers exceed the cores here; 8 is the configuration being compared
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     n = args.objects or (600 if args.quick else 2000)
     keys = [f"{i:05d}.bin" for i in range(n)]
     print(f"{n} objects of {SIZE // 1024} KiB, {DELAY_S * 1000:.0f} ms per GET; "
           f"{os.cpu_count()} cores, torch {torch.__version__}")  # fmt: skip
-    proc, base = start_server()
+    proc, base = start_server(SIZE, DELAY_S * 1000)
+    base += "/obj/"
     try:
         results = [run_torch(base, keys, 8)]
         for engine in ("aiohttp", "fast"):

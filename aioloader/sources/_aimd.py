@@ -14,10 +14,53 @@ from __future__ import annotations
 import asyncio
 import collections
 
-__all__ = ["Aimd"]
+__all__ = ["Aimd", "Slots"]
 
 
-class Aimd:
+class Slots:
+    """A FIFO asyncio semaphore whose size may change while it is in use; subclasses say how.
+
+    A subclass implements `_free()` (may one more slot be taken now?) and `_count(delta)` (take
+    slots, or give them back). `_enter()` waits for a slot, in arrival order, and is safe to cancel;
+    call `_wake()` after giving a slot back or growing the size. Use on one event loop; not
+    thread-safe. (Shared by `Aimd` and the loader's `AutoWorkers`.)
+    """
+
+    def __init__(self) -> None:
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def _free(self) -> bool:
+        raise NotImplementedError
+
+    def _count(self, delta: int) -> None:
+        raise NotImplementedError
+
+    async def _enter(self) -> None:
+        """Wait for a free slot and count it as taken. Safe to cancel."""
+        if self._free() and not self._waiters:
+            self._count(+1)
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter  # `_wake` counts the slot as ours before it wakes us
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self._count(-1)  # handed a slot we will not use: pass it on
+                self._wake()
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def _wake(self) -> None:
+        while self._waiters and self._free():
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._count(+1)
+                waiter.set_result(None)
+
+
+class Aimd(Slots):
     """An asyncio semaphore whose size moves between `minimum` and `maximum`.
 
     `acquire()` returns a ticket (the decrease count when the request started); hand it back to
@@ -39,6 +82,7 @@ class Aimd:
             raise ValueError(f"need 1 <= minimum <= maximum, got {minimum} and {maximum}")
         if not 0.0 < decrease < 1.0:
             raise ValueError(f"decrease must be in (0, 1), got {decrease}")
+        super().__init__()
         self.maximum = maximum
         self.minimum = minimum
         self.decrease = decrease
@@ -46,25 +90,17 @@ class Aimd:
         self.in_flight = 0
         self.throttles = 0
         self.decreases = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def acquire(self) -> int:
         """Wait for a free slot; returns the ticket to pass to `release`. Safe to cancel."""
-        if self.in_flight < int(self.limit) and not self._waiters:
-            self.in_flight += 1
-            return self.decreases
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter  # `_wake` counts the slot as ours before it wakes us
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self.in_flight -= 1  # handed a slot we will not use: pass it on
-                self._wake()
-            else:
-                self._waiters.remove(waiter)
-            raise
+        await self._enter()
         return self.decreases
+
+    def _free(self) -> bool:
+        return self.in_flight < int(self.limit)
+
+    def _count(self, delta: int) -> None:
+        self.in_flight += delta
 
     def release(self, ticket: int, *, throttled: bool = False) -> None:
         """Give the slot back; `throttled` says the server asked to slow down."""
@@ -77,13 +113,6 @@ class Aimd:
         else:
             self.limit = min(float(self.maximum), self.limit + 1.0 / self.limit)
         self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self.in_flight < int(self.limit):
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.in_flight += 1
-                waiter.set_result(None)
 
     def stats(self) -> dict[str, float]:
         """The current limit, requests in flight, throttles seen and decreases made."""

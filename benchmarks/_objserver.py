@@ -1,0 +1,84 @@
+"""The benchmarks' object server: an aiohttp server on 127.0.0.1, run in a subprocess.
+
+GET /obj/<name> answers `size` random bytes (the same for every name) after the current delay;
+POST /delay/<ms> sets that delay. `start_server()` runs this file as a subprocess and waits until it
+has written its port to a file (a process boundary: nothing else signals readiness).
+
+Usage (from start_server): python benchmarks/_objserver.py PORT_FILE --size N --delay-ms MS [--backlog N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def serve(port_file: str, size: int, delay_ms: float, backlog: int) -> None:
+    """Serve /obj/<n> after the current delay; POST /delay/<ms> sets it. Runs until killed."""
+    from aiohttp import web
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    body = os.urandom(size)
+    delay = {"s": delay_ms / 1000}
+
+    async def get(_request: web.Request) -> web.Response:
+        await asyncio.sleep(delay["s"])
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    async def set_delay(request: web.Request) -> web.Response:
+        delay["s"] = int(request.match_info["ms"]) / 1000
+        return web.Response(text="ok")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/obj/{name}", get)
+        app.router.add_post("/delay/{ms}", set_delay)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=backlog)
+        await site.start()
+        await asyncio.to_thread(Path(port_file).write_text, str(runner.addresses[0][1]))
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def start_server(
+    size: int, delay_ms: float, backlog: int = 1024
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the server in a subprocess; returns it and its base URL (http://127.0.0.1:<port>)."""
+    port_file = Path(tempfile.mkdtemp()) / "port"
+    cmd = [sys.executable, __file__, str(port_file), "--size", str(size),
+           "--delay-ms", str(delay_ms), "--backlog", str(backlog)]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 30
+    while not port_file.exists() or not port_file.read_text():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("the object server did not start")
+        time.sleep(0.05)  # a process boundary: nothing else signals readiness
+    return proc, f"http://127.0.0.1:{port_file.read_text()}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("port_file", help="where to write the port once listening")
+    parser.add_argument("--size", type=int, required=True, help="bytes per object")
+    parser.add_argument("--delay-ms", type=float, required=True, help="initial delay per GET")
+    parser.add_argument("--backlog", type=int, default=1024)
+    args = parser.parse_args()
+    serve(args.port_file, args.size, args.delay_ms, args.backlog)
+
+
+if __name__ == "__main__":
+    main()
