@@ -114,6 +114,13 @@ def _stackable(batch: Sequence[torch.Tensor]) -> bool:
 
 
 def _check_shapes(batch: Sequence[torch.Tensor]) -> None:
+    others = [
+        f"[{i}]={type(t).__name__}" for i, t in enumerate(batch) if not isinstance(t, torch.Tensor)
+    ]
+    if others:
+        raise CollateError(
+            "cannot batch tensors with samples that are not tensors: " + ", ".join(others)
+        )
     shapes = {tuple(t.shape) for t in batch}
     if len(shapes) > 1:
         listed = ", ".join(f"[{i}]={tuple(t.shape)}" for i, t in enumerate(batch))
@@ -145,6 +152,15 @@ def _make_fn_map(pool: BufferPool | None) -> _CollateFnMap:
         return _stack_into(batch, out)
 
     def ndarray_fn(batch: Sequence[np.ndarray[Any, Any]], *, collate_fn_map: Any = None) -> Any:
+        others = [
+            f"[{i}]={type(b).__name__}"
+            for i, b in enumerate(batch)
+            if not isinstance(b, np.ndarray)
+        ]
+        if others:
+            raise CollateError(
+                "cannot batch arrays with samples that are not: " + ", ".join(others)
+            )
         if batch[0].dtype.kind in "SaUO":
             raise CollateError(
                 f"default_collate cannot batch numpy arrays of dtype {batch[0].dtype}"

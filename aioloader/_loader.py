@@ -404,6 +404,7 @@ class Loader(Resumable, Generic[T]):
             try:
                 async for batch in self._batches(run.get, progress):
                     yield batch
+                    del batch  # an error raised later must not keep it alive
             finally:
                 await self._close_epoch(run)
             return
@@ -413,6 +414,7 @@ class Loader(Resumable, Generic[T]):
             get = lambda: asyncio.wrap_future(runner.submit(run.get()))  # noqa: E731
             async for batch in self._batches(get, progress):
                 yield batch
+                del batch  # an error raised later must not keep it alive
         finally:
             if runner.alive:
                 await asyncio.wrap_future(runner.submit(self._close_epoch(run)))

@@ -191,10 +191,14 @@ class Epoch:
         return index, batch
 
     async def aclose(self) -> None:
-        """Cancel the epoch and wait until every task of it has ended."""
+        """Cancel the epoch, wait until every task of it has ended, and drop what it still holds
+        (an error the consumer keeps may keep this object alive through its traceback)."""
         self.cancel()
         with contextlib.suppress(asyncio.CancelledError, _Failed):
             await self._task
+        self._ready.clear()
+        while not self._out.empty():
+            self._out.get_nowait()
 
     def cancel(self) -> None:
         """Ask the epoch to stop (non-blocking; call on the epoch's loop).

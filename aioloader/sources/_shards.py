@@ -59,13 +59,15 @@ async def open_shard(
                 while chunk := await f.read(CHUNK):
                     yield chunk
         except OSError as exc:
-            raise FetchError(f"tar shard {shard}: {exc.strerror or exc}", key=shard) from exc
+            raise FetchError(
+                f"tar shard {shard}: {exc.strerror or exc}", key=redact_url(shard)
+            ) from exc
 
 
 async def _remote(transport: Transport, url: str, shard: str) -> AsyncGenerator[bytes, None]:
     pos, breaks = 0, 0
     while True:
-        resp = await transport.open(url, key=shard, offset=pos)
+        resp = await transport.open(url, key=redact_url(shard), offset=pos)
         try:
             while chunk := await resp.content.readany():
                 pos += len(chunk)
@@ -82,7 +84,7 @@ async def _remote(transport: Transport, url: str, shard: str) -> AsyncGenerator[
                 message = (
                     f"tar shard {redact_url(url)}: stream broke {breaks} times, last at byte {pos}"
                 )
-                raise FetchError(f"{message} ({type(e).__name__})", key=shard) from None
+                raise FetchError(f"{message} ({type(e).__name__})", key=redact_url(shard)) from None
             log.debug("tar shard %s: stream broke at byte %d; resuming", redact_url(url), pos)
         finally:
             resp.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from .._exceptions import FetchError
+from ._redact import redact_url
 
 __all__ = ["BLOCK", "tar_members"]
 
@@ -61,7 +62,10 @@ def _number(field: bytes) -> int:
 
 
 def _checksum_ok(header: bytes) -> bool:
-    stored = _number(header[148:156])
+    try:
+        stored = _number(header[148:156])
+    except ValueError:
+        return False
     unsigned = sum(header[:148]) + 8 * 0x20 + sum(header[156:])
     return stored == unsigned
 
@@ -71,6 +75,8 @@ def _pax(data: bytes) -> dict[str, str]:
     while pos < len(data):
         space = data.index(b" ", pos)
         length = int(data[pos:space])
+        if length <= space - pos:  # a record is at least its own length field and a space
+            raise ValueError(f"pax record length {length} at {pos}")
         key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
         fields[key.decode("utf-8", "replace")] = value.decode("utf-8", "surrogateescape")
         pos += length
@@ -96,7 +102,9 @@ async def _members(buf: _Buffer, shard: str) -> AsyncGenerator[tuple[str, bytes]
     pax: dict[str, str] = {}
 
     def broken(what: str, at: int) -> FetchError:
-        return FetchError(f"tar shard {shard}: {what} at byte offset {at}", key=shard)
+        return FetchError(
+            f"tar shard {redact_url(shard)}: {what} at byte offset {at}", key=redact_url(shard)
+        )
 
     while True:
         at = buf.offset
@@ -115,7 +123,9 @@ async def _members(buf: _Buffer, shard: str) -> AsyncGenerator[tuple[str, bytes]
             raise broken("bad size field", at) from None
         kind = header[156:157]
         if kind not in (b"L", b"x", b"g") and "size" in pax:
-            size = int(pax["size"])
+            size = int(pax["size"]) if pax["size"].isdecimal() else -1
+            if size < 0:
+                raise broken(f"bad pax size {pax['size']!r}", at)
         padded = -(-size // BLOCK) * BLOCK
         if not await buf.fill(padded):
             raise broken(f"stream ended inside a member of {size} bytes (truncated shard)", at)

@@ -175,7 +175,9 @@ class TarShards:
                         yield current
                     current = {"__key__": key, "__url__": shard}
                 if ext in current:
-                    raise FetchError(f"tar shard {label}: {name!r} twice in one sample", key=shard)
+                    raise FetchError(
+                        f"tar shard {label}: {name!r} twice in one sample", key=redact_url(shard)
+                    )
                 if self.suffixes is None or ext in self.suffixes:
                     current[ext] = data
         if current is not None:
