@@ -123,6 +123,12 @@ class _Slab:
         return len(self.free) * self.slot_size == self.size
 
 
+# Each live slab holds two descriptors (its own, handed to workers started later, and the one mmap
+# keeps); past this many slabs, results are copied out so that a consumer holding thousands of them
+# cannot exhaust a small `ulimit -n`.
+MAX_SLABS = 16
+
+
 class Slot:
     """`capacity` bytes at `offset` in slab `slab_id`; leased to one task at a time."""
 
@@ -189,8 +195,12 @@ class Arena:
                 if slab.slot_size == size and slab.free:
                     return self._lease(slab.free.pop())
             count = max(1, min(SLOTS_PER_SLAB, SLAB_BYTES // size))
-            while self.budget - self.mapped_bytes < size * count and self._retire_one(keep=size):
+            while (
+                self.budget - self.mapped_bytes < size * count or len(self._slabs) >= MAX_SLABS
+            ) and self._retire_one(keep=size):
                 pass
+            if len(self._slabs) >= MAX_SLABS:
+                return None  # every slab is viewed: copy out rather than hold more descriptors
             count = min(count, (self.budget - self.mapped_bytes) // size)
             if count < 1:
                 return None
