@@ -386,7 +386,7 @@ class Loader(Resumable, Generic[T]):
                 del batch
         finally:
             if runner.alive and not runner.in_loop_thread():
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(TimeoutError, LoaderClosedError):  # closed meanwhile
                     runner.run(self._close_epoch(run), STOP_TIMEOUT_S)
             else:
                 self._live.discard(run)
@@ -417,7 +417,8 @@ class Loader(Resumable, Generic[T]):
                 del batch  # an error raised later must not keep it alive
         finally:
             if runner.alive:
-                await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
+                with contextlib.suppress(LoaderClosedError):  # the loader was closed meanwhile
+                    await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
 
     async def _batches(self, get: Callable[[], Any], progress: Progress) -> AsyncIterator[T]:
         wait = self._stages.recorder.waited

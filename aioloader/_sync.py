@@ -50,6 +50,11 @@ class LoopThread:
 
     def __init__(self, name: str = "aioloader-loop") -> None:
         self.loop = new_event_loop()
+        # Futures handed out by `submit`: those still pending when the loop ends are cancelled, so
+        # that a coroutine submitted while the loop was stopping never leaves its waiter hanging.
+        self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
+        self._submit_lock = threading.Lock()
+        self._ended = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         _live.add(self)
@@ -66,14 +71,22 @@ class LoopThread:
                     # raised in a task by user code: the task holds it for whoever awaits it (the
                     # consumer), so keep serving the loader until stop() instead of dying mid-epoch
                     continue
-            tasks = asyncio.all_tasks(loop)
-            for task in tasks:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            with self._submit_lock:
+                self._ended = True  # from here on, submit() refuses
+            # a coroutine submitted just before becomes a task only now: repeat until none is left
+            while tasks := asyncio.all_tasks(loop):
+                for task in tasks:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
         finally:
             loop.close()
+            with self._submit_lock:
+                self._ended = True
+                pending = [f for f in self._futures if not f.done()]
+            for future in pending:
+                future.cancel()
 
     @property
     def alive(self) -> bool:
@@ -87,11 +100,16 @@ class LoopThread:
 
         Raises `LoaderClosedError` (a RuntimeError) once the loop has been stopped and closed.
         """
-        try:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop)
-        except RuntimeError:  # "Event loop is closed": close `coro` so it is not left unawaited
-            coro.close()
-            raise LoaderClosedError("the loader's event loop thread was stopped") from None
+        with self._submit_lock:
+            try:
+                if self._ended:
+                    raise RuntimeError("ended")
+                future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            except RuntimeError:  # the loop is closed: close `coro` so it is not left unawaited
+                coro.close()
+                raise LoaderClosedError("the loader's event loop thread was stopped") from None
+            self._futures.add(future)
+        return future
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and block until it ends.
