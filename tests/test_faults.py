@@ -479,20 +479,6 @@ def test_holding_1000_batches_under_ulimit_64_pins_no_descriptors(
     assert 0 < run["fds_max"] < 64
 
 
-def test_process_results_held_under_ulimit_64_never_exhaust_descriptors(
-    fd_limit_runs: dict[str, dict[str, Any]],
-) -> None:
-    """What the slab cap guarantees today: every result delivered intact, no EMFILE, the
-    descriptors pinned by held results bounded by 2 x MAX_SLABS."""
-    from aioloader._shm import MAX_SLABS
-
-    run = fd_limit_runs["process, unbatched"]
-    assert run["error"] is None
-    assert run["delivered"] == 1000
-    assert run["intact"]
-    assert run["fds_after_close"] - run["fds_before"] <= 2 * MAX_SLABS, run
-
-
 # -- the error policy under faults ------------------------------------------------------------------
 
 N_IMAGES = 20
