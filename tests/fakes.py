@@ -80,12 +80,8 @@ class Tracker:
             return self.changed.wait_for(lambda: predicate(self), timeout)
 
 
-class AsyncFetch:
-    """An async fetch: `key -> transform(key)` after `delay(key)` seconds, tracked.
-
-    With `hold_until_limit`, each call waits (without blocking the loop) until `limit` calls are in
-    flight at once, so a test proves the limit is reached rather than hoping for it.
-    """
+class _Fetch:
+    """What both fakes share: the tracker, the per-key delay, the transform, the hold option."""
 
     def __init__(
         self,
@@ -99,6 +95,17 @@ class AsyncFetch:
         self.delay = delay if callable(delay) else (lambda _key, d=delay: d)
         self.transform = transform
         self.hold_until_limit = hold_until_limit
+
+
+class AsyncFetch(_Fetch):
+    """An async fetch: `key -> transform(key)` after `delay(key)` seconds, tracked.
+
+    With `hold_until_limit`, each call waits (without blocking the loop) until `limit` calls are in
+    flight at once, so a test proves the limit is reached rather than hoping for it.
+    """
+
+    def __init__(self, tracker: Tracker | None = None, **options: Any) -> None:
+        super().__init__(tracker, **options)
         self._reached: asyncio.Event | None = None  # made on the loop the calls run on
 
     async def __call__(self, key: Any) -> Any:
@@ -120,21 +127,8 @@ class AsyncFetch:
             self.tracker.exit()
 
 
-class SyncFetch:
+class SyncFetch(_Fetch):
     """A plain (blocking) fetch, run by the loader in its fetch threads; see `AsyncFetch`."""
-
-    def __init__(
-        self,
-        tracker: Tracker | None = None,
-        *,
-        delay: Callable[[Any], float] | float = 0.0,
-        transform: Callable[[Any], Any] = lambda key: key,
-        hold_until_limit: bool = False,
-    ) -> None:
-        self.tracker = tracker or Tracker()
-        self.delay = delay if callable(delay) else (lambda _key, d=delay: d)
-        self.transform = transform
-        self.hold_until_limit = hold_until_limit
 
     def __call__(self, key: Any) -> Any:
         self.tracker.enter(key)
