@@ -26,7 +26,7 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-__all__ = ["ACCESS_KEY", "BUCKET", "SECRET_KEY", "SeaweedServer", "start_seaweed"]
+__all__ = ["ACCESS_KEY", "BUCKET", "DOMAIN", "SECRET_KEY", "SeaweedServer", "start_seaweed"]
 
 ACCESS_KEY = "AKIAAIOLOADERTEST"
 SECRET_KEY = "aioloader-test-secret-0123456789"
@@ -37,6 +37,8 @@ START_DEADLINE_S = 60.0
 PROBE_INTERVAL_S = 0.2
 STOP_WAIT_S = 3.0
 
+# Virtual-hosted requests go to {bucket}.{DOMAIN}; path-style ones (to 127.0.0.1) work as before.
+DOMAIN = "s3.localhost"
 _PORT_FLAGS = (
     "s3.port", "s3.port.grpc", "master.port", "master.port.grpc",
     "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
@@ -119,7 +121,7 @@ def start_seaweed(workdir: Path) -> SeaweedServer:
     cmd = [weed, f"-logdir={workdir}", "mini", f"-dir={workdir}", "-ip=127.0.0.1",
            "-ip.bind=127.0.0.1", f"-s3.config={workdir / 's3.json'}", f"-bucket={BUCKET}",
            "-master.telemetry=false", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
-           "-s3.port.lance=0", f"-filer.localSocket={workdir / 'filer.sock'}",
+           "-s3.port.lance=0", f"-s3.domainName={DOMAIN}", f"-filer.localSocket={workdir / 'filer.sock'}",
            f"-s3.localSocket={workdir / 's3.sock'}"]  # fmt: skip
     cmd += [f"-{flag}={port}" for flag, port in zip(_PORT_FLAGS, ports, strict=True)]
     log = (workdir / "weed.out").open("wb")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 from collections.abc import Iterator
 
 import pytest
 from faultproxy import Fault, FaultProxy
-from s3server import SeaweedServer
+from s3server import DOMAIN, SeaweedServer
 
 from aioloader import FetchError, Loader
 from aioloader.sources._aimd import Aimd
@@ -91,6 +92,46 @@ async def test_ranges_and_missing_objects(
         assert "1 attempt(s)" in str(info.value)
     finally:
         await src.aclose()
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.asyncio
+async def test_virtual_hosted_addressing_against_the_server(
+    engine: str, seaweed: SeaweedServer, stored: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests go to http://BUCKET.s3.localhost:PORT/KEY, signed for that host, and the server
+    (told its domain) finds the bucket in the host name. Only name resolution is stood in for:
+    `*.s3.localhost` resolves to 127.0.0.1, as a wildcard DNS record would."""
+    resolve = socket.getaddrinfo
+    hosts: list[str] = []
+
+    def wildcard(host: object, *args: object, **kwargs: object) -> object:
+        if isinstance(host, str) and host.endswith("." + DOMAIN):
+            hosts.append(host)
+            host = "127.0.0.1"
+        return resolve(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", wildcard)
+    port = seaweed.endpoint.rsplit(":", 1)[1]
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", endpoint_url=f"http://{DOMAIN}:{port}",
+             addressing="virtual", credentials=seaweed.credentials, engine=engine, **FAST)  # fmt: skip
+    assert src.base == f"http://{seaweed.bucket}.{DOMAIN}:{port}/"
+    try:
+        keys = [key async for key in src.iter_keys()]
+        assert keys == sorted(stored, key=str.encode)
+        assert [bytes(await src.fetch(k)) for k in keys[:5]] == [stored[k] for k in keys[:5]]
+        assert await src.fetch_range(keys[3], 5, 50) == stored[keys[3]][5:55]
+    finally:
+        await src.aclose()
+    assert set(hosts) == {f"{seaweed.bucket}.{DOMAIN}"}
+    wrong = s3(f"s3://{seaweed.bucket}/{PREFIX}", endpoint_url=f"http://{DOMAIN}:{port}",
+               addressing="virtual", credentials=(seaweed.credentials[0], "wrong-secret-000"),
+               engine=engine, **FAST)  # fmt: skip
+    try:
+        with pytest.raises(FetchError, match=r"status 403"):
+            await wrong.fetch(keys[0])
+    finally:
+        await wrong.aclose()
 
 
 def test_wrong_secret_is_refused_clearly(seaweed: SeaweedServer, stored: dict[str, bytes]) -> None:
