@@ -26,7 +26,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map as _torch_fn_
 
 from ._exceptions import CollateError
 
-__all__ = ["BufferPool", "default_collate", "make_collate"]
+__all__ = ["BufferPool", "RowPlan", "default_collate", "make_collate", "stacks"]
 
 _CollateFnMap = dict[type | tuple[type, ...], Callable[..., Any]]
 
@@ -185,7 +185,75 @@ def make_collate(pool: BufferPool | None) -> Callable[[Sequence[Any]], Any]:
         except TypeError as exc:
             raise CollateError(str(exc), stage="collate") from exc
 
+    collate.stacks = True  # type: ignore[attr-defined]
     return collate
+
+
+def stacks(collate: object) -> bool:
+    """True for a default collate: a batch of same-shaped tensors is exactly their stack."""
+    return getattr(collate, "stacks", False) is True
+
+
+class RowPlan:
+    """Has process workers write decoded samples straight into their batch's row (no collate copy).
+
+    It watches what decode returns. While every sample so far was one tensor (or numpy array) of one
+    shape and dtype, `buffer(n)` makes an n-row batch in the executor's shared memory (see
+    `_procpool.BatchBuffer`) and the pipeline sends each sample's decode with `into=` its row; the
+    collated batch is then that buffer, which the default collate would have produced by stacking.
+    The first sample that differs turns the plan off for good, and batches collate as usual.
+    """
+
+    def __init__(self, executor: Any) -> None:
+        self._executor = executor
+        self._row: tuple[tuple[int, ...], torch.dtype] | None = None
+        self.off = False
+
+    def buffer(self, rows: int) -> Any:
+        """A batch buffer of `rows` rows, or None (shape not known yet, plan off, arena full)."""
+        if self.off or self._row is None:
+            return None
+        shape, dtype = self._row
+        return self._executor.batch_buffer((rows, *shape), dtype)
+
+    def observe(self, sample: Any) -> None:
+        """Learn from one decoded sample."""
+        if self.off:
+            return
+        if isinstance(sample, np.ndarray):
+            try:
+                sample = torch.from_numpy(sample)
+            except (TypeError, ValueError):
+                self.off = True
+                return
+        if isinstance(sample, torch.Tensor) and _stackable([sample]):
+            row = (tuple(sample.shape), sample.dtype)
+        else:
+            self.off = True
+            return
+        if self._row is None:
+            self._row = row
+        elif row != self._row:
+            self.off = True
+
+    def batch(self, buffer: Any, samples: Sequence[Any]) -> torch.Tensor | None:
+        """The collated batch: `buffer`'s tensor with every sample in its row; None if one does not
+        fit its row (collate them as usual then)."""
+        out: torch.Tensor = buffer.tensor
+        if len(samples) != out.shape[0]:
+            return None
+        for i, sample in enumerate(samples):
+            row = out[i]
+            if isinstance(sample, torch.Tensor) and sample.data_ptr() == row.data_ptr():
+                continue  # the worker wrote it there
+            if isinstance(sample, np.ndarray):
+                sample = torch.from_numpy(sample)
+            if not isinstance(sample, torch.Tensor) or sample.shape != row.shape:
+                return None
+            if sample.dtype != row.dtype or not _stackable([sample]):
+                return None
+            row.copy_(sample)
+        return out
 
 
 default_collate = make_collate(None)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._collate import RowPlan, stacks
 from ._decode import Executor
 from ._exceptions import LoaderClosedError
 from ._fetch import Fetcher
@@ -65,9 +66,17 @@ class Stages:
     max_bytes: int | None = None
     pool_bytes: int = 0  # of max_bytes, what the recycled batch buffers may keep
 
+    rows: RowPlan | None = None  # set when process workers may write batch rows in place
+
     def __post_init__(self) -> None:
         if self.tuner is None:
             self.tuner = FixedConcurrency(self.concurrency)
+        if (
+            self.decode is not None
+            and stacks(self.collate)
+            and hasattr(self.decoder, "batch_buffer")
+        ):
+            self.rows = RowPlan(self.decoder)
         for name, limit in self.limits().items():
             self.recorder.stages[name].cap = limit or 0
 
@@ -121,14 +130,22 @@ def _note(exc: BaseException, stage: str, keys: list[Any]) -> BaseException:
 
 
 class _GroupState:
-    __slots__ = ("bytes", "group", "remaining", "samples", "skipped")
+    __slots__ = ("buffer", "bytes", "group", "remaining", "rows", "samples", "skipped")
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, rows: RowPlan | None) -> None:
         self.group = group
         self.samples: list[Any] = [None] * len(group.items)
         self.remaining = len(group.items)
         self.skipped: set[int] = set()
         self.bytes = 0
+        self.buffer: Any = None  # the batch in shared memory whose rows workers write (RowPlan)
+        self.rows = rows if group.batched else None
+
+    def row(self, slot: int) -> Any:
+        """Where the worker should write sample `slot`, or None (no rows for this batch yet)."""
+        if self.buffer is None and self.rows is not None:
+            self.buffer = self.rows.buffer(len(self.group.items))
+        return None if self.buffer is None else self.buffer.row(slot)
 
     def kept(self) -> list[Any]:
         return [s for i, s in enumerate(self.samples) if i not in self.skipped]
@@ -231,7 +248,7 @@ class Epoch:
                 if self._failed_group is not None:
                     break
                 self._launched.append(group.index)
-                state = _GroupState(group)
+                state = _GroupState(group, self._stages.rows)
                 for slot, (_, key) in enumerate(group.items):
                     await self._held.acquire()
                     await self._bytes.room(oldest=self._launched[0] == group.index)
@@ -269,7 +286,11 @@ class Epoch:
             seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
             t0 = rec.start("decode")
             try:
-                raw = await stages.decoder.run(stages.decode, raw, seed)
+                into = state.row(slot)
+                if into is None:
+                    raw = await stages.decoder.run(stages.decode, raw, seed)
+                else:
+                    raw = await stages.decoder.run(stages.decode, raw, seed, into=into)  # type: ignore[call-arg]
             except asyncio.CancelledError:
                 rec.cancelled("decode", t0)
                 raise
@@ -278,6 +299,8 @@ class Epoch:
                 return await self._failed(state, slot, key, "decode", exc)
             decoded = nbytes(raw)
             rec.stop("decode", t0, decoded, key=key)
+            if stages.rows is not None:
+                stages.rows.observe(raw)
             self._hold(state, max(0, decoded - size))
         state.samples[slot] = raw
         await self._done(state)
@@ -326,6 +349,12 @@ class Epoch:
             return self._deliver(group, samples, None, state.bytes)
         rec = self._rec
         t0 = rec.start("collate")
+        rows, buffer = self._stages.rows, state.buffer
+        state.buffer = None
+        batch = None if rows is None or buffer is None else rows.batch(buffer, samples)
+        if batch is not None:  # the workers wrote every row: nothing to copy
+            rec.stop("collate", t0, state.bytes, key=group.index)
+            return self._deliver(group, batch, None, state.bytes)
         try:
             batch = await self._stages.collator.run(self._stages.collate, samples)
         except asyncio.CancelledError:

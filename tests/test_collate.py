@@ -307,3 +307,90 @@ def test_batches_the_consumer_keeps_never_change() -> None:
     assert recycled > 10  # so a kept buffer would have been overwritten, were it handed out again
     for i, (item, clone) in enumerate(kept):
         assert torch.equal(torch.as_tensor(item), clone), f"kept batch {i} changed"
+
+
+# -- batch rows written by process workers (RowPlan) --------------------------------------------------
+
+
+def _ident(key: int) -> int:
+    return key
+
+
+def _image(key: int) -> torch.Tensor:
+    return torch.full((3, 8, 8), float(key))
+
+
+def _array(key: int) -> np.ndarray[Any, Any]:
+    return np.full((4, 5), key, dtype=np.int16)
+
+
+def _ragged(key: int) -> torch.Tensor:
+    return torch.full((2 if key == 13 else 3,), float(key))
+
+
+def _fails_on_7(key: int) -> torch.Tensor:
+    if key == 7:
+        raise ValueError("bad sample 7")
+    return torch.full((3,), float(key))
+
+
+def _rows_epoch(decode: Any, keys: int = 24, **options: Any) -> tuple[list[Any], dict[str, int]]:
+    """One epoch through 2 workers, with few samples in flight so that the shape is known (from the
+    first result) while most batches are still to be decoded."""
+    options = {"concurrency": 2, "prefetch": 1, **options}
+    with aioloader.ProcessExecutor(2) as pool:
+        with Loader(list(range(keys)), _ident, decode=decode, batch_size=4, executor=pool,
+                    **options) as loader:  # fmt: skip
+            batches = list(loader)
+        return batches, pool.stats()
+
+
+@pytest.mark.parametrize("decode", [_image, _array])
+def test_process_workers_write_batches_in_place(decode: Any) -> None:
+    batches, stats = _rows_epoch(decode)
+    expected = [torch_collate([torch.as_tensor(decode(k)) for k in range(i, i + 4)])
+                for i in range(0, 24, 4)]  # fmt: skip
+    for ours, theirs in zip(batches, expected, strict=True):
+        assert_same(ours, theirs)
+    # the first batch teaches the shape; from then on every sample lands in its batch's row
+    assert stats["results_in_rows"] >= 24 - 8, stats
+
+
+def test_rows_stop_when_a_sample_differs_and_collate_names_it() -> None:
+    with pytest.raises(CollateError, match=r"different shapes.*\(2,\)"):
+        _rows_epoch(_ragged)
+    batches, stats = _rows_epoch(_ragged, keys=12)  # 13 is not among them: rows all the way
+    assert stats["results_in_rows"] >= 4
+    assert [b[:, 0].tolist() for b in batches] == [[float(k) for k in range(i, i + 4)]
+                                                   for i in range(0, 12, 4)]  # fmt: skip
+
+
+def test_a_skipped_sample_leaves_its_batch_collated_from_the_rest() -> None:
+    batches, stats = _rows_epoch(_fails_on_7, on_error="skip", max_skipped=1)
+    assert [b[:, 0].tolist() for b in batches][1] == [4.0, 5.0, 6.0]
+    assert [len(b) for b in batches] == [4, 3, 4, 4, 4, 4]
+    assert stats["results_in_rows"] >= 24 - 8
+
+
+def test_row_plan_learns_one_shape_and_turns_off_for_good() -> None:
+    from aioloader._collate import RowPlan
+
+    made: list[tuple[int, ...]] = []
+
+    class Executor:
+        def batch_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+            made.append(shape)
+            return "buffer"
+
+    plan = RowPlan(Executor())
+    assert plan.buffer(4) is None  # nothing seen yet
+    plan.observe(torch.zeros(2, 3))
+    plan.observe(np.zeros((2, 3), dtype=np.float32))
+    assert plan.buffer(4) == "buffer"
+    assert made == [(4, 2, 3)]
+    plan.observe(torch.zeros(2, 4))
+    assert plan.off
+    assert plan.buffer(4) is None
+    plan = RowPlan(Executor())
+    plan.observe({"x": torch.zeros(1)})  # not one tensor: never
+    assert plan.off
