@@ -5,6 +5,14 @@ with an unguessable name, mode 0600 and O_EXCL, mapped, and unlinked at once: it
 microseconds, so nothing is left in /dev/shm whatever happens to the parent later (SIGKILL included).
 Workers get the slab's file descriptor over their socket (SCM_RIGHTS) and map it themselves.
 
+The parent maps a slab with libc's mmap(2), not Python's `mmap.mmap`, which on Python < 3.13 keeps a
+duplicate of the descriptor for as long as the mapping lives. A mapping needs no descriptor, so a
+slab holds exactly one (its own, to hand to workers started later) while the arena is open, and none
+once it is closed: a consumer that keeps thousands of results past `close()` pins no descriptor,
+only memory. Every view is a numpy array whose base is a ctypes array over the mapping; a retired or
+closed slab is unmapped once no slot of it is leased or viewed (or, should the slab itself become
+garbage first, by the ctypes array's finalizer): never while an array over it lives.
+
 A slab is cut into equal *slots* of one size class (steps of a quarter of a power of two, so a slot
 wastes at most 20%). A slot is leased for one task: the parent writes a large input into it, or the
 worker writes the task's arrays into it. The parent then views the output in place (`Arena.view`):
@@ -20,6 +28,7 @@ memory (the worker pickles the result through its pipe): slower, never blocking,
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -91,8 +100,37 @@ def check_room(nbytes: int, path: str = SHM_DIR) -> None:
         )
 
 
+_libc = ctypes.CDLL(None, use_errno=True)  # a private handle: its prototypes are ours alone
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]  # fmt: skip
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_Buffer = ctypes.Array[ctypes.c_char]
+
+
+def _map_shared(fd: int, size: int) -> tuple[_Buffer, weakref.finalize[Any, Any]]:
+    """Map `size` bytes of `fd` read-write and shared; the mapping keeps no descriptor.
+
+    Returns a ctypes array over the mapping and the finalizer that unmaps it: it runs once the
+    array is garbage (every numpy array made over it holds it as its base), or when called.
+    """
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
+    addr = _libc.mmap(None, size, prot, flags, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of a {size}-byte slab failed: {os.strerror(err)}")
+    buf = (ctypes.c_char * size).from_address(addr)
+    unmap = weakref.finalize(buf, _libc.munmap, addr, size)
+    unmap.atexit = False  # at exit the process unmaps it: a view may still be read until then
+    return buf, unmap
+
+
 class _Slab:
-    __slots__ = ("fd", "free", "id", "mm", "size", "slot_size")
+    __slots__ = ("buf", "closed", "fd", "free", "id", "pinned", "size", "slot_size", "unmap")
 
     def __init__(self, slab_id: int, slot_size: int, count: int, directory: str) -> None:
         self.id = slab_id
@@ -103,29 +141,57 @@ class _Slab:
         self.fd = os.open(path, flags, 0o600)
         try:
             os.ftruncate(self.fd, self.size)
-            self.mm = mmap.mmap(self.fd, self.size)
+            self.buf: _Buffer | None
+            self.buf, self.unmap = _map_shared(self.fd, self.size)
         except BaseException:
             os.close(self.fd)
             raise
         finally:
             os.unlink(path)
         self.free = [Slot(self, i * slot_size) for i in reversed(range(count))]
+        self.pinned = 0  # slots leased or viewed
+        self.closed = False
         parent_only(self.fd)
 
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            parent_only(self.fd, keep=False)
+            os.close(self.fd)
+            self.fd = -1
+
     def close(self) -> None:
-        parent_only(self.fd, keep=False)
-        os.close(self.fd)
-        self.mm.close()
+        """Close its descriptor; unmap it now if no slot is pinned, else when the last one is freed.
+
+        The caller holds the arena's lock.
+        """
+        self.closed = True
+        self.close_fd()
+        self.free = []  # no cycle through its slots keeps it
+        if self.idle:
+            self.unmap_now()
+
+    def unmap_now(self) -> None:
+        # Safe only once no slot is pinned: every array over the slab is made by `Arena.view` and
+        # pins its slot (through the view it derives from) for as long as it lives.
+        self.buf = None
+        self.unmap()
+
+    def buffer(self) -> _Buffer:
+        """The ctypes array over the mapping (ValueError once an idle slab was unmapped)."""
+        buf = self.buf
+        if buf is None:
+            raise ValueError(f"slab {self.id} is unmapped")
+        return buf
 
     @property
     def idle(self) -> bool:
         """No slot of it is leased or viewed."""
-        return len(self.free) * self.slot_size == self.size
+        return self.pinned == 0
 
 
-# Each live slab holds two descriptors (its own, handed to workers started later, and the one mmap
-# keeps); past this many slabs, results are copied out so that a consumer holding thousands of them
-# cannot exhaust a small `ulimit -n`.
+# Each live slab holds one descriptor while the arena is open (handed to workers started later), none
+# once it is closed; past this many slabs, results are copied out so that a consumer holding
+# thousands of them cannot exhaust a small `ulimit -n` while the loader runs.
 MAX_SLABS = 16
 
 
@@ -150,7 +216,8 @@ class Slot:
 
     def write(self, data: bytes | bytearray) -> None:
         """Copy `data` to the start of the slot (parent side: a large input)."""
-        self.slab.mm[self.offset : self.offset + len(data)] = data
+        with memoryview(self.slab.buffer()) as raw, raw.cast("B") as mem:
+            mem[self.offset : self.offset + len(data)] = data
 
 
 class Arena:
@@ -172,7 +239,9 @@ class Arena:
         self._slabs: dict[int, _Slab] = {}
         self._next_id = 0
         self._dropped: list[int] = []
-        self._lock = threading.Lock()
+        # reentrant: a view collected by the garbage collector while this thread holds the lock
+        # releases its slot from inside the locked section
+        self._lock = threading.RLock()
         self._closed = False
 
     @property
@@ -215,13 +284,13 @@ class Arena:
 
     def _lease(self, slot: Slot) -> Slot:
         slot.pins = 1
+        slot.slab.pinned += 1
         return slot
 
     def _retire_one(self, keep: int) -> bool:
         for slab in self._slabs.values():
             if slab.slot_size != keep and slab.idle:
                 del self._slabs[slab.id]
-                slab.free = []
                 slab.close()
                 self._dropped.append(slab.id)
                 return True
@@ -237,14 +306,24 @@ class Arena:
         """End a lease (or a view's pin); the slot is free again once nothing pins it."""
         with self._lock:
             slot.pins -= 1
-            if slot.pins == 0 and slot.slab.id in self._slabs:
-                slot.slab.free.append(slot)
+            if slot.pins == 0:
+                slab = slot.slab
+                slab.pinned -= 1
+                if not slab.closed:
+                    slab.free.append(slot)
+                elif slab.idle:
+                    slab.unmap_now()  # closed, and its last view is gone
 
     def view(self, slot: Slot, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """A writable uint8 array over `nbytes` at `offset` in `slot`, pinning it while alive."""
-        owner = np.frombuffer(slot.slab.mm, np.uint8, nbytes, slot.offset + offset)
+        # its base is the slab's ctypes array: the mapping outlives every array made from `owner`
+        owner: np.ndarray[Any, np.dtype[np.uint8]] = np.frombuffer(  # type: ignore[call-overload]
+            slot.slab.buffer(), np.uint8, nbytes, slot.offset + offset
+        )  # (numpy's stubs do not list ctypes arrays, which export the buffer protocol)
         with self._lock:
             slot.pins += 1
+            if slot.pins == 1:  # not leased: a caller's misuse, counted all the same
+                slot.slab.pinned += 1
 
         def unpin(ref: weakref.ref[Any], slot: Slot = slot) -> None:
             slot._refs.pop(id(ref), None)
@@ -255,17 +334,15 @@ class Arena:
         return owner
 
     def close(self) -> None:
-        """Unmap every slab no view pins (views keep theirs mapped until they go). Idempotent."""
+        """Close every slab's descriptor and unmap every slab no lease or view pins. Idempotent.
+
+        A slab still viewed stays mapped, holding no descriptor, until its last view goes.
+        """
         with self._lock:
             self._closed = True
             slabs, self._slabs = list(self._slabs.values()), {}
-        for slab in slabs:
-            parent_only(slab.fd, keep=False)
-            os.close(slab.fd)
-            if slab.idle:
-                slab.mm.close()
-            # else views still map it: it is unmapped when the last one goes (no cycle keeps it)
-            slab.free = []
+            for slab in slabs:
+                slab.close()
 
 
 DEFAULT_ARENA_BYTES = 256 << 20

@@ -426,7 +426,7 @@ FD_PAIRS = {
 
 @pytest.fixture(scope="module")
 def fd_limit_runs() -> dict[str, dict[str, Any]]:
-    """Every FD_PAIRS run, in two subprocesses run at once (the failing pair in its own)."""
+    """Every FD_PAIRS run, in two subprocesses run at once (the slowest pair in its own)."""
     groups = [["thread, batches of 1", "thread, unbatched", "process, batches of 2"],
               ["process, unbatched"]]  # fmt: skip
     procs = []
@@ -449,23 +449,12 @@ def fd_limit_runs() -> dict[str, dict[str, Any]]:
     return results
 
 
+# The parent maps slabs with no descriptor kept for the mapping, and closes each slab's own at
+# close(): the batches held past it pin memory, not descriptors.
 PINNED_FDS_MAX = 2
-FD_BUG = (
-    "KNOWN: a result decoded in a worker is a view of a shared-memory slab, and a live slab holds two "
-    "descriptors (its own, and the one Python's mmap keeps: on 3.11 mmap cannot be told not to) "
-    "until every view of it is gone. aioloader/_shm.py caps the slabs (MAX_SLABS) so the run no "
-    "longer fails with 'Too many open files', but results the consumer keeps past close() still "
-    "pin up to 2 x MAX_SLABS descriptors"
-)
 
 
-@pytest.mark.parametrize(
-    "pair",
-    [
-        *[p for p in FD_PAIRS if p != "process, unbatched"],
-        pytest.param("process, unbatched", marks=pytest.mark.xfail(strict=True, reason=FD_BUG)),
-    ],
-)
+@pytest.mark.parametrize("pair", list(FD_PAIRS))
 def test_holding_1000_batches_under_ulimit_64_pins_no_descriptors(
     fd_limit_runs: dict[str, dict[str, Any]], pair: str
 ) -> None:
@@ -474,7 +463,7 @@ def test_holding_1000_batches_under_ulimit_64_pins_no_descriptors(
     assert run["delivered"] == 1000
     assert run["intact"]  # no batch held was overwritten by a later one
     # closed, the loader keeps at most a couple of descriptors for the consumer's batches (a slab
-    # still viewed keeps its mapping's), never one per batch or per few batches
+    # still viewed keeps its mapping, not a descriptor), never one per batch or per few batches
     assert run["fds_after_close"] - run["fds_before"] <= PINNED_FDS_MAX, run
     assert 0 < run["fds_max"] < 64
 

@@ -111,3 +111,58 @@ def test_too_small_dev_shm_is_named_with_the_size_needed(monkeypatch: pytest.Mon
         arena_budget(None)
     with pytest.raises(OSError, match="/dev/shm"):
         Arena(budget=64 << 20)
+
+
+def links_to(target: str) -> list[int]:
+    """This process's descriptors open on `target` (a slab's /proc link text)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                out.append(int(name))
+        except OSError:
+            pass  # the listing's own descriptor, gone already
+    return out
+
+
+def mapped(target: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip("\n").endswith(target) for line in maps)
+
+
+def test_a_slab_holds_one_descriptor_open_and_none_once_closed_while_views_remain() -> None:
+    arena = Arena(budget=4 << 20)
+    small, large = arena.acquire(100), arena.acquire(300_000)  # two size classes: two slabs
+    assert small is not None
+    assert large is not None
+    targets = [os.readlink(f"/proc/self/fd/{arena.slab_fd(s.slab_id)[0]}") for s in (small, large)]
+    assert [len(links_to(t)) for t in targets] == [1, 1]  # the mapping itself keeps none
+    small.write(b"\x05" * 100)
+    large.write(b"\x09" * 300_000)
+    kept = torch.frombuffer(arena.view(small, 0, 100), dtype=torch.uint8)
+    arena.release(small)
+    arena.release(large)  # `large` is idle: close() unmaps it at once
+    arena.close()
+    assert [links_to(t) for t in targets] == [[], []]  # the held view pins no descriptor
+    assert mapped(targets[0])
+    assert not mapped(targets[1])
+    assert kept.sum().item() == 5 * 100  # and its data is still there
+    kept[:4] = 1  # and writable
+    assert kept[:5].tolist() == [1, 1, 1, 1, 5]
+    del kept
+    assert not mapped(targets[0])  # the last view gone, the slab is unmapped at once
+    assert small.slab_id >= 0  # (though the slot object itself is still held)
+
+
+def test_a_retired_slab_is_unmapped_and_refuses_access_rather_than_faulting() -> None:
+    arena = Arena(budget=1 << 20)
+    small = arena.acquire(100_000)
+    assert small is not None
+    target = os.readlink(f"/proc/self/fd/{arena.slab_fd(small.slab_id)[0]}")
+    arena.release(small)
+    assert arena.acquire(900_000) is not None  # retires the idle small-slot slab
+    assert not mapped(target)
+    assert links_to(target) == []
+    with pytest.raises(ValueError, match="unmapped"):
+        small.write(b"late")
+    arena.close()
