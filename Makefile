@@ -41,3 +41,25 @@ soak: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Free-threaded CPython 3.13t (optional, not in the default CI): built from source into build/ft/, with
+# its own venv .venv-ft (torch 2.12.0 cp313t). `make ft-env` takes minutes the first time.
+FTVENV  := .venv-ft
+FTPY    := $(FTVENV)/bin/python
+FTCHECK := import sys, importlib.util as u; [__import__(m) for m in ("numpy", "torch", "aiohttp", \
+	"PIL.Image", "aioloader", "uvloop") if m != "uvloop" or u.find_spec(m)]; \
+	assert not sys._is_gil_enabled(), "the GIL is enabled"; print("free-threaded: GIL off")
+
+.PHONY: ft-env test-ft bench-ft
+
+ft-env:
+	scripts/ft-env.sh
+
+test-ft: ft-env
+	$(FTPY) -W error -c '$(FTCHECK)'
+	$(FTPY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# W5: decode through the thread executor, 1 vs 2 threads, in the free-threaded venv.
+bench-ft: ft-env
+	$(FTPY) -W error -c '$(FTCHECK)'
+	$(FTPY) benchmarks/ft_threads.py

@@ -1,7 +1,9 @@
 """`concurrency="auto"` and `workers="auto"`: limits that follow the measured throughput.
 
-`AutoConcurrency` is the fetch stage's `Tuner`: a `Climber` (see `_climber.py`: additive increase
-while throughput improves, multiplicative decrease when it drops) fed by every finished fetch, whose
+`AutoConcurrency` is the fetch stage's `Tuner`: a `Climber` (see `_climber.py`: slow start doubling
+while throughput follows, then additive increase while it improves; a step that costs throughput is
+undone; a queue beyond what the store needs is drained to rate x least latency plus headroom, Little's
+law; a slower store gets its limit multiplied by the latency ratio) fed by every finished fetch, whose
 limit the pipeline's gate reads at every launch. Throttling and timeouts (`throttled()`, or a rise in
 the source's "throttles"/"retries" counts) halve it at once. It never exceeds what the byte budget can
 hold (`max_bytes / mean fetched bytes`) nor `AUTO_MAX_ASYNC` (`AUTO_MAX_THREADS` for a plain fetch,

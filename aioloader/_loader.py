@@ -22,6 +22,7 @@ from ._distributed import resolve_rank
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._fetch import Fetcher, is_async_callable
 from ._limits import DEFAULT_MAX_BYTES, ErrorPolicy
+from ._multiloop import in_workers
 from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._pipeline import END, SKIPPED, Epoch, Stages
 from ._progress import with_progress
@@ -93,6 +94,10 @@ class Loader(Resumable, Generic[T]):
             step that does not await) then stalls fetching; keep the default unless your steps await.
         stats: keep the counters behind `stats()`, `diagnose()` and `trace()` (False: a no-op
             recorder; the counters read zero).
+        fetch_in_workers: with executor="process" (or a ProcessExecutor) and an async fetch, each
+            worker process fetches its share of the keys on its own event loop and decodes them,
+            so fetching scales past one core; order, batching and `concurrency` (in total) stay
+            here. See `_multiloop.py`.
 
     See inside: `stats()` (numbers per stage), `diagnose()` (the bottleneck, in words),
     `trace(path)` (a Perfetto/Chrome trace; or set AIOLOADER_TRACE=path), `iter(progress=True)`.
@@ -136,6 +141,7 @@ class Loader(Resumable, Generic[T]):
         on_error: str = "raise",
         max_skipped: int | float | None = 0.05,
         max_bytes_in_flight: int | None = DEFAULT_MAX_BYTES,
+        fetch_in_workers: bool = False,
     ) -> None:
         self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
         source: Source | None = None
@@ -163,6 +169,11 @@ class Loader(Resumable, Generic[T]):
             key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last,
         )  # fmt: skip
+        owned = False
+        if fetch_in_workers:
+            fetch, decode, executor, owned = in_workers(
+                fetch, decode, executor, workers, concurrency, source
+            )
         self._setup(
             KeyPlan(order, batch_size, drop_last), fetch, decode=decode, collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
@@ -171,6 +182,7 @@ class Loader(Resumable, Generic[T]):
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch,
                 memory_format=memory_format, stacklevel=3,
             ), errors=ErrorPolicy(on_error, max_skipped), max_bytes=max_bytes_in_flight, stats=stats,
+            own_executor=owned,
         )  # fmt: skip
 
     def _setup(
@@ -349,6 +361,9 @@ class Loader(Resumable, Generic[T]):
         source_stats = getattr(self._source, "stats", None)
         if callable(source_stats):
             extra.update(source_stats())
+        pool_stats = getattr(self._stages.decoder, "stats", None)
+        if callable(pool_stats):
+            extra["decode_pool"] = pool_stats()
         if self._device is not None:
             extra["transfer"] = self._device.stats()
         return extra
@@ -518,8 +533,10 @@ class Loader(Resumable, Generic[T]):
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            with contextlib.suppress(Exception):
+            try:  # noqa: SIM105 - at interpreter exit `contextlib` may already be gone
                 self.close()
+            except Exception:  # a finalizer must not raise
+                pass
 
 
 def _is_map_style(obj: object) -> bool:

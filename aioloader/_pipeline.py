@@ -31,7 +31,7 @@ from ._order import Group
 from ._rng import derive_seed
 from ._stats import LoaderStats, Recorder, nbytes
 
-__all__ = ["END", "SKIPPED", "Epoch", "Stages"]
+__all__ = ["END", "SKIPPED", "Epoch", "Gap", "Stages"]
 
 
 class _Marker:
@@ -44,6 +44,11 @@ class _Marker:
 
 END: Any = _Marker("END")
 SKIPPED: Any = _Marker("SKIPPED")  # a batch whose every sample was skipped
+
+
+class Gap:
+    """A decoded result that stands for no sample at all (e.g. a worker's stream has ended): it is
+    left out of its batch without counting as skipped, and a batch of gaps is not delivered."""
 
 
 @dataclass
@@ -148,7 +153,11 @@ class _GroupState:
         return None if self.buffer is None else self.buffer.row(slot)
 
     def kept(self) -> list[Any]:
-        return [s for i, s in enumerate(self.samples) if i not in self.skipped]
+        return [
+            s
+            for i, s in enumerate(self.samples)
+            if i not in self.skipped and not isinstance(s, Gap)
+        ]
 
 
 class Epoch:

@@ -26,12 +26,23 @@ event loop's `add_reader`, because one executor serves several loops (the loader
 the caller's loop under `use_caller_loop`, a new loop per `asyncio.run`) and must keep watching
 between epochs and be closable from any thread.
 
+Async tasks. A coroutine function (or an object whose `__call__` is one) runs on the worker's own
+event loop (`_multiloop.py`), up to `async_depth` of them at once per worker: this is how
+`fetch_in_workers` fetches in every worker. Each answers when it ends, in any order, and its result
+comes back in its output slot like any other. Cancelling `run` cancels the coroutine in the worker.
+
 Faults:
 - a worker dies: it is replaced. Its tasks in flight are retried on the pool while fewer than
   `max_worker_restarts` deaths have been absorbed (each once: results it already sent are kept);
   past that they fail with `WorkerDied` (naming the pid, the exit, the tasks in flight).
 - a worker runs one task longer than `timeout` seconds: it is killed and replaced; that task fails
   with `WorkerTimeout`, its other queued tasks are retried elsewhere.
+- an async task is still running `timeout` seconds after the worker received it: it fails with
+  `WorkerTimeout` at once and is cancelled in the worker, which goes on with its other tasks. Only
+  if the cancelled task has not ended `CANCEL_GRACE_S` later (the worker's loop is blocked, by a
+  decode that never returns, say) is the worker killed and replaced, as above: a loop that does not
+  run cannot be told anything else. Until the cancelled task ends, that worker gets no new async
+  task.
 - decode raises: the parent re-raises the same exception type (when it pickles both ways), else
   `DecodeError`; always with a note naming the worker pid and the remote traceback as `__cause__`.
 """
@@ -49,6 +60,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import threading
 import time
 import types
@@ -64,6 +76,7 @@ import torch
 
 from . import _worker as wire
 from ._exceptions import LoaderClosedError, WorkerDied, WorkerTimeout
+from ._fetch import is_async_callable
 from ._shm import Arena, Slot, arena_budget, parent_only
 from ._validate import check_callable, check_int, check_timeout
 from ._worker import Unpacker, rebuild_error, serve
@@ -79,7 +92,11 @@ INLINE_MAX = 64 << 10
 # With `INLINE_MAX` this keeps what a worker has not read yet far below a socket's buffer, so the
 # pool's thread never blocks on a send.
 QUEUE_DEPTH = 2
+ASYNC_DEPTH = 64  # async tasks one worker may hold at once, by default
 FIRST_OUTPUT_BYTES = 1 << 20  # output slot for tasks before the first result tells the real size
+CANCEL_GRACE_S = 1.0  # a timed-out async task not ended this long after its cancel: kill the worker
+FRAME_BYTES = 4  # the length prefix of each message (`Connection.send_bytes`'s framing)
+READ_BYTES = 256 << 10  # what one read from a worker's socket takes at most
 START_TIMEOUT_S = 60.0  # a worker not ready by then (hung worker_init_fn) fails the pool
 STOP_GRACE_S = 0.5  # close(): how long workers get to exit before SIGKILL
 JOIN_TIMEOUT_S = 2.0
@@ -157,6 +174,7 @@ class _Config:
     init: bytes | None
     arena_bytes: int
     inline_max: int
+    async_depth: int
 
 
 class BatchBuffer:
@@ -199,21 +217,29 @@ class RowTarget(NamedTuple):
 
 class _Task:
     __slots__ = (
+        "abandoned",
         "arg",
+        "expired",
         "fn_id",
         "future",
         "id",
         "in_slot",
+        "is_async",
         "kind",
         "out_slot",
+        "pin",
         "row",
         "seed",
+        "sent_at",
         "started",
+        "worker",
     )
 
-    def __init__(self, task_id: int, fn_id: int, seed: int | None, kind: str, arg: bytes) -> None:
+    def __init__(
+        self, task_id: int, fn: tuple[int, bool], seed: int | None, kind: str, arg: bytes
+    ) -> None:
         self.id = task_id
-        self.fn_id = fn_id
+        self.fn_id, self.is_async = fn
         self.seed = seed
         self.kind = kind
         self.arg = arg
@@ -221,13 +247,29 @@ class _Task:
         self.in_slot: Slot | None = None
         self.out_slot: Slot | None = None
         self.row: RowTarget | None = None
+        self.pin: int | None = None  # the index of the only worker it may run on
         self.started = False
+        self.worker: _Handle | None = None  # where it was sent last
+        self.sent_at = 0.0
+        self.expired = False  # an async task past its timeout: answered, cancel sent
+        self.abandoned = False  # answered or cancelled here: drop what the worker sends
+
+
+def _cancelled() -> BaseException:
+    return concurrent.futures.CancelledError()
 
 
 class _Handle:
     """The parent's side of one worker process."""
 
-    def __init__(self, index: int, process: Any, conn: Connection, lifeline: Connection) -> None:
+    def __init__(
+        self,
+        index: int,
+        process: Any,
+        conn: Connection,
+        lifeline: Connection,
+        counts: collections.Counter[str],
+    ) -> None:
         self.index = index
         self.process = process
         self.pid: int = process.pid
@@ -241,20 +283,86 @@ class _Handle:
         self.ready = False
         self.killed = False
         self.spawned_at = self.head_since = time.monotonic()
-        self.inflight: dict[int, _Task] = {}  # in the order the worker runs them
+        self.inflight: dict[int, _Task] = {}  # in the order sent (plain ones run in that order)
+        self.async_n = 0  # of them, async tasks
+        self.expired_n = (
+            0  # of those, timed out and cancelled, not ended yet: its loop may be stuck
+        )
+        self.counts = counts  # the pool's: pipe bytes are counted here
+        self._out = bytearray()  # messages queued for one write (`flush`)
+        self._in = bytearray()  # bytes read, not yet whole messages
+        self._chunk = memoryview(bytearray(READ_BYTES))
         self.fns: set[int] = set()
         self.slabs: set[int] = set()
         self.quarantine: list[Slot] = []  # slots it may still write to until it is reaped
 
+    @property
+    def sync_n(self) -> int:
+        """Plain (not async) tasks in flight: they run one after the other."""
+        return len(self.inflight) - self.async_n
+
     def send(self, msg: tuple[Any, ...]) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=5))
+        self.send_bytes(pickle.dumps(msg, protocol=5))
+
+    def send_bytes(self, data: bytes) -> None:
+        """Queue one message, framed as `Connection.send_bytes` frames it; `flush` writes it."""
+        if len(data) <= 0x7FFFFFFF:
+            self._out += struct.pack("!i", len(data))
+        else:
+            self._out += struct.pack("!iQ", -1, len(data))
+        self._out += data
+        self.counts["pipe_bytes_sent"] += len(data) + FRAME_BYTES
+
+    def flush(self) -> None:
+        """Write every queued message in one call. Raises OSError when the worker is gone."""
+        if self._out:
+            data, self._out = self._out, bytearray()
+            self.sock.sendall(data)
+
+    def receive(self) -> list[Any]:
+        """The messages that have arrived, without blocking; at EOF `open` turns False."""
+        while True:
+            try:
+                n = self.sock.recv_into(self._chunk, READ_BYTES, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            if n == 0:
+                self.open = False  # it is exiting; its sentinel says when it is gone
+                break
+            self._in += self._chunk[:n]
+            if n < READ_BYTES:
+                break
+        msgs, pos, end = [], 0, len(self._in)
+        with memoryview(self._in) as buf:
+            while end - pos >= 4:
+                (size,), start = struct.unpack_from("!i", buf, pos), pos + 4
+                if size == -1:
+                    if end - start < 8:
+                        break
+                    (size,), start = struct.unpack_from("!Q", buf, start), start + 8
+                if end - start < size:
+                    break
+                msgs.append(pickle.loads(buf[start : start + size]))
+                self.counts["pipe_bytes_received"] += start - pos + size
+                pos = start + size
+        del self._in[:pos]
+        return msgs
 
     def share(self, arena: Arena, slab_id: int) -> None:
         if slab_id not in self.slabs:
             fd, size = arena.slab_fd(slab_id)
             self.send((wire.SLAB, slab_id, size))
+            self.flush()  # the descriptor follows its message
             socket.send_fds(self.sock, [b"F"], [fd])
+            self.counts["pipe_bytes_sent"] += 1
             self.slabs.add(slab_id)
+
+    def take_all(self) -> list[_Task]:
+        """Empty its tasks in flight; returns them in the order sent."""
+        tasks = list(self.inflight.values())
+        self.inflight.clear()
+        self.async_n = self.expired_n = 0
+        return tasks
 
     def close_pipes(self) -> None:
         """Close this side of its socket and its lifeline (idempotent)."""
@@ -278,9 +386,10 @@ class _Pool:
         self.closed = False
         self._lock = threading.Lock()
         self._inbox: collections.deque[_Task] = collections.deque()
+        self._cancels: collections.deque[_Task] = collections.deque()
         self._pending: collections.deque[_Task] = collections.deque()
         self._handles: list[_Handle] = []
-        self._fns: list[tuple[Callable[[Any], Any], int]] = []
+        self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
         self._fn_blobs: dict[int, bytes] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -291,6 +400,7 @@ class _Pool:
         self._failure: Callable[[], BaseException] | None = None
         self._restarts = 0
         self._out_bytes, self._out_known = FIRST_OUTPUT_BYTES, False
+        self._guesses = 0  # async tasks sent with a slot of FIRST_OUTPUT_BYTES
         self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
         self._zygote = Zygote(serve) if config.method == "zygote" else None
         self.counts: collections.Counter[str] = collections.Counter()
@@ -320,11 +430,21 @@ class _Pool:
         return ready and not self.closed
 
     def submit(
-        self, fn: Callable[[Any], Any], arg: Any, seed: int | None, into: RowTarget | None = None
-    ) -> concurrent.futures.Future[Any]:
+        self,
+        fn: Callable[[Any], Any],
+        arg: Any,
+        seed: int | None,
+        into: RowTarget | None = None,
+        worker: int | None = None,
+    ) -> _Task:
         self.start()
         task = _Task(next(self._ids), self._register(fn), seed, *_encode_arg(arg))
         task.row = into
+        if worker is not None:
+            check_int("worker", worker, minimum=0)
+            if worker >= self.cfg.workers:
+                raise ValueError(f"worker must be below workers={self.cfg.workers}, got {worker}")
+            task.pin = worker
         with self._lock:
             if self.closed:
                 raise LoaderClosedError("the process executor was closed")
@@ -332,13 +452,20 @@ class _Pool:
                 raise self._failure()
             self._inbox.append(task)
             self._wake_locked()
-        return task.future
+        return task
 
-    def _register(self, fn: Callable[[Any], Any]) -> int:
+    def cancel(self, task: _Task) -> None:
+        """Cancel an async task in its worker (a `run` was cancelled); what it sends is dropped."""
         with self._lock:
-            for known, fn_id in self._fns:
+            if not self.closed:
+                self._cancels.append(task)
+                self._wake_locked()
+
+    def _register(self, fn: Callable[[Any], Any]) -> tuple[int, bool]:
+        with self._lock:
+            for known, fn_key in self._fns:
                 if known is fn or (isinstance(fn, types.MethodType) and known == fn):
-                    return fn_id
+                    return fn_key
         try:
             blob = pickle.dumps(fn, protocol=5)
         except Exception as exc:
@@ -347,10 +474,10 @@ class _Pool:
                 f"or an instance of a module-level class); {fn!r} does not: {exc}"
             ) from exc
         with self._lock:
-            fn_id = len(self._fns)
-            self._fns.append((fn, fn_id))
-            self._fn_blobs[fn_id] = blob
-        return fn_id
+            fn_key = (len(self._fns), is_async_callable(fn))
+            self._fns.append((fn, fn_key))
+            self._fn_blobs[fn_key[0]] = blob
+        return fn_key
 
     def _wake_locked(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -385,6 +512,7 @@ class _Pool:
     def stats(self) -> dict[str, int]:
         arena = self._arena
         return {
+            "pipe_bytes_sent": 0, "pipe_bytes_received": 0,
             **self.counts, "workers": len(self.pids()), "restarts": self._restarts,
             "arena_budget": self.cfg.arena_bytes,
             "arena_mapped": arena.mapped_bytes if arena is not None else 0,
@@ -427,10 +555,11 @@ class _Pool:
         finally:
             child_conn.close()
             lifeline_r.close()
-        handle = _Handle(index, process, conn, lifeline_w)
+        handle = _Handle(index, process, conn, lifeline_w, self.counts)
         self._handles.append(handle)
         if self.cfg.init is not None:
-            handle.conn.send_bytes(self.cfg.init)
+            handle.send_bytes(self.cfg.init)
+            handle.flush()
 
     def _step(self) -> None:
         table: dict[Any, tuple[str, _Handle | None]] = {self._wake_r: ("wake", None)}
@@ -449,24 +578,32 @@ class _Pool:
                 self._reap(handle)
         while self._inbox:
             self._pending.append(self._inbox.popleft())
+        while self._cancels:
+            self._cancel(self._cancels.popleft())
         self._expire()
         self._dispatch()
+        for h in self._handles:
+            try:
+                h.flush()
+            except OSError:
+                h.open = False  # it is dying: its sentinel will tell, and what it held is retried
 
     def _wait_timeout(self) -> float | None:
         deadlines = [h.spawned_at + START_TIMEOUT_S for h in self._handles if not h.ready]
         if self.cfg.timeout is not None:
-            deadlines += [h.head_since + self.cfg.timeout for h in self._handles if h.inflight]
+            deadlines += [h.head_since + self.cfg.timeout for h in self._handles if h.sync_n]
+            deadlines += [d for h in self._handles for d in self._async_deadlines(h)]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _read(self, h: _Handle) -> None:
-        while h.open:
-            try:
-                if not h.conn.poll():
-                    return
-                msg = pickle.loads(h.conn.recv_bytes())
-            except (EOFError, OSError):
-                h.open = False  # it is exiting; its sentinel says when it is gone
-                return
+        if not h.open:
+            return
+        try:
+            msgs = h.receive()
+        except OSError:
+            h.open = False  # it is exiting; its sentinel says when it is gone
+            return
+        for msg in msgs:
             kind = msg[0]
             if kind == wire.DONE:
                 self._done(h, *msg[1:])
@@ -487,7 +624,11 @@ class _Pool:
         task = h.inflight.pop(task_id, None)
         if task is None:
             return None  # it timed out meanwhile and was answered already
-        h.head_since = time.monotonic()
+        if task.is_async:
+            h.async_n -= 1
+            h.expired_n -= task.expired
+        else:
+            h.head_since = time.monotonic()
         if needed or not self._out_known:
             self._out_bytes = needed if not self._out_known else max(self._out_bytes, needed)
             self._out_known = True
@@ -500,6 +641,10 @@ class _Pool:
         if task is None:
             return
         slot, task.out_slot = task.out_slot, None
+        if task.abandoned:
+            self._free(slot)
+            _settle(task.future, error=_cancelled())
+            return
         try:
             if how == wire.ROW and task.row is not None:
                 result = task.row.batch.tensor[task.row.row]
@@ -523,7 +668,11 @@ class _Pool:
         if task is not None:
             self._free(task.out_slot)
             task.out_slot = None
-            _settle(task.future, error=rebuild_error(error, h.pid))
+            if task.abandoned:
+                _settle(task.future, error=_cancelled())
+                return
+            where = "an async task" if task.is_async else "decode"
+            _settle(task.future, error=rebuild_error(error, h.pid, where))
 
     def _free(self, slot: Slot | None) -> None:
         if slot is not None and self._arena is not None:
@@ -540,12 +689,12 @@ class _Pool:
         self._handles.remove(h)
         with contextlib.suppress(ValueError):
             h.process.close()
-        tasks = list(h.inflight.values())
-        h.inflight.clear()
+        tasks = h.take_all()
         for slot in h.quarantine + [s for t in tasks for s in (t.in_slot, t.out_slot)]:
             self._free(slot)
         for t in tasks:
             t.in_slot = t.out_slot = None
+        tasks = self._live(tasks)
         if self._stopping or h.killed:
             return
         if not h.ready:
@@ -582,24 +731,87 @@ class _Pool:
                 self._fail_pool(_factory(WorkerTimeout, text, pid=h.pid, timeout=START_TIMEOUT_S))
                 return
             timeout = self.cfg.timeout
-            if timeout is None or h.killed or not h.inflight or now - h.head_since < timeout:
+            if timeout is None or h.killed:
                 continue
-            h.killed = True
-            with contextlib.suppress(OSError, ValueError):
-                h.process.kill()
-            tasks = list(h.inflight.values())
-            h.inflight.clear()
-            for t in tasks:  # it may still write to them until it is reaped
-                h.quarantine += [s for s in (t.in_slot, t.out_slot) if s is not None]
-                t.in_slot = t.out_slot = None
-            self._pending.extendleft(reversed(tasks[1:]))
-            self.counts["timeouts"] += 1
-            text = (
-                f"decode worker pid {h.pid} spent more than timeout={timeout} s on one task "
-                f"(task id {tasks[0].id}); it was killed and is being replaced"
-            )
-            _settle(tasks[0].future, error=WorkerTimeout(text, pid=h.pid, timeout=timeout))
-            self._spawn(h.index)
+            if h.sync_n and now - h.head_since >= timeout:
+                head = next(t for t in h.inflight.values() if not t.is_async)
+                self.counts["timeouts"] += 1
+                text = (
+                    f"decode worker pid {h.pid} spent more than timeout={timeout} s on one task "
+                    f"(task id {head.id}); it was killed and is being replaced"
+                )
+                self._kill(h, head, WorkerTimeout(text, pid=h.pid, timeout=timeout))
+            elif h.async_n:
+                self._expire_async(h, now, timeout)
+
+    def _expire_async(self, h: _Handle, now: float, timeout: float) -> None:
+        """Answer `h`'s async tasks older than `timeout` with `WorkerTimeout` and cancel them there;
+        kill `h` if one of them has not ended `CANCEL_GRACE_S` after that."""
+        for t in h.inflight.values():  # oldest first: stop at the first one in time
+            age = now - t.sent_at
+            if t.is_async and age < timeout:
+                return
+            if not t.is_async:
+                continue
+            if not t.expired:
+                t.expired = t.abandoned = True
+                h.expired_n += 1
+                self.counts["timeouts"] += 1
+                with contextlib.suppress(OSError):
+                    h.send((wire.CANCEL, t.id))
+                text = (
+                    f"an async task (task id {t.id}) ran more than timeout={timeout} s in decode "
+                    f"worker pid {h.pid}; it was cancelled there"
+                )
+                _settle(t.future, error=WorkerTimeout(text, pid=h.pid, timeout=timeout))
+            elif age >= timeout + CANCEL_GRACE_S:
+                text = (
+                    f"decode worker pid {h.pid} did not end a timed-out async task (task id {t.id}) "
+                    f"within {CANCEL_GRACE_S} s of cancelling it (its event loop is blocked); it "
+                    "was killed and is being replaced"
+                )
+                return self._kill(h, t, WorkerTimeout(text, pid=h.pid, timeout=timeout))
+
+    def _async_deadlines(self, h: _Handle) -> list[float]:
+        """When `_expire_async` next has something to do for `h` (with `timeout` set)."""
+        assert self.cfg.timeout is not None
+        deadlines: list[float] = []
+        for t in h.inflight.values():  # oldest first: the expired ones, then the others
+            if not t.is_async or (t.expired and deadlines):
+                continue
+            deadlines.append(t.sent_at + self.cfg.timeout + (CANCEL_GRACE_S if t.expired else 0))
+            if not t.expired:
+                break  # those sent later expire later
+        return deadlines
+
+    def _kill(self, h: _Handle, failed: _Task, error: BaseException) -> None:
+        """Kill a stalled worker and replace it: `failed` gets `error`, its other tasks are retried."""
+        h.killed = True
+        with contextlib.suppress(OSError, ValueError):
+            h.process.kill()
+        tasks = h.take_all()
+        for t in tasks:  # it may still write to them until it is reaped
+            h.quarantine += [s for s in (t.in_slot, t.out_slot) if s is not None]
+            t.in_slot = t.out_slot = None
+        self._pending.extendleft(reversed(self._live([t for t in tasks if t is not failed])))
+        _settle(failed.future, error=error)
+        self._spawn(h.index)
+
+    def _live(self, tasks: list[_Task]) -> list[_Task]:
+        """Of `tasks` taken from a worker, those still wanted; the others are answered."""
+        for t in tasks:
+            if t.abandoned:
+                _settle(t.future, error=_cancelled())
+        return [t for t in tasks if not t.abandoned]
+
+    def _cancel(self, task: _Task) -> None:
+        if task.abandoned or task.future.done():
+            return
+        task.abandoned = True
+        h = task.worker
+        if h is not None and task.id in h.inflight and h.open:
+            with contextlib.suppress(OSError):
+                h.send((wire.CANCEL, task.id))
 
     def _fail_pool(self, error: Callable[[], BaseException]) -> None:
         """Refuse new tasks with `error()` and stop the pool; every queued task fails with it."""
@@ -617,9 +829,12 @@ class _Pool:
                     self._pending.popleft()  # cancelled while queued
                     continue
                 task.started = True
-            idle = [h for h in self._handles if h.ready and h.open and not h.killed]
-            h = min(idle, key=lambda h: len(h.inflight), default=None)
-            if h is None or len(h.inflight) >= QUEUE_DEPTH:
+            if task.abandoned:
+                self._pending.popleft()
+                _settle(task.future, error=_cancelled())
+                continue
+            h = self._pick(task)
+            if h is None:
                 break
             try:
                 if not self._send(h, task):
@@ -639,6 +854,29 @@ class _Pool:
                         with contextlib.suppress(OSError):
                             h.send((wire.DROP, slab_id))
 
+    def _pick(self, task: _Task) -> _Handle | None:
+        """The ready worker with the fewest tasks in flight that has room for `task`, if any."""
+        best: _Handle | None = None
+        for h in self._handles:
+            if not h.ready or not h.open or h.killed or task.pin not in (None, h.index):
+                continue
+            if task.is_async:  # none to a loop that has not ended a timed-out task yet
+                room = h.async_n < self.cfg.async_depth and not h.expired_n
+            else:
+                room = h.sync_n < QUEUE_DEPTH
+            if room and (best is None or len(h.inflight) < len(best.inflight)):
+                best = h
+        return best
+
+    def _guess(self, task: _Task) -> bool:
+        """May `task` get an output slot sized by guess? Async tasks go out many at once before
+        the first result tells the real size: only one per worker does (the rest are pickled),
+        so that a first wave does not fill the arena with slots of the wrong size."""
+        if self._out_known or not task.is_async:
+            return True
+        self._guesses += 1
+        return self._guesses <= self.cfg.workers
+
     def _send(self, h: _Handle, task: _Task) -> bool:
         """Send `task` to `h`; False when it must wait (a large message, and `h` is busy)."""
         arena, inline_max = self._arena, self.cfg.inline_max
@@ -647,7 +885,7 @@ class _Pool:
             blob = self._fn_blobs[task.fn_id]
             if len(blob) > inline_max and h.inflight:
                 return False
-            h.send((wire.FN, task.fn_id, blob))
+            h.send((wire.FN, task.fn_id, blob, task.is_async))
             h.fns.add(task.fn_id)
         inline: bytes | None = task.arg
         in_ref = out_ref = None
@@ -663,18 +901,22 @@ class _Pool:
             elif h.inflight:
                 return False  # no slot free: send it inline, but only to an idle worker
         row = None if task.row is None else task.row.batch.wire(task.row.row)
-        if self._out_bytes and task.out_slot is None and row is None:
+        if self._out_bytes and task.out_slot is None and row is None and self._guess(task):
             task.out_slot = arena.acquire(self._out_bytes)
         if task.out_slot is not None:
             h.share(arena, task.out_slot.slab_id)
             out_ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
         if task.row is not None:
             h.share(arena, task.row.batch.slot.slab_id)
-        if not h.inflight:
-            h.head_since = time.monotonic()
+        now = time.monotonic()
+        if not task.is_async and not h.sync_n:
+            h.head_since = now
         h.send((wire.TASK, task.id, task.fn_id, task.seed, task.kind, inline, in_ref, out_ref, row))
         h.inflight[task.id] = task
+        task.worker, task.sent_at = h, now
+        h.async_n += task.is_async
         self.counts["tasks"] += 1
+        self.counts["async_tasks"] += task.is_async
         return True
 
     # -- shutdown -----------------------------------------------------------------------------------
@@ -701,6 +943,7 @@ class _Pool:
         tasks = [*self._pending, *self._inbox, *(t for h in handles for t in h.inflight.values())]
         self._pending.clear()
         self._inbox.clear()
+        self._cancels.clear()
         for task in tasks:
             _settle(task.future, error=failure())
         if self._arena is not None:
@@ -742,6 +985,8 @@ class ProcessExecutor:
             free /dev/shm, whichever is less). Checked here: too little room in /dev/shm raises
             OSError naming /dev/shm and the size needed.
         inline_max: arguments larger than this go through shared memory instead of the pipe.
+        async_depth: async tasks (coroutine callables, see the module docstring) one worker may
+            hold at once.
 
     `batch_buffer` makes a batch in shared memory whose rows workers write in place (no collate).
     `run` is safe to cancel (the worker finishes the task; its result is dropped). `close` is
@@ -765,12 +1010,14 @@ class ProcessExecutor:
         worker_init_fn: Callable[[int], Any] | None = None,
         arena_bytes: int | None = None,
         inline_max: int = INLINE_MAX,
+        async_depth: int = ASYNC_DEPTH,
     ) -> None:
         self.workers = (
             _default_workers() if workers is None else check_int("workers", workers, minimum=1)
         )
         check_int("max_worker_restarts", max_worker_restarts, minimum=0)
         check_int("inline_max", inline_max, minimum=0)
+        self.async_depth = check_int("async_depth", async_depth, minimum=1)
         check_callable("worker_init_fn", worker_init_fn, optional=True)
         init = None if worker_init_fn is None else pickle.dumps(worker_init_fn, protocol=5)
         method, context = _start_method(start_method)
@@ -778,7 +1025,7 @@ class ProcessExecutor:
         config = _Config(
             workers=self.workers, method=method, context=context,
             timeout=check_timeout("timeout", timeout), max_restarts=max_worker_restarts, init=init,
-            arena_bytes=arena_budget(arena_bytes), inline_max=inline_max,
+            arena_bytes=arena_budget(arena_bytes), inline_max=inline_max, async_depth=async_depth,
         )  # fmt: skip
         self._pool = _Pool(config)
         self._finalizer = weakref.finalize(self, self._pool.close)
@@ -802,14 +1049,21 @@ class ProcessExecutor:
         arg: Any,
         seed: int | None = None,
         into: RowTarget | None = None,
+        worker: int | None = None,
     ) -> concurrent.futures.Future[T]:
         """Queue `fn(arg)` with `seed` as the sample's seed (see `_rng.py`); never blocks.
+
+        `worker=i` runs it on worker i alone (or its replacement), after the tasks sent there before
+        it: per-worker state (an iterator) then sees its tasks in order.
+
+        `fn` may be a coroutine function (or an object whose `__call__` is one): it then runs on
+        the worker's event loop, with other such tasks, and the future holds what it returns.
 
         Raises:
             LoaderClosedError: the executor was closed.
             TypeError: `fn` or `arg` cannot be pickled.
         """
-        return self._pool.submit(fn, arg, seed, into)
+        return self._pool.submit(fn, arg, seed, into, worker).future
 
     async def run(
         self,
@@ -818,8 +1072,18 @@ class ProcessExecutor:
         seed: int | None = None,
         into: RowTarget | None = None,
     ) -> T:
-        """Run `fn(arg)` in a worker and await its result; safe to cancel. See `batch_buffer`."""
-        return await asyncio.wrap_future(self._pool.submit(fn, arg, seed, into))
+        """Run `fn(arg)` in a worker and await its result; safe to cancel. See `batch_buffer`.
+
+        Cancelling it cancels an async task in the worker too; a plain one runs to its end there
+        (its result is dropped).
+        """
+        task = self._pool.submit(fn, arg, seed, into)
+        try:
+            return await asyncio.wrap_future(task.future)
+        except asyncio.CancelledError:
+            if task.is_async:
+                self._pool.cancel(task)
+            raise
 
     def batch_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> BatchBuffer | None:
         """A `BatchBuffer` of `shape` (rows first) in shared memory; None when the arena is full.
@@ -835,7 +1099,9 @@ class ProcessExecutor:
         return self._pool.batch_buffer(shape, dtype)
 
     def stats(self) -> dict[str, int]:
-        """Counters: tasks, results in shared memory or pickled, retries, restarts, arena bytes."""
+        """Counters: tasks (async_tasks of them async), results in shared memory or pickled,
+        retries, restarts, timeouts, arena bytes, and the bytes of every message that crossed the
+        workers' pipes (`pipe_bytes_sent` to them, `pipe_bytes_received` from them)."""
         return self._pool.stats()
 
     @property

@@ -8,15 +8,24 @@ slot the task came with; the answer is the result pickled with each array replac
 id `(kind, offset, nbytes, dtype, shape, strides)`. An array that does not fit is pickled in-band.
 A task may instead name a batch row `(slab, offset, nbytes, dtype, shape)`: a result that is one
 tensor (or array) of that dtype and shape is written there and the answer carries nothing at all.
+Large `bytes` and `bytearray` objects in a result travel in the slot too (the parent copies them out:
+one copy, instead of pickling them through the pipe).
+
+A callable the parent marks async (a coroutine function, or an object whose `__call__` is one) runs
+on the worker's own event loop (`_multiloop.WorkerLoop`, on a thread started with the first such task),
+many at once: the main thread goes on reading the pipe, and each task answers when it ends. The
+parent may cancel one (CANCEL); it then answers FAILED with its `CancelledError`. Answers are sent
+whole under a lock, from either thread.
 
 Messages are pickled tuples, first item the kind:
 
     parent -> worker                               worker -> parent
-    (FN, fn_id, blob)                              (READY, pid)
+    (FN, fn_id, blob, is_async)                    (READY, pid)
     (SLAB, slab_id, size) + fd (SCM_RIGHTS)        (INIT_FAILED, error)
     (DROP, slab_id)                                (DONE, task_id, data, how, needed)
     (TASK, task_id, fn_id, seed, kind, inline,     (FAILED, task_id, error)
      in_ref, out_ref, row)
+    (CANCEL, task_id)
 
 A worker dies with its parent: PR_SET_PDEATHSIG (Linux; its parent is the forkserver, which exits
 when the main process does) and a thread that waits for EOF on a "lifeline" pipe whose only write
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import io
 import mmap
@@ -40,7 +50,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,6 +58,9 @@ import torch
 from ._exceptions import DecodeError
 from ._rng import call_seeded
 from ._shm import Arena, Slot
+
+if TYPE_CHECKING:
+    from ._multiloop import WorkerLoop
 
 __all__ = [
     "RemoteTraceback",
@@ -60,10 +73,11 @@ __all__ = [
 ]
 
 READY, INIT_FAILED, DONE, FAILED = "ready", "init-failed", "done", "failed"
-FN, SLAB, DROP, TASK = "fn", "slab", "drop", "task"
+FN, SLAB, DROP, TASK, CANCEL = "fn", "slab", "drop", "task", "cancel"
 RAW, RAW_BYTEARRAY, PICKLED = "raw", "bytearray", "pickled"  # how a task's argument travels
 SHM, ROW = "shm", "row"  # how a result travels: in its output slot, or written into a batch row
 ALIGN = 64
+BYTES_IN_SLOT_MIN = 16 << 10  # bytes/bytearray objects from this size travel in the output slot
 _PR_SET_PDEATHSIG = 1
 
 Error = tuple[bytes | None, str, str]  # (pickled exception or None, "Type: message", traceback)
@@ -91,7 +105,11 @@ class _Packer(pickle.Pickler):
         self._seen: dict[int, tuple[Any, ...]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor:
+        if type(obj) is bytes or type(obj) is bytearray:
+            if len(obj) < BYTES_IN_SLOT_MIN:
+                return None
+            kind, nbytes = "b" if type(obj) is bytes else "B", len(obj)
+        elif type(obj) is torch.Tensor:
             if obj.layout != torch.strided or obj.device.type != "cpu" or obj.requires_grad:
                 return None
             if obj.is_quantized or obj.is_nested:
@@ -109,7 +127,13 @@ class _Packer(pickle.Pickler):
         self.needed = offset + nbytes
         if self.buf is None or nbytes == 0 or self.needed > len(self.buf):
             return None
-        pid = _write(self.buf, offset, obj) if kind == "t" else _write_np(self.buf, offset, obj)
+        if kind == "t":
+            pid = _write(self.buf, offset, obj)
+        elif kind == "n":
+            pid = _write_np(self.buf, offset, obj)
+        else:
+            self.buf[offset : offset + nbytes] = obj
+            pid = (kind, offset, nbytes, "", (), ())
         self._seen[id(obj)] = pid
         self.used = True
         return pid
@@ -147,6 +171,8 @@ class Unpacker(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         kind, offset, nbytes, dtype, shape, strides = pid
         owner = self.arena.view(self.slot, offset, nbytes)
+        if kind in ("b", "B"):  # a copy: `bytes` and `bytearray` cannot wrap shared memory
+            return bytes(owner) if kind == "b" else bytearray(owner)
         if kind == "t":
             return torch.frombuffer(owner, dtype=getattr(torch, dtype)).as_strided(shape, strides)
         return np.ndarray(shape, np.dtype(dtype), buffer=owner, strides=strides)
@@ -194,15 +220,23 @@ def _watch_lifeline(lifeline: Connection) -> None:
     os._exit(0)  # the main process is gone (or closed us): stop now, even mid-decode
 
 
+Row = tuple[memoryview, str, tuple[int, ...]]  # a batch row: where, dtype, shape
+
+
 class _Worker:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.sock = socket.socket(fileno=os.dup(conn.fileno()))
         self.fns: dict[int, Callable[[Any], Any] | BaseException] = {}
+        self.async_fns: set[int] = set()
         self.slabs: dict[int, tuple[mmap.mmap, memoryview]] = {}
+        self.worker_loop: WorkerLoop | None = None  # started with the first async task
+        self._send_lock = threading.Lock()
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=5))
+        data = pickle.dumps(msg, protocol=5)
+        with self._send_lock:  # the main thread and the loop thread both answer
+            self.conn.send_bytes(data)
 
     def loop(self) -> None:
         """Serve until the parent hangs up (EOF, or a broken pipe when it closes mid-task)."""
@@ -217,6 +251,11 @@ class _Worker:
                 self.task(*msg[1:])
             elif kind == FN:
                 self.fns[msg[1]] = _load_fn(msg[2])
+                if msg[3]:
+                    self.async_fns.add(msg[1])
+            elif kind == CANCEL:
+                if self.worker_loop is not None:
+                    self.worker_loop.cancel(msg[1])
             elif kind == SLAB:
                 _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
                 mm = mmap.mmap(fds[0], msg[2])
@@ -239,16 +278,53 @@ class _Worker:
             data = inline if in_ref is None else self.region(in_ref)
             arg = pickle.loads(data) if kind == PICKLED else _raw(data, kind)
             del data
+            out = None if out_ref is None else self.region(out_ref)
+            into = None if row is None else (self.region(row[:3]), row[3], row[4])
+            if fn_id in self.async_fns:
+                answer = functools.partial(self.answer, task_id, out, into)
+                self.async_loop().start(task_id, fn, arg, seed, answer)
+                return
             result = call_seeded(fn, arg, seed)
             del arg
-            if row is not None and _into_row(result, self.region(row[:3]), row[3], row[4]):
-                self.send((DONE, task_id, b"", ROW, 0))
-                return
-            blob, in_slot, needed = pack(result, None if out_ref is None else self.region(out_ref))
         except Exception as exc:
             self.send((FAILED, task_id, encode_error(exc)))
             return
-        self.send((DONE, task_id, blob, SHM if in_slot else PICKLED, needed))
+        self.answer(task_id, out, into, result)
+
+    def close(self) -> None:
+        """The parent hung up: close what the async callables hold (their `aclose()`), if any."""
+        if self.worker_loop is not None:
+            closers = [getattr(self.fns[i], "aclose", None) for i in self.async_fns]
+            self.worker_loop.close([aclose for aclose in closers if callable(aclose)])
+
+    def async_loop(self) -> WorkerLoop:
+        if self.worker_loop is None:
+            from ._multiloop import WorkerLoop  # here: it imports the parent's pool
+
+            self.worker_loop = WorkerLoop()
+        return self.worker_loop
+
+    def answer(
+        self,
+        task_id: int,
+        out: memoryview | None,
+        into: Row | None,
+        result: Any,
+        error: BaseException | None = None,
+    ) -> None:
+        """Write `result` into its batch row or output slot and tell the parent (or send `error`)."""
+        if error is None:
+            try:
+                if into is not None and _into_row(result, *into):
+                    self.send((DONE, task_id, b"", ROW, 0))
+                    return
+                blob, in_slot, needed = pack(result, out)
+            except Exception as exc:
+                error = exc
+            else:
+                self.send((DONE, task_id, blob, SHM if in_slot else PICKLED, needed))
+                return
+        self.send((FAILED, task_id, encode_error(error)))
 
 
 def _into_row(result: Any, buf: memoryview, dtype: str, shape: tuple[int, ...]) -> bool:
@@ -302,3 +378,4 @@ def serve(conn: Connection, lifeline: Connection, worker_id: int, seed: int, ini
         return
     worker.send((READY, os.getpid()))
     worker.loop()
+    worker.close()

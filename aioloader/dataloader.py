@@ -9,8 +9,10 @@ What `num_workers` means here: with 0, `__getitem__` calls run in `concurrency` 
 16), which pays when the dataset waits on disk or network. With N > 0 they run in N persistent
 worker processes (aioloader's process pool: results come back in shared memory), where
 `torch.utils.data.get_worker_info()` and `worker_init_fn` behave as in torch's workers;
-`worker_mode="thread"` keeps threads instead. An IterableDataset is always iterated in the main
-process.
+`worker_mode="thread"` keeps threads instead. An IterableDataset is iterated as torch does it:
+with N > 0 each worker process iterates its own replica (shard it with `get_worker_info()`) and
+makes whole batches of its items, taken round robin from the workers whose stream goes on; with 0,
+or `worker_mode="thread"`, in the main process.
 
 Async datasets: a map-style dataset whose `__getitem__` is a coroutine function
 (`async def __getitem__(self, index)`) is fetched on the loader's event loop, `concurrency` at a time.
@@ -23,6 +25,7 @@ import inspect
 import itertools
 import math
 import threading
+import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -46,7 +49,14 @@ from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
 from ._procpool import ProcessExecutor
 from ._ranges import Ranges
-from ._torchworkers import ReadBatch, ReadItem, WorkerSetup
+from ._torchworkers import (
+    ReadBatch,
+    ReadItem,
+    ReadStream,
+    StreamExecutor,
+    WorkerSetup,
+    WorkerStreams,
+)  # fmt: skip
 from ._transfer import make_device_stage
 
 __all__ = ["DataLoader"]
@@ -316,13 +326,17 @@ class DataLoader(Loader[Any]):
         else:
             self.collate_fn = collate_fn = collate_fn or default_convert
         processes = (
-            num_workers > 0 and worker_mode == "process" and not iterable
+            num_workers > 0 and worker_mode == "process"
             and not inspect.iscoroutinefunction(dataset.__getitem__)
         )  # fmt: skip
-        fetch, plan = self._plan_for(dataset, iterable, auto_collation, collate_fn, concurrency)
         decode: Callable[[Any], Any] | None = None
-        executor: str | ProcessExecutor = "inline"
-        if processes:
+        executor: str | ProcessExecutor | StreamExecutor = "inline"
+        if processes and iterable:
+            fetch, decode, executor, plan = self._streams(collate_fn, auto_collation)
+            auto_collation = False  # the workers collate
+        else:
+            fetch, plan = self._plan_for(dataset, iterable, auto_collation, collate_fn, concurrency)
+        if processes and not iterable:
             fetch, decode, executor = self._in_processes(fetch, plan, collate_fn, auto_collation)
         self._setup(
             plan, fetch, decode=decode,
@@ -348,15 +362,29 @@ class DataLoader(Loader[Any]):
             read: Callable[[Any], Any] = ReadBatch(dataset, collate)
         else:
             read = ReadItem(dataset, None if auto_collation else collate_fn)
+        return _same, read, self._worker_pool()
+
+    def _streams(
+        self, collate_fn: Callable[..., Any], auto_collation: bool
+    ) -> tuple[Callable[[Any], Any], Callable[[Any], Any], StreamExecutor, Plan]:
+        """Iterate an IterableDataset in `num_workers` processes, one replica each, as torch does:
+        each worker makes whole batches of its own items; they are taken round robin."""
+        collate = torch_default_collate if collate_fn is DEFAULT_COLLATE else collate_fn
+        batch_size = self.batch_size if auto_collation else None
+        read = ReadStream(self.dataset, batch_size, self.drop_last, collate, uuid.uuid4().hex)
+        plan = WorkerStreams(self.num_workers)
+        return _same, read, StreamExecutor(self._worker_pool(), plan), plan
+
+    def _worker_pool(self) -> ProcessExecutor:
+        """The worker processes, seeded and set up as torch's are."""
         context = self.multiprocessing_context
         method = getattr(context, "get_start_method", lambda: context)()
         gen = self.generator
         base_seed = gen.initial_seed() if gen is not None else torch.initial_seed()
-        pool = ProcessExecutor(
+        return ProcessExecutor(
             self.num_workers, start_method=method,
             worker_init_fn=WorkerSetup(self.num_workers, base_seed, self.worker_init_fn),
         )  # fmt: skip
-        return _same, read, pool
 
     def _plan_for(
         self,

@@ -5,8 +5,9 @@ benchmark changes mid-run: 20 ms in phase 1, then 80 ms in phase 2 (the store go
 configuration runs both phases in one loader, fetching through the `http` source (aiohttp), and counts
 the objects delivered to the consumer in each phase:
 - fixed concurrency 16, 64 and 256;
-- concurrency="auto" (starting from 16 and finding its own way; its phase 2 includes the time it
-  takes to notice the change and adapt).
+- concurrency="auto" (starting from 16 and finding its own way: slow start doubling every few
+  latencies, then additive steps, with queueing beyond rate x least latency drained (Little's law);
+  its phase 1 includes that ramp, and its phase 2 the time it takes to notice the change and adapt).
 Every setting runs `--rounds` times (3; 1 with --quick), in rotated order, and the median is kept:
 the host is shared, and its load moves between runs. Printed: objects/s per configuration and phase,
 the limit auto had at the end of each, and per phase the ratio of auto to the best fixed setting

@@ -6,7 +6,11 @@ before each answer (a far object store), and the same objects are put into Seawe
 - torch DataLoader(num_workers=8, batch_size=32), one urllib GET per __getitem__;
 - aioloader with the `http` source at concurrency 64 and 256 (batches of 32), with its default
   aiohttp engine and with engine="fast" (bodies received straight into their buffers);
-- aioloader with the `s3` source (SigV4-signed GETs, engine="fast") at concurrency 64.
+- aioloader with the `s3` source (SigV4-signed GETs, engine="fast") at concurrency 64;
+- aioloader with `fetch_in_workers=True` ("multi-loop"): each of the process workers fetches its
+  share of the keys on its own event loop (engines "aiohttp" and "fast"), while this process keeps
+  order and batching. Its pools are made first, while this process has one thread, so that their
+  workers fork from a zygote (as a training script that builds its loader first gets).
 Each reports objects/s, MB/s, time to the first batch and client CPU seconds per 1,000 objects (this
 process and its worker processes; the servers are not counted).
 
@@ -29,16 +33,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from _objserver import start_server
 from torch.utils.data import DataLoader, Dataset
 
-from aioloader import Loader
+from aioloader import Loader, ProcessExecutor
 from aioloader.sources import http, s3
 
 SIZE = 256 * 1024
 DELAY_S = 0.020
 BATCH = 32
+MULTI_WORKERS = max(2, len(os.sched_getaffinity(0)))  # one event loop per core, two at least
+MULTI_CONCURRENCY = 256
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -68,9 +75,15 @@ def cpu_now() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def measure(name: str, make: Callable[[], Iterable[Any]], close: Callable[[Any], None]) -> Result:
-    """Iterate one epoch of `make()`; time it, its first batch and the CPU it used."""
-    cpu0, start = cpu_now(), time.perf_counter()
+def measure(
+    name: str,
+    make: Callable[[], Iterable[Any]],
+    close: Callable[[Any], None],
+    others: Callable[[], float] = lambda: 0.0,
+) -> Result:
+    """Iterate one epoch of `make()`; time it, its first batch and the CPU it used (`others()`:
+    CPU seconds of processes that are not this one's children, read before `close`)."""
+    cpu0, start, others0 = cpu_now(), time.perf_counter(), others()
     it = make()
     count, ttfb = 0, 0.0
     for batch in it:
@@ -79,8 +92,9 @@ def measure(name: str, make: Callable[[], Iterable[Any]], close: Callable[[Any],
         count += len(batch)
         assert all(len(x) == SIZE for x in batch)
     seconds = time.perf_counter() - start
+    others1 = others()
     close(it)
-    return Result(name, count, seconds, ttfb, cpu_now() - cpu0)
+    return Result(name, count, seconds, ttfb, cpu_now() - cpu0 + others1 - others0)
 
 
 class UrllibObjects(Dataset[bytes]):
@@ -112,6 +126,29 @@ def run_torch(base: str, keys: list[str], workers: int) -> Result:
 def run_aio(name: str, source: Any, concurrency: int) -> Result:
     loader: Loader[Any] = Loader(source, concurrency=concurrency, batch_size=BATCH, collate=None)
     return measure(name, lambda: loader, lambda _it: loader.close())
+
+
+def run_multi_loop(pool: ProcessExecutor, base: str, keys: list[str], engine: str) -> Result:
+    """`fetch_in_workers=True` on `pool`: each worker fetches on its own event loop."""
+    src = http(base, keys, concurrency=MULTI_CONCURRENCY, engine=engine)
+    loader: Loader[Any] = Loader(
+        src, executor=pool, fetch_in_workers=True, concurrency=MULTI_CONCURRENCY,
+        batch_size=BATCH, collate=None,
+    )  # fmt: skip
+    workers = [psutil.Process(pid) for pid in pool.pids]  # zygote-forked: not our children
+
+    def cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in workers)
+
+    name = f"multi-loop http {engine} ({pool.workers} workers, c {MULTI_CONCURRENCY})"
+    return measure(name, lambda: loader, lambda _it: loader.close(), cpu)
+
+
+def ready_pool() -> ProcessExecutor:
+    depth = -(-MULTI_CONCURRENCY // MULTI_WORKERS)  # the split a Loader-made pool would use
+    pool = ProcessExecutor(MULTI_WORKERS, async_depth=depth)
+    pool.wait_ready()
+    return pool
 
 
 # -- S3 --------------------------------------------------------------------------------------------
@@ -160,32 +197,41 @@ def main() -> None:
     keys = [f"{i:05d}.bin" for i in range(n)]
     print(f"{n} objects of {SIZE // 1024} KiB, {DELAY_S * 1000:.0f} ms per GET; "
           f"{os.cpu_count()} cores, torch {torch.__version__}")  # fmt: skip
+    engines = ("aiohttp", "fast")
+    pools = {engine: ready_pool() for engine in engines}  # before any thread: zygote workers
     proc, base = start_server(SIZE, DELAY_S * 1000)
     base += "/obj/"
     try:
         results = [run_torch(base, keys, 8)]
-        for engine in ("aiohttp", "fast"):
+        for engine in engines:
             for c in (64, 256):
                 src = http(base, keys, concurrency=c, engine=engine)
                 results.append(run_aio(f"aioloader http {engine} (concurrency {c})", src, c))
+        multi = [run_multi_loop(pools[engine], base, keys, engine) for engine in engines]
     finally:
+        for pool in pools.values():
+            pool.close()
         proc.kill()
         proc.wait()
     s3_result = None if args.no_s3 else run_s3(keys, 64)
     print(f"{'configuration':<42} {'objects/s':>9} {'MB/s':>8} {'ttfb s':>7} {'CPU s/1k obj':>12}")
-    for r in [*results, *([s3_result] if s3_result else [])]:
+    for r in [*results, *multi, *([s3_result] if s3_result else [])]:
         print(r.row())
     torch_r, best = results[0], max(results[1:], key=lambda r: r.per_s)
+    best_multi = max(multi, key=lambda r: r.per_s)
     summary = {
         "workload": "remote",
         "torch_items_per_s": round(torch_r.per_s, 1),
         "aioloader_items_per_s": round(best.per_s, 1),
         "ratio": round(best.per_s / torch_r.per_s, 2),
+        "multi_loop_items_per_s": round(best_multi.per_s, 1),
+        "multi_loop_ratio": round(best_multi.per_s / torch_r.per_s, 2),
         "s3_items_per_s": round(s3_result.per_s, 1) if s3_result else None,
         "ttfb_s": {
-            r.name: round(r.ttfb_s, 4) for r in [*results, *([s3_result] if s3_result else [])]
+            r.name: round(r.ttfb_s, 4)
+            for r in [*results, *multi, *([s3_result] if s3_result else [])]
         },
-        "cpu_s_per_1k": {r.name: round(r.cpu_s / r.objects * 1000, 3) for r in results},
+        "cpu_s_per_1k": {r.name: round(r.cpu_s / r.objects * 1000, 3) for r in [*results, *multi]},
     }
     print(json.dumps(summary))
 

@@ -37,6 +37,8 @@ IO_WAIT_S = 0.003125
 SHAPE = (1000, 150)
 BATCH = 128
 STEP_S = 0.05
+BATCH_BYTES = BATCH * int(np.prod(SHAPE)) * 8  # float64
+PROCESS = "async wait, decode in processes, global RNG"  # the process pool's figures (and W4's)
 
 
 def make_item() -> np.ndarray:
@@ -94,6 +96,7 @@ class Result:
     s_per_batch: float
     ttfb_s: float
     cpu_s_per_batch: float  # this process and its workers, over the measured batches
+    pipe_bytes_per_batch: float | None = None  # W4: bytes through the worker pipes, both ways
 
 
 def descendants(pid: int) -> list[int]:
@@ -116,8 +119,14 @@ def cpu_seconds() -> float:
     return total
 
 
-def time_batches(make: Callable[[], Iterable[Any]], warmup: int, measure: int) -> Result:
-    """Time to first batch, then mean seconds (and CPU seconds) per batch over the measured ones."""
+def time_batches(
+    make: Callable[[], Iterable[Any]],
+    warmup: int,
+    measure: int,
+    pipe_bytes: Callable[[], int] | None = None,
+) -> Result:
+    """Time to first batch, then mean seconds (and CPU seconds, and bytes through worker pipes when
+    `pipe_bytes` counts them) per batch over the measured ones."""
     start = time.perf_counter()
     stamps: list[float] = []
     for batch in make():
@@ -126,11 +135,13 @@ def time_batches(make: Callable[[], Iterable[Any]], warmup: int, measure: int) -
         del batch
         if len(stamps) == warmup + 1:
             cpu_start = cpu_seconds()
+            pipe_start = pipe_bytes() if pipe_bytes else 0
         if len(stamps) > warmup + measure:
             break
         time.sleep(STEP_S)  # the train step
     cpu = (cpu_seconds() - cpu_start) / measure
-    return Result("", (stamps[-1] - stamps[warmup]) / measure, stamps[0] - start, cpu)
+    piped = (pipe_bytes() - pipe_start) / measure if pipe_bytes else None
+    return Result("", (stamps[-1] - stamps[warmup]) / measure, stamps[0] - start, cpu, piped)
 
 
 def best_of(repeats: int, name: str, once: Callable[[], Result]) -> Result | None:
@@ -184,8 +195,14 @@ def run_aio(kwargs: dict[str, Any], warmup: int, measure: int) -> Result:
         loader = Loader(range(N_ITEMS), batch_size=BATCH, **kwargs)
         return loader
 
+    def pipe_bytes() -> int:
+        assert loader is not None
+        pool = loader.stats().extra.get("decode_pool", {})
+        return int(pool.get("pipe_bytes_sent", 0) + pool.get("pipe_bytes_received", 0))
+
+    process = kwargs.get("executor") == "process"
     try:
-        return time_batches(make, warmup, measure)
+        return time_batches(make, warmup, measure, pipe_bytes if process else None)
     finally:
         if loader is not None:
             loader.close()
@@ -219,13 +236,13 @@ def aio_configs(quick: bool) -> dict[str, dict[str, Any]]:
         "fetch in 64 threads, per-thread RNG, numpy collate": {
             "fetch": fetch_local, "concurrency": 64, "collate": "numpy",
         },
-        "async wait, decode in processes, global RNG": {
+        PROCESS: {
             **decode, "decode": generate_global, "executor": "process", "concurrency": 64, **one,
         },
     }  # fmt: skip
     if quick:
-        keep = ("fetch in 64 threads, global RNG", "fetch in 64 threads, per-thread RNG",
-                "async wait, decode in threads, c64")  # fmt: skip
+        keep = ("fetch in 64 threads, per-thread RNG", "async wait, decode in threads, c64",
+                PROCESS)  # fmt: skip
         configs = {name: configs[name] for name in keep}
     return configs
 
@@ -256,6 +273,19 @@ def summary(torch_results: list[Result], aio_results: list[Result], floor: float
     best_torch = min(torch_results, key=lambda r: r.s_per_batch)
     best_aio = min(aio_results, key=lambda r: r.s_per_batch)
     print(f"best: {best_torch.name} vs {best_aio.name}")
+    process = next((r for r in aio_results if r.pipe_bytes_per_batch is not None), None)
+    pool: dict[str, Any] = {}
+    if process is not None:
+        print(f"process pool: {process.pipe_bytes_per_batch:.0f} bytes through the pipes per batch "
+              f"of {BATCH_BYTES} bytes")  # fmt: skip
+        pool = {
+            "process_s_per_batch": round(process.s_per_batch, 4),
+            "process_ratio_vs_torch": round(process.s_per_batch / best_torch.s_per_batch, 3),
+            "process_ratio_vs_floor": round(process.s_per_batch / floor, 3),
+            "pipe_bytes_per_batch": round(process.pipe_bytes_per_batch or 0),
+            "batch_bytes": BATCH_BYTES,
+            "pipe_share": round((process.pipe_bytes_per_batch or 0) / BATCH_BYTES, 6),
+        }
     return json.dumps({
         "workload": "serialization_tax",
         "torch_best_s_per_batch": round(best_torch.s_per_batch, 4),
@@ -263,7 +293,9 @@ def summary(torch_results: list[Result], aio_results: list[Result], floor: float
         "floor_s_per_batch": round(floor, 4),
         "ratio_vs_torch": round(best_aio.s_per_batch / best_torch.s_per_batch, 3),
         "ratio_vs_floor": round(best_aio.s_per_batch / floor, 3),
-        "ttfb_s": {"torch": round(best_torch.ttfb_s, 3), "aioloader": round(best_aio.ttfb_s, 3)},
+        "ttfb_s": {"torch": round(best_torch.ttfb_s, 3), "aioloader": round(best_aio.ttfb_s, 3),
+                   **({"process": round(process.ttfb_s, 3)} if process else {})},
+        **pool,
     })  # fmt: skip
 
 

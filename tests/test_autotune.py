@@ -77,6 +77,40 @@ def test_slow_start_climbs_to_a_store_capacity_and_stays_there() -> None:
     assert max(limit for _, limit in changes) <= 256
 
 
+def test_slow_start_doubles_every_few_latencies() -> None:
+    """A fast store (20 ms): from 16 to 128 and beyond within 0.6 s, not a quarter second a step."""
+    climber = Climber("fetch", 16, 1, 1024)
+    changes = drive(climber, store(lambda t: 0.02), 0.6)
+    assert [limit for _, limit in changes][:4] == [16, 32, 64, 128]
+    assert limit_at(changes, 0.6) >= 128
+
+
+def test_items_queued_beyond_what_the_store_needs_are_drained() -> None:
+    """The client completes 2,000 items/s and every item the limit lets in waits its turn: at
+    20 ms, 40 in flight do it (Little's law); more only queue (latency grows with the limit), so
+    the limit comes back to about 40 plus headroom, and stays near it."""
+
+    def model(limit: int, t: float) -> tuple[float, float]:
+        return min(limit / 0.02, 2000.0), float(limit)
+
+    climber = Climber("fetch", 16, 1, 1024)
+    changes = drive(climber, model, 10.0)
+    assert max(limit for _, limit in changes) <= 128  # slow start ends at the first flat doubling
+    assert all(40 <= limit <= 64 for when, limit in changes if when > 2.0)
+
+
+def test_a_step_that_costs_throughput_is_undone() -> None:
+    """Beyond 64 in flight, every item in flight costs throughput (e.g. the host's CPU)."""
+
+    def model(limit: int, t: float) -> tuple[float, float]:
+        return min(limit / 0.02, 3200 / (1 + 0.3 * max(0, limit - 64) / 64)), float(limit)
+
+    climber = Climber("fetch", 16, 1, 256)
+    changes = drive(climber, model, 10.0)
+    assert all(limit <= 100 for when, limit in changes if when > 2.0)
+    assert climber.limit >= 48
+
+
 def test_never_beyond_the_maximum_or_below_the_minimum() -> None:
     climber = Climber("fetch", 4, 2, 40)
     changes = drive(climber, store(lambda t: 0.01), 10.0)

@@ -342,3 +342,74 @@ def test_num_workers_reads_in_worker_processes_with_worker_info() -> None:
     assert {int(w) for b in got for w in b["worker"]} <= {0, 1}
     assert {int(n) for b in got for n in b["num_workers"]} == {2}
     assert all(bool(h) for b in got for h in b["has_dataset"])
+
+
+class ShardedStream(IterableDataset[Any]):
+    """Worker w of n yields items w, w + n, ... (all of them in the main process), plus its pid;
+    `uneven` makes worker 0's share much longer than the others'."""
+
+    def __init__(self, n: int = 17, uneven: bool = False) -> None:
+        self.n, self.uneven = n, uneven
+
+    def __iter__(self) -> Any:
+        import os
+
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        mine = list(range(self.n))[worker::workers]
+        if self.uneven and worker > 0:
+            mine = mine[:2]
+        for i in mine:
+            yield {"i": i, "x": torch.full((2,), float(i)), "pid": os.getpid(), "worker": worker}
+
+
+def _strip_pids(batches: list[Any]) -> list[Any]:
+    for b in batches:
+        b.pop("pid")
+    return batches
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(batch_size=4), dict(batch_size=4, drop_last=True), dict(batch_size=None),
+     dict(batch_size=3, uneven=True), dict(batch_size=1, uneven=True, workers=3)],
+    ids=["batched", "drop_last", "unbatched", "uneven", "uneven-3"],
+)  # fmt: skip
+def test_iterable_dataset_is_iterated_in_each_worker_as_torch_does(kwargs: dict[str, Any]) -> None:
+    import os
+
+    kwargs = dict(kwargs)
+    dataset = ShardedStream(uneven=kwargs.pop("uneven", False))
+    workers = kwargs.pop("workers", 2)
+    expected = _strip_pids(list(TorchDataLoader(dataset, num_workers=workers, **kwargs)))
+    with DataLoader(dataset, num_workers=workers, **kwargs) as ours:
+        epochs = [list(ours), list(ours)]  # the workers persist: each epoch starts a new stream
+    pids = {int(p) for b in epochs[0] for p in torch.as_tensor(b["pid"]).reshape(-1)}
+    assert os.getpid() not in pids
+    assert len(pids) == workers
+    for got in epochs:
+        assert_same(_strip_pids(got), expected)
+
+
+def _fail_in_worker_1() -> Any:
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    if info is not None and info.id == 1:
+        raise KeyError("shard 1 is missing")
+    yield from range(4)
+
+
+class FailingStream(IterableDataset[Any]):
+    def __iter__(self) -> Any:
+        return _fail_in_worker_1()
+
+
+def test_an_error_in_a_workers_stream_keeps_its_type() -> None:
+    loader = DataLoader(FailingStream(), batch_size=2, num_workers=2)
+    with loader, pytest.raises(KeyError, match="shard 1 is missing") as info:
+        list(loader)
+    assert any("decode" in note for note in info.value.__notes__), info.value.__notes__

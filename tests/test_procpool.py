@@ -159,6 +159,42 @@ def _rebuild_counter() -> CountsPickles:
     return CountsPickles()
 
 
+async def snooze(arg: tuple[float, Any]) -> tuple[int, Any, torch.Tensor]:
+    """An async task: waits, then answers its pid, its argument and a draw of the sample's seed."""
+    seconds, value = arg
+    await asyncio.sleep(seconds)
+    return os.getpid(), value, torch.rand(2, generator=aioloader.sample_generator())
+
+
+async def block_loop(seconds: float) -> None:
+    time.sleep(seconds)  # noqa: ASYNC251 - blocks the worker's loop: a cancel cannot reach it
+
+
+async def note_cancel(folder: str) -> None:
+    Path(folder, "started").touch()  # noqa: ASYNC240 - a marker the test waits for
+    try:
+        await asyncio.sleep(WAIT_S)
+    except asyncio.CancelledError:
+        Path(folder, "cancelled").touch()  # noqa: ASYNC240
+        raise
+
+
+def wait_for_file(path: Path) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # a file written by another process: nothing can signal it
+    return path.exists()
+
+
+def mebibyte_tensor(_: Any) -> torch.Tensor:
+    return torch.ones(1 << 18, dtype=torch.float32)
+
+
+def blob(kind: str) -> bytes | bytearray:
+    data = bytes(range(256)) * 400  # 100 KiB
+    return data if kind == "bytes" else bytearray(data)
+
+
 # -- helpers ------------------------------------------------------------------------------------------
 
 
@@ -380,6 +416,83 @@ def test_a_stalled_worker_times_out_and_is_replaced(make: Any, how: str, method:
     assert queued.result(WAIT_S) == 7
     assert executor.pids != [pid]
     assert gone(pid) or psutil.Process(pid).wait(WAIT_S) is not None
+
+
+def test_async_tasks_run_many_at_once_on_the_workers_loop(make: Any) -> None:
+    executor = make(1)
+    (pid,) = executor.pids
+    start = time.monotonic()
+    futures = [
+        executor.submit(snooze, (0.3, i), aioloader._rng.derive_seed(0, 0, i)) for i in range(20)
+    ]
+    answers = [f.result(WAIT_S) for f in futures]
+    assert time.monotonic() - start < 3.0  # one at a time: 6 s
+    assert [(p, v) for p, v, _ in answers] == [(pid, i) for i in range(20)]
+    for i, (_, _, drawn) in enumerate(answers):  # each task saw its own seed
+        local = call_seeded(draw, None, aioloader._rng.derive_seed(0, 0, i))
+        assert torch.equal(drawn, local[:2])
+    assert executor.stats()["async_tasks"] == 20
+
+
+def test_a_stuck_async_task_times_out_alone(make: Any) -> None:
+    executor = make(1, timeout=0.5)
+    (pid,) = executor.pids
+    stuck = executor.submit(snooze, (WAIT_S, "never"), 1)
+    quick = [executor.submit(snooze, (0.1, i), 1) for i in range(5)]
+    assert [f.result(WAIT_S)[1] for f in quick] == list(range(5))
+    with pytest.raises(WorkerTimeout, match="cancelled there") as info:
+        stuck.result(WAIT_S)
+    assert info.value.pid == pid
+    assert executor.pids == [pid]  # the worker was busy, not broken: it was kept
+    assert executor.submit(snooze, (0.0, "after"), 1).result(WAIT_S)[:2] == (pid, "after")
+
+
+def test_a_blocked_worker_loop_is_killed_after_the_grace(make: Any, wait_until: Any) -> None:
+    executor = make(1, timeout=0.3)
+    (pid,) = executor.pids
+    with pytest.raises(WorkerTimeout):
+        executor.submit(block_loop, WAIT_S).result(WAIT_S)
+    later = executor.submit(snooze, (0.0, 1), 1)  # held back from the stuck loop: runs on the next
+    assert later.result(WAIT_S)[0] != pid
+    assert wait_until(lambda: gone(pid), WAIT_S)
+
+
+def test_cancelling_run_cancels_the_coroutine_in_the_worker(make: Any, tmp_path: Path) -> None:
+    executor = make(1)
+
+    async def cancel_one() -> None:
+        task = asyncio.ensure_future(executor.run(note_cancel, str(tmp_path)))
+        assert await asyncio.to_thread(wait_for_file, tmp_path / "started")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_one())
+    assert wait_for_file(tmp_path / "cancelled")
+    assert executor.submit(snooze, (0.0, 2), 1).result(WAIT_S)[1] == 2
+
+
+def test_pipe_bytes_are_counted_and_a_tensor_crosses_in_shared_memory(
+    pool: ProcessExecutor,
+) -> None:
+    pool.submit(mebibyte_tensor, None).result(WAIT_S)  # the output slot size is known from now on
+    before = pool.stats()
+    result = pool.submit(mebibyte_tensor, None).result(WAIT_S)
+    after = pool.stats()
+    assert result.nbytes == 1 << 20
+    assert bool((result == 1).all())
+    assert 0 < after["pipe_bytes_received"] - before["pipe_bytes_received"] < 1024
+    assert 0 < after["pipe_bytes_sent"] - before["pipe_bytes_sent"] < 1024
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytearray"])
+def test_large_bytes_in_a_result_cross_in_shared_memory(pool: ProcessExecutor, kind: str) -> None:
+    before = pool.stats()
+    result = pool.submit(blob, kind).result(WAIT_S)
+    after = pool.stats()
+    assert type(result).__name__ == kind
+    assert result == blob(kind)
+    assert after["pipe_bytes_received"] - before["pipe_bytes_received"] < 1024
 
 
 def test_worker_init_fn_runs_in_each_worker(make: Any) -> None:

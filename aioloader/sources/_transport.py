@@ -81,6 +81,13 @@ class Transport:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fast: FastPool | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (for a process worker, say) without its live connections: a copy opens its own,
+        on the loop of its first request, and counts from zero."""
+        state = self.__dict__.copy()
+        state.update(_session=None, _loop=None, _fast=None, counts=dict.fromkeys(self.counts, 0))
+        return state
+
     def session(self) -> aiohttp.ClientSession:
         """The session of the running loop, made on first use. Raises if bound to another loop."""
         loop = asyncio.get_running_loop()

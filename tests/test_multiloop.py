@@ -1,0 +1,209 @@
+"""Fetch in the workers (`fetch_in_workers=True`): each process worker fetches on its own event loop.
+
+Real worker processes, real HTTP on 127.0.0.1: the `origin` fixture, and a `SlowOrigin` here that
+answers after a delay and records how many requests it held at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from aiohttp import web
+from fakes import SyncFetch
+from faultproxy import Origin, ServerThread
+
+import aioloader
+from aioloader import FetchError, Loader, ProcessExecutor, WorkerDied
+from aioloader._shm import NAME_PREFIX, SHM_DIR
+from aioloader.sources import http
+
+BODY = bytes(range(256)) * 128  # 32 KiB: in shared memory, not in the pipe
+
+
+class SlowOrigin(ServerThread):
+    """Serves BODY at every path after `delay` seconds; `peak` is the most requests held at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.in_flight = self.peak = self.hits = 0
+        app = web.Application()
+        app.router.add_get("/{name:.*}", self._get)
+        super().__init__(app, "test-slow-origin")
+
+    async def _get(self, _request: web.Request) -> web.Response:
+        self.in_flight += 1
+        self.hits += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.in_flight -= 1
+        return web.Response(body=BODY)
+
+
+@pytest.fixture
+def slow() -> Iterator[SlowOrigin]:
+    server = SlowOrigin(0.1)
+    yield server
+    server.stop()
+
+
+def decode(raw: bytearray) -> tuple[int, int, torch.Tensor]:
+    """Runs in a worker: its pid, the size, and a draw from the sample's generator."""
+    return os.getpid(), len(raw), torch.rand(2, generator=aioloader.sample_generator())
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def shm_entries() -> list[str]:
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{NAME_PREFIX}{os.getpid()}-")]
+
+
+def test_every_key_once_and_in_order(origin: Origin, objects: dict[str, bytes]) -> None:
+    src = http(origin.url + "/", list(objects), concurrency=8)
+    options: dict[str, Any] = {"executor": "process", "workers": 2, "fetch_in_workers": True}
+    with Loader(src, batch_size=5, collate=None, concurrency=16, **options) as loader:
+        got = [sample for batch in loader for sample in batch]
+        pids = set(loader._stages.decoder.pids)  # type: ignore[attr-defined]
+    assert got == list(objects.values())
+    assert all(type(sample) is bytearray for sample in got)
+    assert set(origin.hits.values()) == {1}
+    assert len(origin.hits) == len(objects)
+    assert src.stats()["requests"] == 0  # the parent's copy of the source fetched nothing
+    assert all(gone(pid) for pid in pids)
+
+
+def test_worker_loops_fetch_many_at_once(slow: SlowOrigin) -> None:
+    keys = [f"{i}.bin" for i in range(128)]
+    src = http(slow.url + "/", keys, concurrency=64)
+    options: dict[str, Any] = {"executor": "process", "workers": 2, "fetch_in_workers": True}
+    with Loader(src, concurrency=64, collate=None, **options) as loader:
+        pool = loader._stages.decoder
+        assert pool.async_depth == 32  # type: ignore[attr-defined]
+        assert sum(len(sample) for sample in loader) == len(keys) * len(BODY)
+        stats = pool.stats()  # type: ignore[attr-defined]
+    # 128 requests of 100 ms each: one at a time per worker would hold 2; the loops hold dozens
+    assert slow.peak >= 32, slow.peak
+    assert slow.peak <= 64  # the loader's concurrency bounds them in all
+    assert stats["async_tasks"] == len(keys)
+    # only the first wave, sent before a result told the size, crossed pickled; the rest in
+    # shared memory, with a few hundred bytes per sample in the pipes
+    assert stats["results_in_shm"] + stats["results_pickled"] == len(keys)
+    assert stats["results_pickled"] <= 64
+    shm_only = stats["pipe_bytes_received"] - stats["results_pickled"] * len(BODY)
+    assert shm_only < 400 * len(keys)
+
+
+def test_decode_runs_in_the_workers_with_the_sample_seed(
+    origin: Origin, objects: dict[str, bytes]
+) -> None:
+    keys = list(objects)[:12]
+    src = http(origin.url + "/", keys)
+    with Loader(src, decode=decode, batch_size=4, collate=None, seed=3) as here:
+        expected = [sample for batch in here for sample in batch]
+    src = http(origin.url + "/", keys)
+    options: dict[str, Any] = {"executor": "process", "workers": 2, "fetch_in_workers": True}
+    with Loader(src, decode=decode, batch_size=4, collate=None, seed=3, **options) as there:
+        got = [sample for batch in there for sample in batch]
+    assert {pid for pid, _, _ in got}.isdisjoint({os.getpid()})
+    assert [size for _, size, _ in got] == [len(objects[k]) for k in keys]
+    for (_, _, drawn), (_, _, want) in zip(got, expected, strict=True):
+        assert torch.equal(drawn, want)  # the same numbers as the same sample decoded here
+
+
+def test_a_fetch_error_in_a_worker_names_the_key(origin: Origin) -> None:
+    src = http(origin.url + "/", ["obj/00000.bin", "missing.bin"], attempts=1)
+    options: dict[str, Any] = {"executor": "process", "workers": 1, "fetch_in_workers": True}
+    with Loader(src, collate=None, **options) as loader, pytest.raises(FetchError) as info:
+        list(loader)
+    assert info.value.key == "missing.bin"
+    assert "404" in str(info.value)
+    assert "missing.bin" in "\n".join(info.value.__notes__)
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_worker_killed_mid_epoch(slow: SlowOrigin, restarts: int) -> None:
+    keys = [f"{i}.bin" for i in range(96)]
+    src = http(slow.url + "/", keys, concurrency=32)
+    with ProcessExecutor(2, max_worker_restarts=restarts) as pool:
+        loader = Loader(
+            src, executor=pool, fetch_in_workers=True, concurrency=32, batch_size=8, collate=None
+        )
+        with loader:
+            batches = iter(loader)
+            delivered = len(next(batches))
+            victim = pool.pids[0]
+            os.kill(victim, signal.SIGKILL)  # with requests in flight on it
+            if restarts:
+                delivered += sum(len(batch) for batch in batches)
+                assert delivered == len(keys)
+                assert pool.stats()["restarts"] == 1
+            else:
+                with pytest.raises(WorkerDied) as info:
+                    for _ in batches:
+                        pass
+                assert info.value.pid == victim
+                assert info.value.tasks
+        assert victim not in pool.pids
+
+
+def test_an_early_break_leaves_no_process_thread_or_shared_memory(
+    slow: SlowOrigin, wait_until: Callable[..., bool]
+) -> None:
+    keys = [f"{i}.bin" for i in range(200)]
+    src = http(slow.url + "/", keys, concurrency=32)
+    options: dict[str, Any] = {"executor": "process", "workers": 2, "fetch_in_workers": True}
+    with Loader(src, concurrency=32, batch_size=8, **options) as loader:
+        for _ in loader:
+            break
+        pool = loader._stages.decoder
+        pids = pool.pids  # type: ignore[attr-defined]
+        assert slow.open_connections() > 0
+    assert pool.closed  # type: ignore[attr-defined]
+    assert all(gone(pid) for pid in pids)
+    assert shm_entries() == []
+    assert wait_until(lambda: slow.open_connections() == 0)
+
+
+class EpochSource:
+    """A source with per-epoch state, like tar shards."""
+
+    def keys(self) -> list[int]:
+        return [0]
+
+    async def fetch(self, key: int) -> int:
+        return key
+
+    async def aclose(self) -> None:
+        pass
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+
+def test_arguments_are_checked_up_front(origin: Origin) -> None:
+    src = http(origin.url + "/", ["a"])
+    with pytest.raises(ValueError, match="fetch_in_workers=True needs executor"):
+        Loader(src, executor="thread", fetch_in_workers=True)
+    with pytest.raises(ValueError, match="fetch_in_workers=True needs executor"):
+        Loader(src, fetch_in_workers=True)  # executor="inline"
+    with pytest.raises(TypeError, match="fetch_in_workers=True needs an async fetch"):
+        Loader(["a"], SyncFetch(), executor="process", fetch_in_workers=True)
+    with pytest.raises(ValueError, match="int concurrency"):
+        Loader(src, executor="process", concurrency="auto", fetch_in_workers=True)
+    with pytest.raises(ValueError, match="per-epoch state"):
+        Loader(EpochSource(), executor="process", fetch_in_workers=True)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        Loader(src, executor="process", workers=0, fetch_in_workers=True)
