@@ -165,17 +165,19 @@ def resolve_concurrency(
     return check_int("concurrency", concurrency, minimum=1), None
 
 
-def resolve_decoder(executor: str, workers: int | str | None) -> Executor:
+def resolve_decoder(
+    executor: str, workers: int | str | None, arena_bytes: int | None = None
+) -> Executor:
     """The decode executor for `executor` and `workers` (an int, None or "auto")."""
     if workers == "auto":
         if executor == "thread":
             return AutoWorkers(default_workers())
-        return make_executor(executor, None)  # inline: no pool; process: one per core
+        return make_executor(executor, None, arena_bytes)  # inline: no pool; process: one per core
     if isinstance(workers, str):
         raise TypeError(f"workers must be an int, None or 'auto', got {workers!r}")
     if workers is not None:
         check_int("workers", workers, minimum=1)
-    return make_executor(executor, workers)
+    return make_executor(executor, workers, arena_bytes)
 
 
 def _source_throttles(source: object) -> Callable[[], int] | None:

@@ -65,12 +65,13 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def make_executor(name: str, workers: int | None) -> Executor:
-    """Build the executor called `name` ("inline", "thread" or "process")."""
+def make_executor(name: str, workers: int | None, arena_bytes: int | None = None) -> Executor:
+    """Build the executor called `name` ("inline", "thread" or "process"; `arena_bytes` is the
+    process pool's shared-memory budget, None its default)."""
     if name == "inline":
         return InlineExecutor()
     if name == "thread":
         return ThreadExecutor(workers or default_workers())
     if name == "process":
-        return ProcessExecutor(workers or default_workers())
+        return ProcessExecutor(workers or default_workers(), arena_bytes=arena_bytes)
     raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")

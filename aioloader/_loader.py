@@ -27,6 +27,7 @@ from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._pipeline import END, SKIPPED, Epoch, Stages
 from ._progress import with_progress
 from ._resume import Resumable
+from ._shm import loader_arena
 from ._state import Progress
 from ._stats import LoaderStats, NullRecorder, Recorder
 from ._sync import STOP_TIMEOUT_S, LoopThread
@@ -238,7 +239,9 @@ class Loader(Resumable, Generic[T]):
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, fetch_initializer),
             decode=decode,
-            decoder=resolve_decoder(executor, workers) if isinstance(executor, str) else executor,
+            decoder=resolve_decoder(executor, workers, loader_arena(max_bytes))
+            if isinstance(executor, str)
+            else executor,
             collate=collate,
             collator=ThreadExecutor(1, "aioloader-collate"),
             concurrency=concurrency,

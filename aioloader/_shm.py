@@ -349,6 +349,17 @@ DEFAULT_ARENA_BYTES = 256 << 20
 MIN_ARENA_BYTES = 16 << 20
 
 
+def loader_arena(max_bytes: int | None, directory: str = SHM_DIR) -> int | None:
+    """The arena of a process pool a loader makes for itself: as large as the loader's memory
+    budget (so a few batches of any size fit, and workers can write them in place), but never more
+    than half the free /dev/shm; None (the pool's default) without a budget. Slabs are made as they
+    are needed: a large budget costs nothing until it is used."""
+    if max_bytes is None:
+        return None
+    st = os.statvfs(directory)
+    return max(MIN_ARENA_BYTES, min(max_bytes, st.f_bavail * st.f_frsize // 2))
+
+
 def arena_budget(requested: int | None, directory: str = SHM_DIR) -> int:
     """The arena budget: `requested` if `directory` has room for it, else OSError naming both.
 

@@ -166,3 +166,20 @@ def test_a_retired_slab_is_unmapped_and_refuses_access_rather_than_faulting() ->
     with pytest.raises(ValueError, match="unmapped"):
         small.write(b"late")
     arena.close()
+
+
+def test_a_loaders_own_pool_gets_an_arena_as_large_as_its_memory_budget() -> None:
+    from aioloader import Loader
+    from aioloader._shm import MIN_ARENA_BYTES, loader_arena
+
+    st = os.statvfs("/dev/shm")
+    half_free = st.f_bavail * st.f_frsize // 2
+    assert loader_arena(None) is None
+    assert loader_arena(1) == MIN_ARENA_BYTES
+    assert loader_arena(1 << 40) <= half_free
+    budget = 700 << 20
+    with Loader(range(4), abs, decode=abs, executor="process", workers=1,
+                max_bytes_in_flight=budget) as loader:  # fmt: skip
+        assert list(loader) == [0, 1, 2, 3]
+        arena = loader.stats().extra["decode_pool"]["arena_budget"]
+    assert arena == min(budget, half_free)  # not the 256 MiB a bare pool gets
