@@ -10,6 +10,7 @@ pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or t
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -21,7 +22,15 @@ __all__ = ["EXECUTORS", "Executor", "InlineExecutor", "ThreadExecutor", "make_ex
 
 T = TypeVar("T")
 
-EXECUTORS = ("inline", "thread", "process")
+EXECUTORS = ("inline", "thread", "process", "auto")
+
+
+def auto_executor() -> str:
+    """What executor="auto" picks: threads where the GIL is off (free-threaded Python, e.g. 3.13t),
+    processes where it is on. A decoder that releases the GIL (numpy, Pillow, most codecs) does well
+    in threads either way: name executor="thread" for it."""
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    return "process" if gil else "thread"
 
 
 class Executor(Protocol):
@@ -68,6 +77,8 @@ def default_workers() -> int:
 def make_executor(name: str, workers: int | None, arena_bytes: int | None = None) -> Executor:
     """Build the executor called `name` ("inline", "thread" or "process"; `arena_bytes` is the
     process pool's shared-memory budget, None its default)."""
+    if name == "auto":
+        name = auto_executor()
     if name == "inline":
         return InlineExecutor()
     if name == "thread":

@@ -16,7 +16,7 @@ import torch
 
 from ._autotune import resolve_concurrency, resolve_decoder
 from ._collate import BufferPool, make_collate
-from ._decode import EXECUTORS, Executor, ThreadExecutor
+from ._decode import EXECUTORS, Executor, ThreadExecutor, auto_executor
 from ._diagnose import Diagnosis, diagnose
 from ._distributed import resolve_rank
 from ._exceptions import LoaderClosedError, LoaderTimeout
@@ -79,7 +79,8 @@ class Loader(Resumable, Generic[T]):
             `prefetch * batch_size + concurrency`.
         in_order: deliver batches in key order (True) or whole batches as they complete (False).
         executor: where decode runs: "inline" (on the event loop), "thread", "process" (worker
-            processes returning arrays in shared memory), or an Executor instance such as
+            processes returning arrays in shared memory), "auto" (threads where the GIL is off,
+            processes where it is on), or an Executor instance such as
             `aioloader.ProcessExecutor(2, timeout=30, max_worker_restarts=3)` (then yours to close).
         workers: decode threads for executor="thread" (default: the usable cores); "auto" uses
             as many of the cores as raise throughput (processes: one per core).
@@ -217,6 +218,8 @@ class Loader(Resumable, Generic[T]):
             concurrency, is_async=is_async_callable(fetch), recorder=recorder, max_bytes=max_bytes,
             source=source,
         )  # fmt: skip
+        if executor == "auto":
+            executor = auto_executor()
         if isinstance(executor, str) and executor not in EXECUTORS:
             raise ValueError(
                 f"executor must be one of {EXECUTORS} or an Executor, got {executor!r}"

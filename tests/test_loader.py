@@ -374,3 +374,23 @@ async def test_caller_loop_does_not_fetch_while_the_consumer_blocks_its_loop() -
     assert fetch.ticks_while_busy == 0
     # At most one 5 ms tick of a fetch can elapse during a step: about the serial 1.0 s.
     assert steps.elapsed > BATCHES * (STEP_S + (fetch.ticks - 1) * fetch.tick_s) * 0.95
+
+
+def _negate(x: int) -> int:
+    return -x
+
+
+@pytest.mark.parametrize("gil", [True, False])
+def test_executor_auto_is_processes_with_the_gil_and_threads_without(
+    gil: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from aioloader import ProcessExecutor
+
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: gil, raising=False)
+    with Loader(range(4), _negate, decode=_negate, executor="auto", workers=1) as loader:
+        assert list(loader) == [0, 1, 2, 3]
+        decoder = loader._stages.decoder
+        assert isinstance(decoder, ProcessExecutor) is gil
+        assert type(decoder).__name__ == ("ProcessExecutor" if gil else "ThreadExecutor")
