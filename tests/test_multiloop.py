@@ -149,7 +149,9 @@ def test_a_worker_killed_mid_epoch(slow: SlowOrigin, restarts: int) -> None:
             if restarts:
                 delivered += sum(len(batch) for batch in batches)
                 assert delivered == len(keys)
-                assert pool.stats()["restarts"] == 1
+                # replaced; its requests in flight (if the kill found any) retried on the new one
+                assert pool.stats()["replaced"] == 1
+                assert pool.stats()["restarts"] <= 1
             else:
                 with pytest.raises(WorkerDied) as info:
                     for _ in batches:
