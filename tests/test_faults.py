@@ -10,7 +10,6 @@ descriptor more than before, no /dev/shm entry (`scripts/leakcheck.py`).
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import json
 import os
@@ -322,11 +321,12 @@ def drain(batches: Iterator[list[Any]], into: list[Any]) -> None:
 
 def fetch_thread_blocked_in_open(path: Path) -> bool:
     """A thread of this process is blocked opening `path` (a FIFO without a writer)."""
-    for frame in sys._current_frames().values():
-        work = frame.f_locals.get("self") if frame.f_code.co_name == "run" else None
-        fn = getattr(work, "fn", None)
-        if isinstance(fn, functools.partial) and fn.args and str(fn.args[0]) == str(path):
-            return True
+    for top in sys._current_frames().values():
+        frame: Any = top
+        while frame is not None:  # the thread's stack, from the innermost frame out
+            if frame.f_code.co_name == "open" and str(frame.f_locals.get("path")) == str(path):
+                return True
+            frame = frame.f_back
     return False
 
 

@@ -1,13 +1,12 @@
-"""Local files: keys are paths relative to a root, read with aiofiles."""
+"""Local files: keys are paths relative to a root, opened and read in threads."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path, PurePosixPath
-from typing import Any
-
-import aiofiles
+from typing import BinaryIO
 
 from .._exceptions import InvalidKeyError
 
@@ -54,32 +53,45 @@ class Files:
 
     async def fetch(self, key: str) -> bytes:
         """Read the whole file named by `key`. Safe to cancel: a file opened after the cancel is
-        closed, not leaked."""
-        opening = asyncio.ensure_future(aiofiles.open(self.path(key), "rb"))
+        closed by the thread that opened it, whatever the event loop does meanwhile."""
+        opening = _Opening()
         try:
-            f = await asyncio.shield(opening)
+            f = await asyncio.to_thread(opening.open, self.path(key))
         except asyncio.CancelledError:
-            opening.add_done_callback(_close_late)
+            opening.cancel()
             raise
         try:
-            data: bytes = await f.read()
+            return await asyncio.to_thread(f.read)
         finally:
-            await f.close()
-        return data
+            f.close()
 
     async def aclose(self) -> None:
         """Nothing to release; present for the Source protocol."""
 
 
-_closing: set[asyncio.Future[Any]] = set()  # late closes in progress (the loop keeps weak refs)
+class _Opening:
+    """One open() in a thread that its fetch may give up on: the file never outlives the fetch."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._file: BinaryIO | None = None
 
-def _close_late(opening: asyncio.Future[Any]) -> None:
-    """Close a file whose open finished after its fetch was cancelled."""
-    if not opening.cancelled() and opening.exception() is None:
-        closing = asyncio.ensure_future(opening.result().close())
-        _closing.add(closing)
-        closing.add_done_callback(_closing.discard)
+    def open(self, path: Path) -> BinaryIO:
+        f = open(path, "rb")  # noqa: SIM115 - closed by fetch, or here/by cancel() if abandoned
+        with self._lock:
+            if not self._cancelled:
+                self._file = f
+                return f
+        f.close()  # the fetch was cancelled while this thread waited in open()
+        raise asyncio.CancelledError
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            f, self._file = self._file, None
+        if f is not None:  # opened, but the result never reached the fetch
+            f.close()
 
 
 def files(root: str | os.PathLike[str], pattern: str = "**/*") -> Files:
