@@ -26,11 +26,10 @@ import os
 import subprocess
 import sys
 import sysconfig
-import time
 from typing import Any
 
 import torch
-from decode import BATCH, OUT, SIZE, decode, make_images, read
+from decode import BATCH, OUT, SIZE, decode, make_images, read, time_epochs
 
 import aioloader
 
@@ -45,29 +44,16 @@ def gil_enabled() -> bool:
 
 def run_one(workers: int, n: int, epochs: int) -> dict[str, Any]:
     paths = make_images(n)
-    torch.set_num_threads(
-        1
-    )  # as W3's thread contender: the collate thread stays off the decode cores
+    # as W3's thread contender: the collate thread stays off the decode cores
+    torch.set_num_threads(1)
     loader: aioloader.Loader[torch.Tensor] = aioloader.Loader(
         paths, read, decode=decode, batch_size=BATCH, executor="thread", workers=workers
     )
-    ttfb, seconds, samples = 0.0, 0.0, 0
     try:
-        for epoch in range(epochs):
-            start = time.perf_counter()
-            count = 0
-            for batch in loader:
-                if count == 0 and epoch == 0:
-                    ttfb = time.perf_counter() - start
-                count += len(batch)
-                assert batch.shape[1:] == (3, OUT, OUT)
-                del batch
-            if epoch > 0:
-                seconds += time.perf_counter() - start
-                samples += count
+        result = time_epochs(loader, epochs)
     finally:
         loader.close()
-    return {"samples_per_s": samples / seconds, "ttfb_s": ttfb, "gil_enabled": gil_enabled()}
+    return {**result, "gil_enabled": gil_enabled()}
 
 
 def measure(workers: int, n: int, epochs: int) -> dict[str, Any]:
