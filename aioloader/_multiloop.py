@@ -156,7 +156,19 @@ class WorkerLoop:
         self, task_id: int, fn: Callable[[Any], Any], arg: Any, seed: int | None, done: Done
     ) -> None:
         """Run `await fn(arg)` with `seed` as the sample's seed; never blocks."""
-        self.loop.call_soon_threadsafe(self._spawn, task_id, fn, arg, seed, done)
+        self.start_many([(task_id, fn, arg, seed, done)])
+
+    def start_many(
+        self, starts: list[tuple[int, Callable[[Any], Any], Any, int | None, Done]]
+    ) -> None:
+        """`start` each of `starts` (one wake-up of the loop for them all)."""
+        self.loop.call_soon_threadsafe(self._spawn_many, starts)
+
+    def _spawn_many(
+        self, starts: list[tuple[int, Callable[[Any], Any], Any, int | None, Done]]
+    ) -> None:
+        for start in starts:
+            self._spawn(*start)
 
     def cancel(self, task_id: int) -> None:
         """Cancel task `task_id` if it still runs (its `done` then gets `CancelledError`)."""

@@ -19,8 +19,8 @@ child. So the default is:
   first start imports torch again (seconds) and keeps that second copy in memory.
 "spawn" and "fork" can be asked for; "fork" and "zygote" are refused once CUDA is initialised.
 
-One thread per executor, "aioloader-procpool", does all the waiting: it blocks in
-`multiprocessing.connection.wait` on every worker's socket and process sentinel, so a worker that
+One thread per executor, "aioloader-procpool", does all the waiting: it blocks in one selector
+(epoll on Linux) on every worker's socket and process sentinel, so a worker that
 dies (SIGKILL, `os._exit`, a segfault) is noticed at once, not by polling. A thread rather than the
 event loop's `add_reader`, because one executor serves several loops (the loader's own loop thread,
 the caller's loop under `use_caller_loop`, a new loop per `asyncio.run`) and must keep watching
@@ -58,6 +58,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import selectors
 import signal
 import socket
 import struct
@@ -154,11 +155,59 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _settle(
+def _settle_future(
     future: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
 ) -> None:
     with contextlib.suppress(concurrent.futures.InvalidStateError):
         if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+
+Outcome = tuple["asyncio.Future[Any]", Any, "BaseException | None"]
+
+
+class _Mailbox:
+    """Outcomes of `run` calls on its way to one event loop: at most one callback scheduled on that
+    loop at a time, which settles every outcome posted until it runs (a loop that is busy is woken
+    once for many results, not once per result)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[Outcome] = []
+        self._scheduled = False
+
+    def post(self, items: list[Outcome]) -> None:
+        """From the pool's thread."""
+        with self._lock:
+            self._items += items
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # its loop is closed: nobody awaits these
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        _settle_all(items)
+
+
+def _settle_all(outcomes: list[Outcome]) -> None:
+    """Settle the asyncio futures of `run` calls (on their loop, one call for many results)."""
+    for future, result, error in outcomes:
+        if future.done():
+            continue  # cancelled meanwhile
+        if isinstance(error, concurrent.futures.CancelledError):
+            future.cancel()
+        elif error is None:
             future.set_result(result)
         else:
             future.set_exception(error)
@@ -226,6 +275,7 @@ class _Task:
         "in_slot",
         "is_async",
         "kind",
+        "loop",
         "out_slot",
         "pin",
         "row",
@@ -236,14 +286,26 @@ class _Task:
     )
 
     def __init__(
-        self, task_id: int, fn: tuple[int, bool], seed: int | None, kind: str, arg: bytes
+        self,
+        task_id: int,
+        fn: tuple[int, bool],
+        seed: int | None,
+        kind: str,
+        arg: bytes,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.id = task_id
         self.fn_id, self.is_async = fn
         self.seed = seed
         self.kind = kind
         self.arg = arg
-        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        # `submit`: a concurrent future. `run`: an asyncio future of `loop`, which only that loop's
+        # thread may touch: the pool's thread queues its outcome (`_Pool.settle`) and hands the
+        # loop all outcomes of a step in one call (one wake-up, no lock, no Condition per task)
+        self.future: concurrent.futures.Future[Any] | asyncio.Future[Any] = (
+            concurrent.futures.Future() if loop is None else loop.create_future()
+        )
+        self.loop = loop
         self.in_slot: Slot | None = None
         self.out_slot: Slot | None = None
         self.row: RowTarget | None = None
@@ -295,6 +357,7 @@ class _Handle:
         self.fns: set[int] = set()
         self.slabs: set[int] = set()
         self.quarantine: list[Slot] = []  # slots it may still write to until it is reaped
+        self.watched_conn = self.watched_exit = False  # registered with the pool's selector
 
     @property
     def sync_n(self) -> int:
@@ -395,15 +458,18 @@ class _Pool:
         self._thread: threading.Thread | None = None
         self._arena: Arena | None = None
         self._wake_r = self._wake_w = -1
+        # what the pool's thread waits on: each worker's socket and sentinel, and the wake pipe
+        self._selector = selectors.DefaultSelector()
         self._stopping = False
         self._ready = threading.Event()
         self._failure: Callable[[], BaseException] | None = None
         self._restarts = 0
         self._out_bytes, self._out_known = FIRST_OUTPUT_BYTES, False
-        self._guesses = 0  # async tasks sent with a slot of FIRST_OUTPUT_BYTES
         self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
         self._zygote = Zygote(serve) if config.method == "zygote" else None
         self.counts: collections.Counter[str] = collections.Counter()
+        self._outcomes: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}  # see `_settle`
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
 
     # -- any thread --------------------------------------------------------------------------------
 
@@ -418,6 +484,7 @@ class _Pool:
             self._arena = Arena(self.cfg.arena_bytes)
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_w, False)
+            self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
             self._thread = threading.Thread(
                 target=self._serve, name="aioloader-procpool", daemon=True
             )
@@ -436,9 +503,10 @@ class _Pool:
         seed: int | None,
         into: RowTarget | None = None,
         worker: int | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> _Task:
         self.start()
-        task = _Task(next(self._ids), self._register(fn), seed, *_encode_arg(arg))
+        task = _Task(next(self._ids), self._register(fn), seed, *_encode_arg(arg), loop=loop)
         task.row = into
         if worker is not None:
             check_int("worker", worker, minimum=0)
@@ -561,14 +629,31 @@ class _Pool:
             handle.send_bytes(self.cfg.init)
             handle.flush()
 
+    def _watch(self, h: _Handle) -> None:
+        """Wait on `h`'s socket (while it is open) and on its process's sentinel."""
+        if h.open and not h.watched_conn:
+            self._selector.register(h.conn.fileno(), selectors.EVENT_READ, ("conn", h))
+            h.watched_conn = True
+        if not h.open and h.watched_conn:  # at EOF it would read as ready forever
+            self._selector.unregister(h.conn.fileno())
+            h.watched_conn = False
+        if not h.watched_exit:
+            self._selector.register(h.process.sentinel, selectors.EVENT_READ, ("exit", h))
+            h.watched_exit = True
+
+    def _unwatch(self, h: _Handle) -> None:
+        """Stop waiting on `h` (before its descriptors close)."""
+        if h.watched_conn:
+            self._selector.unregister(h.conn.fileno())
+        if h.watched_exit:
+            self._selector.unregister(h.process.sentinel)
+        h.watched_conn = h.watched_exit = False
+
     def _step(self) -> None:
-        table: dict[Any, tuple[str, _Handle | None]] = {self._wake_r: ("wake", None)}
         for h in self._handles:
-            if h.open:
-                table[h.conn] = ("conn", h)
-            table[h.process.sentinel] = ("exit", h)
-        for obj in wait(list(table), self._wait_timeout()):
-            what, handle = table[obj]
+            self._watch(h)
+        for key, _ in self._selector.select(self._wait_timeout()):
+            what, handle = key.data
             if handle is None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
@@ -587,6 +672,7 @@ class _Pool:
                 h.flush()
             except OSError:
                 h.open = False  # it is dying: its sentinel will tell, and what it held is retried
+        self._hand_over()
 
     def _wait_timeout(self) -> float | None:
         deadlines = [h.spawned_at + START_TIMEOUT_S for h in self._handles if not h.ready]
@@ -643,7 +729,7 @@ class _Pool:
         slot, task.out_slot = task.out_slot, None
         if task.abandoned:
             self._free(slot)
-            _settle(task.future, error=_cancelled())
+            self._settle(task, error=_cancelled())
             return
         try:
             if how == wire.ROW and task.row is not None:
@@ -657,9 +743,9 @@ class _Pool:
                 self.counts["results_pickled"] += 1
         except Exception as exc:
             exc.add_note(f"aioloader: while reading the result of decode worker pid {h.pid}")
-            _settle(task.future, error=exc)
+            self._settle(task, error=exc)
         else:
-            _settle(task.future, result)
+            self._settle(task, result)
         finally:
             self._free(slot)
 
@@ -669,10 +755,29 @@ class _Pool:
             self._free(task.out_slot)
             task.out_slot = None
             if task.abandoned:
-                _settle(task.future, error=_cancelled())
+                self._settle(task, error=_cancelled())
                 return
             where = "an async task" if task.is_async else "decode"
-            _settle(task.future, error=rebuild_error(error, h.pid, where))
+            self._settle(task, error=rebuild_error(error, h.pid, where))
+
+    def _settle(self, task: _Task, result: Any = None, error: BaseException | None = None) -> None:
+        """Give `task` its outcome: a concurrent future at once, an asyncio one at `_hand_over`."""
+        if task.loop is None:
+            _settle_future(task.future, result, error)  # type: ignore[arg-type]
+        else:
+            outcome = (task.future, result, error)
+            self._outcomes.setdefault(task.loop, []).append(outcome)  # type: ignore[arg-type]
+
+    def _hand_over(self) -> None:
+        """Post the queued outcomes of `run` calls to their loops' mailboxes."""
+        outcomes, self._outcomes = self._outcomes, {}
+        for loop, items in outcomes.items():
+            box = self._mailboxes.get(loop)
+            if box is None:
+                for old in [x for x in self._mailboxes if x.is_closed()]:
+                    del self._mailboxes[old]
+                box = self._mailboxes[loop] = _Mailbox(loop)
+            box.post(items)
 
     def _free(self, slot: Slot | None) -> None:
         if slot is not None and self._arena is not None:
@@ -685,6 +790,7 @@ class _Pool:
         self._read(h)
         h.process.join(0)
         code, pid = h.process.exitcode, h.pid
+        self._unwatch(h)
         h.close_pipes()
         self._handles.remove(h)
         with contextlib.suppress(ValueError):
@@ -721,7 +827,7 @@ class _Pool:
             f"(task ids {ids}); it was replaced, {hint}"
         )
         for t in tasks:
-            _settle(t.future, error=WorkerDied(text, pid=pid, exitcode=code, tasks=ids))
+            self._settle(t, error=WorkerDied(text, pid=pid, exitcode=code, tasks=ids))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -763,7 +869,7 @@ class _Pool:
                     f"an async task (task id {t.id}) ran more than timeout={timeout} s in decode "
                     f"worker pid {h.pid}; it was cancelled there"
                 )
-                _settle(t.future, error=WorkerTimeout(text, pid=h.pid, timeout=timeout))
+                self._settle(t, error=WorkerTimeout(text, pid=h.pid, timeout=timeout))
             elif age >= timeout + CANCEL_GRACE_S:
                 text = (
                     f"decode worker pid {h.pid} did not end a timed-out async task (task id {t.id}) "
@@ -794,22 +900,22 @@ class _Pool:
             h.quarantine += [s for s in (t.in_slot, t.out_slot) if s is not None]
             t.in_slot = t.out_slot = None
         self._pending.extendleft(reversed(self._live([t for t in tasks if t is not failed])))
-        _settle(failed.future, error=error)
+        self._settle(failed, error=error)
         self._spawn(h.index)
 
     def _live(self, tasks: list[_Task]) -> list[_Task]:
         """Of `tasks` taken from a worker, those still wanted; the others are answered."""
         for t in tasks:
             if t.abandoned:
-                _settle(t.future, error=_cancelled())
+                self._settle(t, error=_cancelled())
         return [t for t in tasks if not t.abandoned]
 
     def _cancel(self, task: _Task) -> None:
-        if task.abandoned or task.future.done():
-            return
+        if task.abandoned or (task.loop is None and task.future.done()):
+            return  # (a `run` future is done here: its caller cancelled it)
         task.abandoned = True
         h = task.worker
-        if h is not None and task.id in h.inflight and h.open:
+        if task.is_async and h is not None and task.id in h.inflight and h.open:
             with contextlib.suppress(OSError):
                 h.send((wire.CANCEL, task.id))
 
@@ -825,13 +931,14 @@ class _Pool:
         while self._pending:
             task = self._pending[0]
             if not task.started:
-                if not task.future.set_running_or_notify_cancel():
+                future = task.future
+                if task.loop is None and not future.set_running_or_notify_cancel():  # type: ignore[union-attr]
                     self._pending.popleft()  # cancelled while queued
                     continue
                 task.started = True
             if task.abandoned:
                 self._pending.popleft()
-                _settle(task.future, error=_cancelled())
+                self._settle(task, error=_cancelled())
                 continue
             h = self._pick(task)
             if h is None:
@@ -861,21 +968,18 @@ class _Pool:
             if not h.ready or not h.open or h.killed or task.pin not in (None, h.index):
                 continue
             if task.is_async:  # none to a loop that has not ended a timed-out task yet
-                room = h.async_n < self.cfg.async_depth and not h.expired_n
+                room = h.async_n < self._async_room() and not h.expired_n
             else:
                 room = h.sync_n < QUEUE_DEPTH
             if room and (best is None or len(h.inflight) < len(best.inflight)):
                 best = h
         return best
 
-    def _guess(self, task: _Task) -> bool:
-        """May `task` get an output slot sized by guess? Async tasks go out many at once before
-        the first result tells the real size: only one per worker does (the rest are pickled),
-        so that a first wave does not fill the arena with slots of the wrong size."""
-        if self._out_known or not task.is_async:
-            return True
-        self._guesses += 1
-        return self._guesses <= self.cfg.workers
+    def _async_room(self) -> int:
+        """Async tasks one worker may hold now. Until the first result tells how large results are,
+        one: a first wave of `async_depth` tasks per worker would either fill the arena with slots of
+        a guessed size or, without slots, send every result of that wave through the pipe."""
+        return self.cfg.async_depth if self._out_known else 1
 
     def _send(self, h: _Handle, task: _Task) -> bool:
         """Send `task` to `h`; False when it must wait (a large message, and `h` is busy)."""
@@ -901,7 +1005,7 @@ class _Pool:
             elif h.inflight:
                 return False  # no slot free: send it inline, but only to an idle worker
         row = None if task.row is None else task.row.batch.wire(task.row.row)
-        if self._out_bytes and task.out_slot is None and row is None and self._guess(task):
+        if self._out_bytes and task.out_slot is None and row is None:
             task.out_slot = arena.acquire(self._out_bytes)
         if task.out_slot is not None:
             h.share(arena, task.out_slot.slab_id)
@@ -925,6 +1029,7 @@ class _Pool:
         with self._lock:
             self.closed = True
         handles, self._handles = self._handles, []
+        self._selector.close()
         for h in handles:
             h.close_pipes()  # the lifeline's EOF makes each worker `os._exit` at once
         deadline = time.monotonic() + STOP_GRACE_S
@@ -945,7 +1050,8 @@ class _Pool:
         self._inbox.clear()
         self._cancels.clear()
         for task in tasks:
-            _settle(task.future, error=failure())
+            self._settle(task, error=failure())
+        self._hand_over()
         if self._arena is not None:
             self._arena.close()
         if self._zygote is not None:
@@ -1063,7 +1169,7 @@ class ProcessExecutor:
             LoaderClosedError: the executor was closed.
             TypeError: `fn` or `arg` cannot be pickled.
         """
-        return self._pool.submit(fn, arg, seed, into, worker).future
+        return self._pool.submit(fn, arg, seed, into, worker).future  # type: ignore[return-value]
 
     async def run(
         self,
@@ -1077,12 +1183,12 @@ class ProcessExecutor:
         Cancelling it cancels an async task in the worker too; a plain one runs to its end there
         (its result is dropped).
         """
-        task = self._pool.submit(fn, arg, seed, into)
+        task = self._pool.submit(fn, arg, seed, into, loop=asyncio.get_running_loop())
+        future: asyncio.Future[T] = task.future  # type: ignore[assignment]
         try:
-            return await asyncio.wrap_future(task.future)
+            return await future
         except asyncio.CancelledError:
-            if task.is_async:
-                self._pool.cancel(task)
+            self._pool.cancel(task)
             raise
 
     def batch_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> BatchBuffer | None:

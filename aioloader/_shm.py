@@ -190,8 +190,11 @@ class _Slab:
 
 
 # Each live slab holds one descriptor while the arena is open (handed to workers started later), none
-# once it is closed; past this many slabs, results are copied out so that a consumer holding
-# thousands of them cannot exhaust a small `ulimit -n` while the loader runs.
+# once it is closed; past this many slabs of either kind, results are copied out so that a consumer
+# holding thousands of them cannot exhaust a small `ulimit -n` while the loader runs. Slabs of many
+# slots (samples) and slabs of one large slot (batch buffers) are counted apart: samples held in the
+# prefetch queue can pin every sample slab, and the batch buffers that would let workers write in
+# place (and so free those slabs) must still find room.
 MAX_SLABS = 16
 
 
@@ -265,10 +268,10 @@ class Arena:
                     return self._lease(slab.free.pop())
             count = max(1, min(SLOTS_PER_SLAB, SLAB_BYTES // size))
             while (
-                self.budget - self.mapped_bytes < size * count or len(self._slabs) >= MAX_SLABS
+                self.budget - self.mapped_bytes < size * count or self._kin(count) >= MAX_SLABS
             ) and self._retire_one(keep=size):
                 pass
-            if len(self._slabs) >= MAX_SLABS:
+            if self._kin(count) >= MAX_SLABS:
                 return None  # every slab is viewed: copy out rather than hold more descriptors
             count = min(count, (self.budget - self.mapped_bytes) // size)
             if count < 1:
@@ -281,6 +284,11 @@ class Arena:
             self._slabs[slab.id] = slab
             self._next_id += 1
             return self._lease(slab.free.pop())
+
+    def _kin(self, count: int) -> int:
+        """Live slabs of the same kind as one of `count` slots (one slot, or many)."""
+        single = count == 1
+        return sum((s.size == s.slot_size) == single for s in self._slabs.values())
 
     def _lease(self, slot: Slot) -> Slot:
         slot.pins = 1

@@ -43,8 +43,10 @@ import mmap
 import os
 import pickle
 import random
+import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import traceback
@@ -232,11 +234,40 @@ class _Worker:
         self.slabs: dict[int, tuple[mmap.mmap, memoryview]] = {}
         self.worker_loop: WorkerLoop | None = None  # started with the first async task
         self._send_lock = threading.Lock()
+        self._posted: list[bytes] = []  # answers of async tasks, written once per loop iteration
+        self._starts: list[tuple[Any, ...]] = []  # async tasks read, handed to the loop together
+        self._readable = select.poll()  # is another message waiting?
+        self._readable.register(conn.fileno(), select.POLLIN)
 
     def send(self, msg: tuple[Any, ...]) -> None:
         data = pickle.dumps(msg, protocol=5)
         with self._send_lock:  # the main thread and the loop thread both answer
             self.conn.send_bytes(data)
+
+    def post(self, msg: tuple[Any, ...]) -> None:
+        """`send`, from the worker loop's thread: the answers of one loop iteration go in one write."""
+        data = pickle.dumps(msg, protocol=5)
+        with self._send_lock:
+            self._posted.append(data)
+            first = len(self._posted) == 1
+        if first:
+            assert self.worker_loop is not None
+            self.worker_loop.loop.call_soon(self._flush_posted)
+
+    def _flush_posted(self) -> None:
+        with self._send_lock:
+            posted, self._posted = self._posted, []
+            with contextlib.suppress(OSError):  # the parent is gone: its lifeline ends us
+                frames = bytearray()
+                for data in posted:
+                    if len(data) > 0x7FFFFFFF:
+                        self.sock.sendall(frames)
+                        frames.clear()
+                        self.conn.send_bytes(data)
+                    else:
+                        frames += struct.pack("!i", len(data))
+                        frames += data
+                self.sock.sendall(frames)
 
     def loop(self) -> None:
         """Serve until the parent hangs up (EOF, or a broken pipe when it closes mid-task)."""
@@ -247,8 +278,12 @@ class _Worker:
         while True:
             msg = pickle.loads(self.conn.recv_bytes())
             kind = msg[0]
+            if kind != TASK:
+                self._start_async()  # a CANCEL must find the tasks read before it started
             if kind == TASK:
                 self.task(*msg[1:])
+                if self._starts and not self._readable.poll(0):
+                    self._start_async()  # nothing more to read now: hand them over in one call
             elif kind == FN:
                 self.fns[msg[1]] = _load_fn(msg[2])
                 if msg[3]:
@@ -281,8 +316,9 @@ class _Worker:
             out = None if out_ref is None else self.region(out_ref)
             into = None if row is None else (self.region(row[:3]), row[3], row[4])
             if fn_id in self.async_fns:
-                answer = functools.partial(self.answer, task_id, out, into)
-                self.async_loop().start(task_id, fn, arg, seed, answer)
+                answer = functools.partial(self.answer, task_id, out, into, send=self.post)
+                self.async_loop()
+                self._starts.append((task_id, fn, arg, seed, answer))
                 return
             result = call_seeded(fn, arg, seed)
             del arg
@@ -290,6 +326,12 @@ class _Worker:
             self.send((FAILED, task_id, encode_error(exc)))
             return
         self.answer(task_id, out, into, result)
+
+    def _start_async(self) -> None:
+        if self._starts:
+            assert self.worker_loop is not None
+            starts, self._starts = self._starts, []
+            self.worker_loop.start_many(starts)
 
     def close(self) -> None:
         """The parent hung up: close what the async callables hold (their `aclose()`), if any."""
@@ -311,20 +353,23 @@ class _Worker:
         into: Row | None,
         result: Any,
         error: BaseException | None = None,
+        *,
+        send: Callable[[tuple[Any, ...]], None] | None = None,
     ) -> None:
         """Write `result` into its batch row or output slot and tell the parent (or send `error`)."""
+        send = send or self.send
         if error is None:
             try:
                 if into is not None and _into_row(result, *into):
-                    self.send((DONE, task_id, b"", ROW, 0))
+                    send((DONE, task_id, b"", ROW, 0))
                     return
                 blob, in_slot, needed = pack(result, out)
             except Exception as exc:
                 error = exc
             else:
-                self.send((DONE, task_id, blob, SHM if in_slot else PICKLED, needed))
+                send((DONE, task_id, blob, SHM if in_slot else PICKLED, needed))
                 return
-        self.send((FAILED, task_id, encode_error(error)))
+        send((FAILED, task_id, encode_error(error)))
 
 
 def _into_row(result: Any, buf: memoryview, dtype: str, shape: tuple[int, ...]) -> bool:

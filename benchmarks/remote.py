@@ -11,8 +11,11 @@ before each answer (a far object store), and the same objects are put into Seawe
   share of the keys on its own event loop (engines "aiohttp" and "fast"), while this process keeps
   order and batching. Its pools are made first, while this process has one thread, so that their
   workers fork from a zygote (as a training script that builds its loader first gets).
-Each reports objects/s, MB/s, time to the first batch and client CPU seconds per 1,000 objects (this
-process and its worker processes; the servers are not counted).
+Every contender runs two epochs and the second is timed: its workers and connections exist, its
+memory has been touched once, as in a training run's epochs after the first (DataLoader gets
+persistent_workers=True). Each reports objects/s and MB/s over the timed epoch, time to the first
+batch from nothing (the first epoch's, "ttfb s") and in the timed epoch ("warm"), and client CPU
+seconds per 1,000 objects (this process and its worker processes; the servers are not counted).
 
 Usage: python benchmarks/remote.py [--quick] [--no-s3] [--objects N]
 The last line printed is a JSON summary.
@@ -21,6 +24,7 @@ The last line printed is a JSON summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -58,6 +62,7 @@ class Result:
     seconds: float
     ttfb_s: float
     cpu_s: float
+    cold_ttfb_s: float
 
     @property
     def per_s(self) -> float:
@@ -66,35 +71,50 @@ class Result:
     def row(self) -> str:
         mb_s = self.objects * SIZE / self.seconds / 1e6
         cpu_k = self.cpu_s / self.objects * 1000
-        return (f"{self.name:<42} {self.per_s:>9.0f} {mb_s:>8.0f} {self.ttfb_s:>7.3f} "
-                f"{cpu_k:>12.2f}")  # fmt: skip
+        return (f"{self.name:<42} {self.per_s:>9.0f} {mb_s:>8.0f} {self.cold_ttfb_s:>7.3f} "
+                f"{self.ttfb_s:>7.3f} {cpu_k:>12.2f}")  # fmt: skip
 
 
-def cpu_now() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+SERVERS: set[int] = set()  # the object servers' pids: their CPU is not the client's
 
 
-def measure(
-    name: str,
-    make: Callable[[], Iterable[Any]],
-    close: Callable[[Any], None],
-    others: Callable[[], float] = lambda: 0.0,
-) -> Result:
-    """Iterate one epoch of `make()`; time it, its first batch and the CPU it used (`others()`:
-    CPU seconds of processes that are not this one's children, read before `close`)."""
-    cpu0, start, others0 = cpu_now(), time.perf_counter(), others()
-    it = make()
+def cpu_seconds() -> dict[int, float]:
+    """CPU seconds used so far by this process and by each live process it started (its workers,
+    the servers excepted)."""
+    me = psutil.Process()
+    used = {me.pid: sum(me.cpu_times()[:2])}
+    for child in me.children(recursive=True):
+        if child.pid not in SERVERS:
+            with contextlib.suppress(psutil.Error):
+                used[child.pid] = sum(child.cpu_times()[:2])
+    return used
+
+
+def measure(name: str, loader: Iterable[Any], close: Callable[[], None]) -> Result:
+    """Run one epoch of `loader` to warm it up, then time a second: its first batch and the CPU it
+    used (this process and its workers, read before `close`).
+
+    Every contender gets the same warm-up: its workers and connections exist, its memory has been
+    touched once, as in a training run's epochs after the first. `cold_ttfb_s` is the first batch of
+    the warm-up epoch (started from nothing)."""
+    start = time.perf_counter()
+    cold = -1.0
+    for _batch in loader:
+        if cold < 0:
+            cold = time.perf_counter() - start
+    del _batch
+    cpu0, start = cpu_seconds(), time.perf_counter()
     count, ttfb = 0, 0.0
-    for batch in it:
+    for batch in loader:
         if count == 0:
             ttfb = time.perf_counter() - start
         count += len(batch)
         assert all(len(x) == SIZE for x in batch)
     seconds = time.perf_counter() - start
-    others1 = others()
-    close(it)
-    return Result(name, count, seconds, ttfb, cpu_now() - cpu0 + others1 - others0)
+    cpu1 = cpu_seconds()
+    close()
+    cpu = sum(used - cpu0.get(pid, 0.0) for pid, used in cpu1.items())
+    return Result(name, count, seconds, ttfb, cpu, cold)
 
 
 class UrllibObjects(Dataset[bytes]):
@@ -113,19 +133,19 @@ class UrllibObjects(Dataset[bytes]):
 
 
 def run_torch(base: str, keys: list[str], workers: int) -> Result:
-    def make() -> Iterable[Any]:
-        return iter(DataLoader(UrllibObjects(base, keys), batch_size=BATCH, num_workers=workers,
-                               collate_fn=list))  # fmt: skip
+    loader = DataLoader(UrllibObjects(base, keys), batch_size=BATCH, num_workers=workers,
+                        collate_fn=list, persistent_workers=True)  # fmt: skip
 
-    def close(it: Any) -> None:
-        it._shutdown_workers()  # join now, so the workers' CPU time is counted
+    def close() -> None:
+        if loader._iterator is not None:  # persistent workers: stop them now
+            loader._iterator._shutdown_workers()
 
-    return measure(f"torch DataLoader(num_workers={workers})", make, close)
+    return measure(f"torch DataLoader(num_workers={workers})", loader, close)
 
 
 def run_aio(name: str, source: Any, concurrency: int) -> Result:
     loader: Loader[Any] = Loader(source, concurrency=concurrency, batch_size=BATCH, collate=None)
-    return measure(name, lambda: loader, lambda _it: loader.close())
+    return measure(name, loader, loader.close)
 
 
 def run_multi_loop(pool: ProcessExecutor, base: str, keys: list[str], engine: str) -> Result:
@@ -135,13 +155,8 @@ def run_multi_loop(pool: ProcessExecutor, base: str, keys: list[str], engine: st
         src, executor=pool, fetch_in_workers=True, concurrency=MULTI_CONCURRENCY,
         batch_size=BATCH, collate=None,
     )  # fmt: skip
-    workers = [psutil.Process(pid) for pid in pool.pids]  # zygote-forked: not our children
-
-    def cpu() -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in workers)
-
     name = f"multi-loop http {engine} ({pool.workers} workers, c {MULTI_CONCURRENCY})"
-    return measure(name, lambda: loader, lambda _it: loader.close(), cpu)
+    return measure(name, loader, loader.close)
 
 
 def ready_pool() -> ProcessExecutor:
@@ -175,6 +190,7 @@ def run_s3(keys: list[str], concurrency: int) -> Result | None:
         return None
     workdir = Path(tempfile.mkdtemp(prefix="aioloader-w2-"))
     server = start_seaweed(workdir)
+    SERVERS.add(server.proc.pid)
     try:
         s3_keys = [f"w2/{k}" for k in keys]
         put_objects(server, s3_keys)
@@ -200,6 +216,7 @@ def main() -> None:
     engines = ("aiohttp", "fast")
     pools = {engine: ready_pool() for engine in engines}  # before any thread: zygote workers
     proc, base = start_server(SIZE, DELAY_S * 1000)
+    SERVERS.add(proc.pid)
     base += "/obj/"
     try:
         results = [run_torch(base, keys, 8)]
@@ -214,7 +231,8 @@ def main() -> None:
         proc.kill()
         proc.wait()
     s3_result = None if args.no_s3 else run_s3(keys, 64)
-    print(f"{'configuration':<42} {'objects/s':>9} {'MB/s':>8} {'ttfb s':>7} {'CPU s/1k obj':>12}")
+    print(f"{'configuration':<42} {'objects/s':>9} {'MB/s':>8} {'ttfb s':>7} {'warm':>7} "
+          f"{'CPU s/1k obj':>12}")  # fmt: skip
     for r in [*results, *multi, *([s3_result] if s3_result else [])]:
         print(r.row())
     torch_r, best = results[0], max(results[1:], key=lambda r: r.per_s)
@@ -228,7 +246,7 @@ def main() -> None:
         "multi_loop_ratio": round(best_multi.per_s / torch_r.per_s, 2),
         "s3_items_per_s": round(s3_result.per_s, 1) if s3_result else None,
         "ttfb_s": {
-            r.name: round(r.ttfb_s, 4)
+            r.name: round(r.cold_ttfb_s, 4)
             for r in [*results, *multi, *([s3_result] if s3_result else [])]
         },
         "cpu_s_per_1k": {r.name: round(r.cpu_s / r.objects * 1000, 3) for r in [*results, *multi]},

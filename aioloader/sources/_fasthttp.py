@@ -220,15 +220,28 @@ class FastPool:
                 self._discard(conn)
 
     async def _wait(self, conn: _Connection, fut: asyncio.Future[Response]) -> Response:
-        if self.read_timeout is None:
+        """`fut`'s response; `Failure` once no byte has come for `read_timeout` seconds."""
+        timeout = self.read_timeout
+        if timeout is None:
             return await fut
-        while True:
-            seen = conn.progress
-            done, _ = await asyncio.wait({fut}, timeout=self.read_timeout)
-            if done:
-                return fut.result()
+        loop = asyncio.get_running_loop()
+        seen = conn.progress
+
+        def check() -> None:  # one timer per request, re-armed while bytes keep coming
+            nonlocal seen
+            if fut.done():
+                return
             if conn.progress == seen:
-                raise Failure(f"timed out: no byte for {self.read_timeout:g} s", retryable=True)
+                fut.set_exception(Failure(f"timed out: no byte for {timeout:g} s", retryable=True))
+            else:
+                seen = conn.progress
+                timer[0] = loop.call_later(timeout, check)
+
+        timer = [loop.call_later(timeout, check)]
+        try:
+            return await fut
+        finally:
+            timer[0].cancel()
 
     def _discard(self, conn: _Connection) -> None:
         self._open.discard(conn)
