@@ -208,13 +208,20 @@ class RowPlan:
         self._executor = executor
         self._row: tuple[tuple[int, ...], torch.dtype] | None = None
         self.off = False
+        # called once, with the first batch buffer: what collated the batches before (a BufferPool's
+        # recycled buffers) is not needed any more
+        self.on_first_buffer: Callable[[], None] | None = None
 
     def buffer(self, rows: int) -> Any:
         """A batch buffer of `rows` rows, or None (shape not known yet, plan off, arena full)."""
         if self.off or self._row is None:
             return None
         shape, dtype = self._row
-        return self._executor.batch_buffer((rows, *shape), dtype)
+        buffer = self._executor.batch_buffer((rows, *shape), dtype)
+        if buffer is not None and self.on_first_buffer is not None:
+            first, self.on_first_buffer = self.on_first_buffer, None
+            first()
+        return buffer
 
     def observe(self, sample: Any) -> None:
         """Learn from one decoded sample."""

@@ -9,7 +9,9 @@ pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or t
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -25,12 +27,27 @@ T = TypeVar("T")
 EXECUTORS = ("inline", "thread", "process", "auto")
 
 
-def auto_executor() -> str:
-    """What executor="auto" picks: threads where the GIL is off (free-threaded Python, e.g. 3.13t),
-    processes where it is on. A decoder that releases the GIL (numpy, Pillow, most codecs) does well
-    in threads either way: name executor="thread" for it."""
+def auto_executor(decode: Callable[[Any], Any] | None = None) -> str:
+    """What executor="auto" (the default when there is a decode) picks: threads where the GIL is off
+    (free-threaded Python, e.g. 3.13t); where it is on, processes, unless `decode` cannot be sent to
+    a process (a lambda, a closure, a bound method of an object that does not pickle): then threads,
+    and the "aioloader" logger says why. A decoder that releases the GIL (numpy, Pillow, most codecs)
+    does well in threads either way: name executor="thread" for it; executor="inline" runs a cheap
+    decode on the event loop itself."""
     gil = getattr(sys, "_is_gil_enabled", lambda: True)()
-    return "process" if gil else "thread"
+    if not gil:
+        return "thread"
+    if decode is not None:
+        try:
+            pickle.dumps(decode, protocol=5)
+        except Exception as exc:
+            logging.getLogger("aioloader").info(
+                'executor="auto" runs decode %r in threads: it cannot be sent to a worker '
+                "process (%s); make it a module-level function to decode in processes",
+                decode, exc,
+            )  # fmt: skip
+            return "thread"
+    return "process"
 
 
 class Executor(Protocol):

@@ -79,8 +79,9 @@ class Loader(Resumable, Generic[T]):
             `prefetch * batch_size + concurrency`.
         in_order: deliver batches in key order (True) or whole batches as they complete (False).
         executor: where decode runs: "inline" (on the event loop), "thread", "process" (worker
-            processes returning arrays in shared memory), "auto" (threads where the GIL is off,
-            processes where it is on), or an Executor instance such as
+            processes returning arrays in shared memory), "auto" (the default with a decode: threads
+            where the GIL is off, processes where it is on, threads for a decode that cannot be
+            pickled; see `auto_executor`), or an Executor instance such as
             `aioloader.ProcessExecutor(2, timeout=30, max_worker_restarts=3)` (then yours to close).
         workers: decode threads for executor="thread" (default: the usable cores); "auto" uses
             as many of the cores as raise throughput (processes: one per core).
@@ -129,7 +130,7 @@ class Loader(Resumable, Generic[T]):
         concurrency: int | str = 16,
         prefetch: int = 2,
         in_order: bool = True,
-        executor: str | Executor = "inline",
+        executor: str | Executor | None = None,
         workers: int | str | None = None,
         timeout: float | None = None,
         use_caller_loop: bool = False,
@@ -197,7 +198,7 @@ class Loader(Resumable, Generic[T]):
         concurrency: int | str,
         prefetch: int,
         in_order: bool,
-        executor: str | Executor,
+        executor: str | Executor | None,
         workers: int | str | None,
         timeout: float | None,
         use_caller_loop: bool,
@@ -218,8 +219,10 @@ class Loader(Resumable, Generic[T]):
             concurrency, is_async=is_async_callable(fetch), recorder=recorder, max_bytes=max_bytes,
             source=source,
         )  # fmt: skip
+        if executor is None:
+            executor = "inline" if decode is None else "auto"
         if executor == "auto":
-            executor = auto_executor()
+            executor = auto_executor(decode)
         if isinstance(executor, str) and executor not in EXECUTORS:
             raise ValueError(
                 f"executor must be one of {EXECUTORS} or an Executor, got {executor!r}"
@@ -258,6 +261,8 @@ class Loader(Resumable, Generic[T]):
             max_bytes=max_bytes,
             pool_bytes=self._pool.max_bytes or 0 if self._pool is not None else 0,
         )
+        if self._stages.rows is not None and self._pool is not None:
+            self._stages.rows.on_first_buffer = self._pool.clear  # rows replace its buffers
         self._executor = executor
         self._owns_decoder = isinstance(executor, str) or own_executor
         self._in_order = bool(in_order)

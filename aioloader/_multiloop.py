@@ -107,6 +107,8 @@ def in_workers(
             "process" or a `ProcessExecutor`, a fetch that is not a coroutine function, a source that
             keeps per-epoch state (`set_epoch`, e.g. tar shards), or `concurrency="auto"`.
     """
+    if executor is None or executor == "auto":
+        executor = "process"  # the one that can fetch in workers
     if not (executor == "process" or isinstance(executor, ProcessExecutor)):
         raise ValueError(
             'fetch_in_workers=True needs executor="process" or a ProcessExecutor, '

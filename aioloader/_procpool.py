@@ -569,6 +569,7 @@ class _Pool:
         slot = self._arena.acquire(max(nbytes, 1))
         if slot is None:
             return None
+        self._arena.retire_idle_samples()  # batches are written in place from now on
         try:
             return BatchBuffer(self._arena, slot, shape, dtype)
         finally:

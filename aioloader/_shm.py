@@ -267,6 +267,10 @@ class Arena:
                 if slab.slot_size == size and slab.free:
                     return self._lease(slab.free.pop())
             count = max(1, min(SLOTS_PER_SLAB, SLAB_BYTES // size))
+            if count == 1:  # a batch: a free one up to twice as large will do (an epoch's last)
+                for slab in self._slabs.values():
+                    if slab.free and slab.size == slab.slot_size and size < slab.size <= 2 * size:
+                        return self._lease(slab.free.pop())
             while (
                 self.budget - self.mapped_bytes < size * count or self._kin(count) >= MAX_SLABS
             ) and self._retire_one(keep=size):
@@ -303,6 +307,15 @@ class Arena:
                 self._dropped.append(slab.id)
                 return True
         return False
+
+    def retire_idle_samples(self) -> None:
+        """Retire every slab of many slots that no slot of pins: once workers write whole batches in
+        place, the slots that held single samples before are memory held for nothing."""
+        with self._lock:
+            for slab in [s for s in self._slabs.values() if s.size != s.slot_size and s.idle]:
+                del self._slabs[slab.id]
+                slab.close()
+                self._dropped.append(slab.id)
 
     def take_dropped(self) -> list[int]:
         """Ids of the slabs retired since the last call (workers should unmap them)."""

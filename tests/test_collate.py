@@ -320,6 +320,10 @@ def _image(key: int) -> torch.Tensor:
     return torch.full((3, 8, 8), float(key))
 
 
+def _big_image(key: int) -> torch.Tensor:
+    return torch.full((3, 512, 512), float(key))  # 3 MiB: a batch of 4 fills a slab of its own
+
+
 def _array(key: int) -> np.ndarray[Any, Any]:
     return np.full((4, 5), key, dtype=np.int16)
 
@@ -354,6 +358,28 @@ def test_process_workers_write_batches_in_place(decode: Any) -> None:
         assert_same(ours, theirs)
     # the first batch teaches the shape; from then on every sample lands in its batch's row
     assert stats["results_in_rows"] >= 24 - 8, stats
+
+
+def test_once_rows_are_written_in_place_the_collate_buffers_and_sample_slots_are_freed() -> None:
+    with aioloader.ProcessExecutor(2) as pool:
+        loader = Loader(list(range(24)), _ident, decode=_big_image, batch_size=4, executor=pool,
+                        concurrency=2, prefetch=1)  # fmt: skip
+        with loader:
+            it = iter(loader)
+            first = next(it)  # collated by copy, into a recycled buffer: the shape is learnt
+            assert loader._pool is not None
+            assert loader._pool.kept_bytes > 0
+            assert first.untyped_storage().data_ptr() != 0
+            del first
+            rest = list(it)
+            assert [b[0, 0, 0, 0].item() for b in rest] == [4.0, 8.0, 12.0, 16.0, 20.0]
+            assert pool.stats()["results_in_rows"] >= 24 - 8
+            # batches now live in shared memory: the recycled buffers are let go, and so are the
+            # slabs whose slots held single samples before
+            assert loader._pool.kept_bytes == 0
+            arena = pool._pool._arena
+            assert arena is not None
+            assert all(s.size == s.slot_size for s in arena._slabs.values()), arena._slabs
 
 
 def test_rows_stop_when_a_sample_differs_and_collate_names_it() -> None:

@@ -59,7 +59,8 @@ def test_slow_inline_decode_is_the_event_loop() -> None:
         time.sleep(0.01)
         return len(raw)
 
-    d = verdict(Loader(range(30), quick, decode=decode, batch_size=3, collate=None))
+    loader = Loader(range(30), quick, decode=decode, batch_size=3, collate=None, executor="inline")
+    d = verdict(loader)
     assert d.bottleneck == "loop", d
     assert "executor='thread'" in d.text
 

@@ -394,3 +394,25 @@ def test_executor_auto_is_processes_with_the_gil_and_threads_without(
         decoder = loader._stages.decoder
         assert isinstance(decoder, ProcessExecutor) is gil
         assert type(decoder).__name__ == ("ProcessExecutor" if gil else "ThreadExecutor")
+
+
+def test_auto_is_the_default_with_a_decode_and_inline_without(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sys
+
+    from aioloader import ProcessExecutor
+
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
+    with Loader(range(4), _negate, decode=_negate, workers=1) as loader:
+        assert isinstance(loader._stages.decoder, ProcessExecutor)  # decode pickles: processes
+        assert list(loader) == [0, 1, 2, 3]
+    offset = 10
+    with caplog.at_level("INFO", logger="aioloader"):
+        lam = Loader(range(4), _negate, decode=lambda x: x + offset)  # a lambda: threads
+    with lam as loader:
+        assert type(loader._stages.decoder).__name__ == "ThreadExecutor"
+        assert list(loader) == [10, 9, 8, 7]
+    assert any("cannot be sent to a worker process" in r.getMessage() for r in caplog.records)
+    with Loader(range(4), _negate) as loader:  # nothing to decode: nothing to start
+        assert type(loader._stages.decoder).__name__ == "InlineExecutor"

@@ -199,7 +199,9 @@ def test_arguments_are_checked_up_front(origin: Origin) -> None:
     with pytest.raises(ValueError, match="fetch_in_workers=True needs executor"):
         Loader(src, executor="thread", fetch_in_workers=True)
     with pytest.raises(ValueError, match="fetch_in_workers=True needs executor"):
-        Loader(src, fetch_in_workers=True)  # executor="inline"
+        Loader(src, executor="inline", fetch_in_workers=True)
+    with Loader(src, fetch_in_workers=True, workers=1) as loader:  # the default: processes
+        assert isinstance(loader._stages.decoder, ProcessExecutor)
     with pytest.raises(TypeError, match="fetch_in_workers=True needs an async fetch"):
         Loader(["a"], SyncFetch(), executor="process", fetch_in_workers=True)
     with pytest.raises(ValueError, match="int concurrency"):

@@ -98,6 +98,60 @@ def test_an_idle_slab_of_another_size_is_retired_for_room() -> None:
     arena.close()
 
 
+def test_batch_slabs_find_room_while_pinned_sample_slabs_fill_their_quota(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a full prefetch queue pins every sample slab: a batch buffer (whose rows free them) must
+    # still be made, or the loader never leaves per-sample slots
+    monkeypatch.setattr(_shm, "MAX_SLABS", 2)
+    arena = Arena(budget=64 << 20)
+    per_slab = _shm.SLAB_BYTES // size_class(1 << 20)
+    samples = [arena.acquire(1 << 20) for _ in range(2 * per_slab)]
+    assert all(s is not None for s in samples)
+    assert arena.acquire(1 << 20) is None  # sample slabs: at their quota
+    batch = arena.acquire(20 << 20)
+    assert batch is not None
+    assert batch.slab.size == batch.capacity
+    for slot in [*samples, batch]:
+        arena.release(slot)  # type: ignore[arg-type]
+    arena.close()
+
+
+def test_a_batch_slot_up_to_twice_as_large_is_reused_for_a_smaller_batch() -> None:
+    arena = Arena(budget=64 << 20)
+    full = arena.acquire(20 << 20)  # an epoch's batches...
+    assert full is not None
+    arena.release(full)
+    last = arena.acquire(15 << 20)  # ...and its last, shorter one: no new slab
+    assert last is full
+    arena.release(last)
+    tiny = arena.acquire(8 << 20)  # under half: a slab of its own size
+    assert tiny is not None
+    assert tiny.slab is not full.slab
+    arena.release(tiny)
+    arena.close()
+
+
+def test_idle_sample_slabs_are_retired_on_request_and_busy_ones_kept() -> None:
+    arena = Arena(budget=64 << 20)
+    idle, busy = arena.acquire(600_000), arena.acquire(600_000)
+    other = arena.acquire(100_000)  # another class, busy
+    batch = arena.acquire(20 << 20)
+    assert idle is not None
+    assert busy is not None
+    assert other is not None
+    assert batch is not None
+    arena.release(idle)
+    arena.release(batch)
+    arena.retire_idle_samples()
+    assert arena.take_dropped() == []  # `busy` pins the slab `idle` shares
+    arena.release(busy)
+    arena.retire_idle_samples()
+    assert arena.take_dropped() == [idle.slab_id]  # the batch slab stays, idle or not
+    assert arena.acquire(20 << 20) is batch
+    arena.close()
+
+
 def test_too_small_dev_shm_is_named_with_the_size_needed(monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.statvfs(SHM_DIR)
 
