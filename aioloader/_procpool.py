@@ -458,6 +458,7 @@ class _Pool:
         self._thread: threading.Thread | None = None
         self._arena: Arena | None = None
         self._wake_r = self._wake_w = -1
+        self._wake_pending = False  # a byte is in the wake pipe (see `_wake_locked`)
         # what the pool's thread waits on: each worker's socket and sentinel, and the wake pipe
         self._selector = selectors.DefaultSelector()
         self._stopping = False
@@ -548,8 +549,11 @@ class _Pool:
         return fn_key
 
     def _wake_locked(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"\0")
+        # one byte until the pool's thread reads it: a burst of submits costs one write, one wake-up
+        if not self._wake_pending:
+            self._wake_pending = True
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"\0")
 
     def close(self) -> None:
         with self._lock:
@@ -658,6 +662,8 @@ class _Pool:
             if handle is None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
+                with self._lock:  # before the inbox is read: a later submit writes again
+                    self._wake_pending = False
             elif what == "conn":
                 self._read(handle)
             elif handle in self._handles:
