@@ -98,6 +98,12 @@ class BufferPool:
             self._buffers.clear()
             self.kept_bytes = 0
 
+    def retire(self) -> None:
+        """`clear`, and keep no buffer from now on (`take` still allocates)."""
+        with self._lock:
+            self.per_shape = 0
+        self.clear()
+
 
 def _stackable(batch: Sequence[torch.Tensor]) -> bool:
     first = batch[0]

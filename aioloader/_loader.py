@@ -262,7 +262,7 @@ class Loader(Resumable, Generic[T]):
             pool_bytes=self._pool.max_bytes or 0 if self._pool is not None else 0,
         )
         if self._stages.rows is not None and self._pool is not None:
-            self._stages.rows.on_first_buffer = self._pool.clear  # rows replace its buffers
+            self._stages.rows.on_first_buffer = self._pool.retire  # rows replace its buffers
         self._executor = executor
         self._owns_decoder = isinstance(executor, str) or own_executor
         self._in_order = bool(in_order)

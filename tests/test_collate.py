@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -366,20 +367,24 @@ def test_once_rows_are_written_in_place_the_collate_buffers_and_sample_slots_are
                         concurrency=2, prefetch=1)  # fmt: skip
         with loader:
             it = iter(loader)
-            first = next(it)  # collated by copy, into a recycled buffer: the shape is learnt
+            first = next(it)  # (collated by copy, into a recycled buffer: the shape is learnt)
             assert loader._pool is not None
-            assert loader._pool.kept_bytes > 0
-            assert first.untyped_storage().data_ptr() != 0
             del first
             rest = list(it)
             assert [b[0, 0, 0, 0].item() for b in rest] == [4.0, 8.0, 12.0, 16.0, 20.0]
             assert pool.stats()["results_in_rows"] >= 24 - 8
-            # batches now live in shared memory: the recycled buffers are let go, and so are the
-            # slabs whose slots held single samples before
+            del rest, it
+            # batches now live in shared memory: the recycled buffers are let go for good...
             assert loader._pool.kept_bytes == 0
-            arena = pool._pool._arena
-            assert arena is not None
-            assert all(s.size == s.slot_size for s in arena._slabs.values()), arena._slabs
+            assert loader._pool.per_shape == 0
+        # ...and so are the slabs whose slots held single samples, once nothing views them, at
+        # the next batch buffer made (as the next epoch's first batch would)
+        arena = pool._pool._arena
+        assert arena is not None
+        gc.collect()
+        buffer = pool.batch_buffer((4, 3, 512, 512), torch.float32)
+        assert buffer is not None
+        assert not [s for s in arena._slabs.values() if s.size != s.slot_size and s.idle]
 
 
 def test_rows_stop_when_a_sample_differs_and_collate_names_it() -> None:
