@@ -1,0 +1,345 @@
+"""The parts the process executor's thread works with: tasks, workers' handles, batch buffers.
+
+- `Task`: one call, its encoded argument, its shared-memory slots and its future (a concurrent
+  future for `submit`, an asyncio future for `run`).
+- `Handle`: the parent's side of one worker process: its socket (messages framed as
+  `Connection.send_bytes` frames them, queued and written in one call per step), its lifeline and
+  its tasks in flight.
+- `Mailbox`: the outcomes of `run` calls on their way to one event loop, delivered in batches.
+- `BatchBuffer` / `RowTarget`: a batch in the arena whose rows workers write in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import math
+import os
+import pickle
+import signal
+import socket
+import struct
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _worker as wire
+from ._shm import Arena, Slot, parent_only
+
+__all__ = [
+    "INLINE_MAX",
+    "BatchBuffer",
+    "Handle",
+    "Mailbox",
+    "Outcome",
+    "RowTarget",
+    "Task",
+    "cancelled",
+    "encode_arg",
+    "exit_text",
+    "settle_all",
+    "settle_future",
+]
+
+INLINE_MAX = 64 << 10
+"""Arguments up to this many bytes (raw or pickled) travel in the pipe; larger ones in shared memory."""
+# Tasks sent ahead to one worker: one running, one waiting in its socket (hides the round trip).
+FRAME_BYTES = 4  # the length prefix of each message (`Connection.send_bytes`'s framing)
+READ_BYTES = 256 << 10  # what one read from a worker's socket takes at most
+
+
+def encode_arg(arg: Any) -> tuple[str, bytes]:
+    if type(arg) is bytes:
+        return wire.RAW, arg
+    if type(arg) is bytearray:
+        return wire.RAW_BYTEARRAY, bytes(arg)
+    if type(arg) is memoryview:
+        return wire.RAW, arg.tobytes()
+    try:
+        return wire.PICKLED, pickle.dumps(arg, protocol=5)
+    except Exception as exc:
+        raise TypeError(
+            f"executor='process' cannot send this decode argument to a worker: {exc}"
+        ) from exc
+
+
+def exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def settle_future(
+    future: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
+) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+
+Outcome = tuple["asyncio.Future[Any]", Any, "BaseException | None"]
+
+
+class Mailbox:
+    """Outcomes of `run` calls on its way to one event loop: at most one callback scheduled on that
+    loop at a time, which settles every outcome posted until it runs (a loop that is busy is woken
+    once for many results, not once per result)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[Outcome] = []
+        self._scheduled = False
+
+    def post(self, items: list[Outcome]) -> None:
+        """From the pool's thread."""
+        with self._lock:
+            self._items += items
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # its loop is closed: nobody awaits these
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        settle_all(items)
+
+
+def settle_all(outcomes: list[Outcome]) -> None:
+    """Settle the asyncio futures of `run` calls (on their loop, one call for many results)."""
+    for future, result, error in outcomes:
+        if future.done():
+            continue  # cancelled meanwhile
+        if isinstance(error, concurrent.futures.CancelledError):
+            future.cancel()
+        elif error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+
+class BatchBuffer:
+    """A batch-sized tensor in the executor's shared memory, whose rows workers write in place.
+
+    Made by `ProcessExecutor.batch_buffer`; pass `into=buffer.row(i)` to `run`/`submit`. A result
+    that is one plain tensor (or numpy array) of the row's dtype and shape is written straight into
+    row i and `run` returns `buffer.tensor[i]`; any other result comes back as usual (copy it into the
+    row yourself). The shared memory is reused once `tensor` and every view of it are gone.
+    """
+
+    def __init__(
+        self, arena: Arena, slot: Slot, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
+        self.slot = slot
+        self.shape = shape
+        self.dtype = dtype
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self.tensor = torch.frombuffer(arena.view(slot, 0, nbytes), dtype=dtype).view(shape)
+        self._row_bytes = nbytes // shape[0]
+
+    def row(self, index: int) -> RowTarget:
+        """Where sample `index` of the batch goes."""
+        if not 0 <= index < self.shape[0]:
+            raise IndexError(f"row {index} of a batch of {self.shape[0]}")
+        return RowTarget(self, index)
+
+    def wire(self, index: int) -> tuple[int, int, int, str, tuple[int, ...]]:
+        offset = self.slot.offset + index * self._row_bytes
+        dtype = str(self.dtype).removeprefix("torch.")
+        return self.slot.slab_id, offset, self._row_bytes, dtype, self.shape[1:]
+
+
+class RowTarget(NamedTuple):
+    """Row `row` of `batch` (see `BatchBuffer.row`)."""
+
+    batch: BatchBuffer
+    row: int
+
+
+class Task:
+    __slots__ = (
+        "abandoned",
+        "arg",
+        "expired",
+        "fn_id",
+        "future",
+        "id",
+        "in_slot",
+        "is_async",
+        "kind",
+        "loop",
+        "out_slot",
+        "pin",
+        "row",
+        "seed",
+        "sent_at",
+        "started",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        task_id: int,
+        fn: tuple[int, bool],
+        seed: int | None,
+        kind: str,
+        arg: bytes,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.id = task_id
+        self.fn_id, self.is_async = fn
+        self.seed = seed
+        self.kind = kind
+        self.arg = arg
+        # `submit`: a concurrent future. `run`: an asyncio future of `loop`, which only that loop's
+        # thread may touch: the pool's thread queues its outcome (`Pool.settle`) and hands the
+        # loop all outcomes of a step in one call (one wake-up, no lock, no Condition per task)
+        self.future: concurrent.futures.Future[Any] | asyncio.Future[Any] = (
+            concurrent.futures.Future() if loop is None else loop.create_future()
+        )
+        self.loop = loop
+        self.in_slot: Slot | None = None
+        self.out_slot: Slot | None = None
+        self.row: RowTarget | None = None
+        self.pin: int | None = None  # the index of the only worker it may run on
+        self.started = False
+        self.worker: Handle | None = None  # where it was sent last
+        self.sent_at = 0.0
+        self.expired = False  # an async task past its timeout: answered, cancel sent
+        self.abandoned = False  # answered or cancelled here: drop what the worker sends
+
+
+def cancelled() -> BaseException:
+    return concurrent.futures.CancelledError()
+
+
+class Handle:
+    """The parent's side of one worker process."""
+
+    def __init__(
+        self,
+        index: int,
+        process: Any,
+        conn: Connection,
+        lifeline: Connection,
+        counts: collections.Counter[str],
+    ) -> None:
+        self.index = index
+        self.process = process
+        self.pid: int = process.pid
+        self.conn = conn
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self.lifeline = lifeline
+        self._fds = [conn.fileno(), self.sock.fileno(), lifeline.fileno()]
+        for fd in self._fds:
+            parent_only(fd)
+        self.open = True  # its socket has not reached EOF
+        self.ready = False
+        self.killed = False
+        self.spawned_at = self.head_since = time.monotonic()
+        self.inflight: dict[int, Task] = {}  # in the order sent (plain ones run in that order)
+        self.async_n = 0  # of them, async tasks
+        self.expired_n = (
+            0  # of those, timed out and cancelled, not ended yet: its loop may be stuck
+        )
+        self.counts = counts  # the pool's: pipe bytes are counted here
+        self._out = bytearray()  # messages queued for one write (`flush`)
+        self._in = bytearray()  # bytes read, not yet whole messages
+        self._chunk = memoryview(bytearray(READ_BYTES))
+        self.fns: set[int] = set()
+        self.slabs: set[int] = set()
+        self.quarantine: list[Slot] = []  # slots it may still write to until it is reaped
+        self.watched_conn = self.watched_exit = False  # registered with the pool's selector
+
+    @property
+    def sync_n(self) -> int:
+        """Plain (not async) tasks in flight: they run one after the other."""
+        return len(self.inflight) - self.async_n
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        self.send_bytes(pickle.dumps(msg, protocol=5))
+
+    def send_bytes(self, data: bytes) -> None:
+        """Queue one message, framed as `Connection.send_bytes` frames it; `flush` writes it."""
+        if len(data) <= 0x7FFFFFFF:
+            self._out += struct.pack("!i", len(data))
+        else:
+            self._out += struct.pack("!iQ", -1, len(data))
+        self._out += data
+        self.counts["pipe_bytes_sent"] += len(data) + FRAME_BYTES
+
+    def flush(self) -> None:
+        """Write every queued message in one call. Raises OSError when the worker is gone."""
+        if self._out:
+            data, self._out = self._out, bytearray()
+            self.sock.sendall(data)
+
+    def receive(self) -> list[Any]:
+        """The messages that have arrived, without blocking; at EOF `open` turns False."""
+        while True:
+            try:
+                n = self.sock.recv_into(self._chunk, READ_BYTES, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            if n == 0:
+                self.open = False  # it is exiting; its sentinel says when it is gone
+                break
+            self._in += self._chunk[:n]
+            if n < READ_BYTES:
+                break
+        msgs, pos, end = [], 0, len(self._in)
+        with memoryview(self._in) as buf:
+            while end - pos >= 4:
+                (size,), start = struct.unpack_from("!i", buf, pos), pos + 4
+                if size == -1:
+                    if end - start < 8:
+                        break
+                    (size,), start = struct.unpack_from("!Q", buf, start), start + 8
+                if end - start < size:
+                    break
+                msgs.append(pickle.loads(buf[start : start + size]))
+                self.counts["pipe_bytes_received"] += start - pos + size
+                pos = start + size
+        del self._in[:pos]
+        return msgs
+
+    def share(self, arena: Arena, slab_id: int) -> None:
+        if slab_id not in self.slabs:
+            fd, size = arena.slab_fd(slab_id)
+            self.send((wire.SLAB, slab_id, size))
+            self.flush()  # the descriptor follows its message
+            socket.send_fds(self.sock, [b"F"], [fd])
+            self.counts["pipe_bytes_sent"] += 1
+            self.slabs.add(slab_id)
+
+    def take_all(self) -> list[Task]:
+        """Empty its tasks in flight; returns them in the order sent."""
+        tasks = list(self.inflight.values())
+        self.inflight.clear()
+        self.async_n = self.expired_n = 0
+        return tasks
+
+    def close_pipes(self) -> None:
+        """Close this side of its socket and its lifeline (idempotent)."""
+        self.open = False
+        for fd in self._fds:
+            parent_only(fd, keep=False)
+        self._fds = []
+        for end in (self.lifeline, self.conn, self.sock):
+            with contextlib.suppress(OSError):
+                end.close()
