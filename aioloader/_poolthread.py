@@ -44,7 +44,7 @@ from ._poolparts import (
 )
 from ._shm import Arena, Slot
 from ._validate import check_int
-from ._worker import Unpacker, rebuild_error, serve
+from ._worker import Unpacker, load_placed, rebuild_error, serve
 from ._zygote import Zygote, ZygoteProcess, zygote_allowed
 
 __all__ = ["ASYNC_DEPTH", "Config", "Pool", "default_workers", "factory", "pick_start_method"]
@@ -395,7 +395,7 @@ class Pool:
         task.in_slot = None
         return task
 
-    def _done(self, h: Handle, task_id: int, data: bytes, how: str, needed: int) -> None:
+    def _done(self, h: Handle, task_id: int, data: Any, how: str, needed: int) -> None:
         task = self._finish(h, task_id, needed)
         if task is None:
             return
@@ -408,6 +408,9 @@ class Pool:
             if how == wire.ROW and task.row is not None:
                 result = task.row.batch.tensor[task.row.row]
                 self.counts["results_in_rows"] += 1
+            elif how == wire.SINGLE and slot is not None and self._arena is not None:
+                result = load_placed(self._arena, slot, data)
+                self.counts["results_in_shm"] += 1
             elif how == wire.SHM and slot is not None and self._arena is not None:
                 result = Unpacker(data, self._arena, slot).load()
                 self.counts["results_in_shm"] += 1

@@ -5,7 +5,9 @@ parent), slab file descriptors (SCM_RIGHTS) and tasks, runs each task's callable
 seed current (`_rng.call_seeded`), and answers with metadata only. Arrays in the result (torch tensors
 and numpy arrays, wherever they sit in dicts, lists, tuples or objects) are written into the output
 slot the task came with; the answer is the result pickled with each array replaced by a persistent
-id `(kind, offset, nbytes, dtype, shape, strides)`. An array that does not fit is pickled in-band.
+id `(kind, offset, nbytes, dtype, shape, strides)`; a result that is one array alone (the common
+case) skips the pickler: the answer carries its persistent id as is. An array that does not fit is
+pickled in-band.
 A task may instead name a batch row `(slab, offset, nbytes, dtype, shape)`: a result that is one
 tensor (or array) of that dtype and shape is written there and the answer carries nothing at all.
 Large `bytes` and `bytearray` objects in a result travel in the slot too (the parent copies them out:
@@ -77,7 +79,9 @@ __all__ = [
 READY, INIT_FAILED, DONE, FAILED = "ready", "init-failed", "done", "failed"
 FN, SLAB, DROP, TASK, CANCEL = "fn", "slab", "drop", "task", "cancel"
 RAW, RAW_BYTEARRAY, PICKLED = "raw", "bytearray", "pickled"  # how a task's argument travels
-SHM, ROW = "shm", "row"  # how a result travels: in its output slot, or written into a batch row
+# how a result travels: in its output slot (pickled with persistent ids), alone in its output slot
+# (the answer carries its persistent id), or written into a batch row
+SHM, SINGLE, ROW = "shm", "single", "row"
 ALIGN = 64
 BYTES_IN_SLOT_MIN = 16 << 10  # bytes/bytearray objects from this size travel in the output slot
 _PR_SET_PDEATHSIG = 1
@@ -107,38 +111,58 @@ class _Packer(pickle.Pickler):
         self._seen: dict[int, tuple[Any, ...]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is bytes or type(obj) is bytearray:
-            if len(obj) < BYTES_IN_SLOT_MIN:
-                return None
-            kind, nbytes = "b" if type(obj) is bytes else "B", len(obj)
-        elif type(obj) is torch.Tensor:
-            if obj.layout != torch.strided or obj.device.type != "cpu" or obj.requires_grad:
-                return None
-            if obj.is_quantized or obj.is_nested:
-                return None
-            kind, nbytes = "t", obj.numel() * obj.element_size()
-        elif type(obj) is np.ndarray:
-            if obj.dtype.hasobject or obj.dtype.fields is not None or obj.dtype.kind == "V":
-                return None
-            kind, nbytes = "n", obj.nbytes
-        else:
+        found = _kind(obj)
+        if found is None:
             return None
         if id(obj) in self._seen:
             return self._seen[id(obj)]
+        kind, nbytes = found
         offset = -(-self.needed // ALIGN) * ALIGN
         self.needed = offset + nbytes
         if self.buf is None or nbytes == 0 or self.needed > len(self.buf):
             return None
-        if kind == "t":
-            pid = _write(self.buf, offset, obj)
-        elif kind == "n":
-            pid = _write_np(self.buf, offset, obj)
-        else:
-            self.buf[offset : offset + nbytes] = obj
-            pid = (kind, offset, nbytes, "", (), ())
+        pid = _place(self.buf, offset, obj, kind, nbytes)
         self._seen[id(obj)] = pid
         self.used = True
         return pid
+
+
+def _kind(obj: Any) -> tuple[str, int] | None:
+    """(kind, bytes) of an object that travels in the output slot; None for any other."""
+    if type(obj) is bytes or type(obj) is bytearray:
+        if len(obj) < BYTES_IN_SLOT_MIN:
+            return None
+        return "b" if type(obj) is bytes else "B", len(obj)
+    if type(obj) is torch.Tensor:
+        if obj.layout != torch.strided or obj.device.type != "cpu" or obj.requires_grad:
+            return None
+        if obj.is_quantized or obj.is_nested:
+            return None
+        return "t", obj.numel() * obj.element_size()
+    if type(obj) is np.ndarray:
+        if obj.dtype.hasobject or obj.dtype.fields is not None or obj.dtype.kind == "V":
+            return None
+        return "n", obj.nbytes
+    return None
+
+
+def _place(buf: memoryview, offset: int, obj: Any, kind: str, nbytes: int) -> tuple[Any, ...]:
+    """Copy `obj` into `buf` at `offset`; its persistent id."""
+    if kind == "t":
+        return _write(buf, offset, obj)
+    if kind == "n":
+        return _write_np(buf, offset, obj)
+    buf[offset : offset + nbytes] = obj
+    return (kind, offset, nbytes, "", (), ())
+
+
+def place_single(result: Any, buf: memoryview | None) -> tuple[Any, ...] | None:
+    """A result that is one array (or large bytes object) alone, copied to the start of `buf`: its
+    persistent id, which the answer carries as is (no pickler on either side); None otherwise."""
+    found = _kind(result)
+    if found is None or buf is None or not 0 < found[1] <= len(buf):
+        return None
+    return _place(buf, 0, result, *found)
 
 
 def _write(buf: memoryview, offset: int, t: torch.Tensor) -> tuple[Any, ...]:
@@ -171,13 +195,18 @@ class Unpacker(pickle.Unpickler):
         self.slot = slot
 
     def persistent_load(self, pid: Any) -> Any:
-        kind, offset, nbytes, dtype, shape, strides = pid
-        owner = self.arena.view(self.slot, offset, nbytes)
-        if kind in ("b", "B"):  # a copy: `bytes` and `bytearray` cannot wrap shared memory
-            return bytes(owner) if kind == "b" else bytearray(owner)
-        if kind == "t":
-            return torch.frombuffer(owner, dtype=getattr(torch, dtype)).as_strided(shape, strides)
-        return np.ndarray(shape, np.dtype(dtype), buffer=owner, strides=strides)
+        return load_placed(self.arena, self.slot, pid)
+
+
+def load_placed(arena: Arena, slot: Slot, pid: tuple[Any, ...]) -> Any:
+    """Parent side of `_place`: a view of `slot` (a copy for `bytes` and `bytearray`)."""
+    kind, offset, nbytes, dtype, shape, strides = pid
+    owner = arena.view(slot, offset, nbytes)
+    if kind in ("b", "B"):  # a copy: `bytes` and `bytearray` cannot wrap shared memory
+        return bytes(owner) if kind == "b" else bytearray(owner)
+    if kind == "t":
+        return torch.frombuffer(owner, dtype=getattr(torch, dtype)).as_strided(shape, strides)
+    return np.ndarray(shape, np.dtype(dtype), buffer=owner, strides=strides)
 
 
 class RemoteTraceback(Exception):
@@ -362,6 +391,10 @@ class _Worker:
             try:
                 if into is not None and _into_row(result, *into):
                     send((DONE, task_id, b"", ROW, 0))
+                    return
+                pid = place_single(result, out)
+                if pid is not None:
+                    send((DONE, task_id, pid, SINGLE, pid[2]))
                     return
                 blob, in_slot, needed = pack(result, out)
             except Exception as exc:
