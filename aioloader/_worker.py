@@ -85,6 +85,7 @@ SHM, SINGLE, ROW = "shm", "single", "row"
 ALIGN = 64
 BYTES_IN_SLOT_MIN = 16 << 10  # bytes/bytearray objects from this size travel in the output slot
 _PR_SET_PDEATHSIG = 1
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value
 
 Error = tuple[bytes | None, str, str]  # (pickled exception or None, "Type: message", traceback)
 
@@ -324,6 +325,7 @@ class _Worker:
                 _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
                 mm = mmap.mmap(fds[0], msg[2])
                 os.close(fds[0])
+                _populate(mm)
                 self.slabs[msg[1]] = (mm, memoryview(mm))
             elif kind == DROP:
                 self.slabs.pop(msg[1], None)  # unmapped once no array of ours views it
@@ -418,6 +420,15 @@ def _into_row(result: Any, buf: memoryview, dtype: str, shape: tuple[int, ...]) 
         return False
     _write(buf, 0, result)
     return True
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Map every page of a slab for writing now, in one pass: else each page this worker writes
+    for the first time faults, and the rows of recycled batch buffers go to whichever worker is
+    free, so those faults go on for many batches (Linux 5.14+; elsewhere pages fault in as touched).
+    """
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        mm.madvise(_MADV_POPULATE_WRITE)
 
 
 def _load_fn(blob: bytes) -> Callable[[Any], Any] | BaseException:

@@ -307,7 +307,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 2)
-    warmup, measure = (6, 8) if args.quick else (8, 20)  # warm-up: until the arenas stop growing
+    warmup, measure = (10, 8) if args.quick else (10, 20)  # warm-up: until the arenas stop growing
     print(f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, numpy {np.__version__}, "
           f"warm-up {warmup} batches, measured {measure}, best of {args.repeats}")  # fmt: skip
     floor, cpu = measure_floor()

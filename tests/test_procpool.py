@@ -327,6 +327,36 @@ def test_workers_write_straight_into_batch_rows(pool: ProcessExecutor) -> None:
         batch.row(5)
 
 
+_BLOCK: list[torch.Tensor] = []  # in a worker: one 4 MiB tensor, made once
+
+
+def cached_block(_: Any) -> torch.Tensor:
+    if not _BLOCK:
+        _BLOCK.append(torch.ones(1 << 20))
+    return _BLOCK[0]
+
+
+def minor_faults(_: Any) -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_a_worker_maps_a_slab_whole_so_writing_rows_takes_no_page_faults() -> None:
+    with ProcessExecutor(1) as pool:
+        batch = pool.batch_buffer((4, 1 << 20), torch.float32)  # 4 rows of 4 MiB
+        assert batch is not None
+        # the slab is shared with the worker (and mapped) with the first row it is sent
+        pool.submit(cached_block, 0, into=batch.row(0)).result(timeout=30)
+        before = pool.submit(minor_faults, 0).result(timeout=30)
+        for row in (1, 2, 3):  # 3 x 1,024 pages this worker has not written before
+            pool.submit(cached_block, 0, into=batch.row(row)).result(timeout=30)
+        after = pool.submit(minor_faults, 0).result(timeout=30)
+        assert batch.tensor.eq(1).all()
+    assert after - before < 300, after - before  # one fault per page would be 3,072
+
+
 def test_too_little_dev_shm_fails_at_construction() -> None:
     with pytest.raises(OSError, match=r"/dev/shm has .* MiB free but .* needs"):
         ProcessExecutor(1, arena_bytes=1 << 50)
