@@ -320,8 +320,8 @@ class Handle:
 
     def share(self, arena: Arena, slab_id: int) -> None:
         if slab_id not in self.slabs:
-            fd, size = arena.slab_fd(slab_id)
-            self.send((wire.SLAB, slab_id, size))
+            fd, size, whole = arena.slab_fd(slab_id)
+            self.send((wire.SLAB, slab_id, size, whole))
             self.flush()  # the descriptor follows its message
             socket.send_fds(self.sock, [b"F"], [fd])
             self.counts["pipe_bytes_sent"] += 1

@@ -252,10 +252,10 @@ class Arena:
         """Bytes of all live slabs."""
         return sum(s.size for s in self._slabs.values())
 
-    def slab_fd(self, slab_id: int) -> tuple[int, int]:
-        """(file descriptor, size) of a live slab, to pass to a worker."""
+    def slab_fd(self, slab_id: int) -> tuple[int, int, bool]:
+        """(file descriptor, size, whether it is one slot: a batch) of a live slab, for a worker."""
         slab = self._slabs[slab_id]
-        return slab.fd, slab.size
+        return slab.fd, slab.size, slab.size == slab.slot_size
 
     def acquire(self, nbytes: int) -> Slot | None:
         """Lease a slot of at least `nbytes`, or None when none is free and the budget is spent."""

@@ -23,7 +23,7 @@ Messages are pickled tuples, first item the kind:
 
     parent -> worker                               worker -> parent
     (FN, fn_id, blob, is_async)                    (READY, pid)
-    (SLAB, slab_id, size) + fd (SCM_RIGHTS)        (INIT_FAILED, error)
+    (SLAB, slab_id, size, whole) + fd (SCM_RIGHTS) (INIT_FAILED, error)
     (DROP, slab_id)                                (DONE, task_id, data, how, needed)
     (TASK, task_id, fn_id, seed, kind, inline,     (FAILED, task_id, error)
      in_ref, out_ref, row)
@@ -325,7 +325,8 @@ class _Worker:
                 _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
                 mm = mmap.mmap(fds[0], msg[2])
                 os.close(fds[0])
-                _populate(mm)
+                if msg[3]:  # a batch buffer: every page of it will be written
+                    _populate(mm)
                 self.slabs[msg[1]] = (mm, memoryview(mm))
             elif kind == DROP:
                 self.slabs.pop(msg[1], None)  # unmapped once no array of ours views it
@@ -423,10 +424,10 @@ def _into_row(result: Any, buf: memoryview, dtype: str, shape: tuple[int, ...]) 
 
 
 def _populate(mm: mmap.mmap) -> None:
-    """Map every page of a slab for writing now, in one pass: else each page this worker writes
-    for the first time faults, and the rows of recycled batch buffers go to whichever worker is
-    free, so those faults go on for many batches (Linux 5.14+; elsewhere pages fault in as touched).
-    """
+    """Map every page of a batch buffer's slab for writing now, in one pass: else each page this
+    worker writes for the first time faults, and the rows of recycled batch buffers go to whichever
+    worker is free, so those faults go on for many batches (Linux 5.14+; elsewhere pages fault in as
+    touched). Slabs of sample slots are left to fault in: most of their slots may never be used."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         mm.madvise(_MADV_POPULATE_WRITE)
 

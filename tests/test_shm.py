@@ -37,7 +37,7 @@ def test_size_classes_hold_the_bytes_in_whole_pages_wasting_little(nbytes: int) 
 def test_slabs_are_private_and_unlinked_at_once(arena: Arena) -> None:
     slot = arena.acquire(10_000)
     assert slot is not None
-    fd, size = arena.slab_fd(slot.slab_id)
+    fd, size, _whole = arena.slab_fd(slot.slab_id)
     assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
     assert os.fstat(fd).st_nlink == 0  # no name left in /dev/shm, even while it is in use
     assert size >= slot.capacity
