@@ -201,13 +201,12 @@ MAX_SLABS = 16
 class Slot:
     """`capacity` bytes at `offset` in slab `slab_id`; leased to one task at a time."""
 
-    __slots__ = ("__weakref__", "_refs", "offset", "pins", "slab")
+    __slots__ = ("__weakref__", "offset", "pins", "slab")
 
     def __init__(self, slab: _Slab, offset: int) -> None:
         self.slab = slab
         self.offset = offset
         self.pins = 0
-        self._refs: dict[int, weakref.ref[Any]] = {}  # the views' weakrefs, kept so they fire
 
     @property
     def slab_id(self) -> int:
@@ -346,12 +345,10 @@ class Arena:
             if slot.pins == 1:  # not leased: a caller's misuse, counted all the same
                 slot.slab.pinned += 1
 
-        def unpin(ref: weakref.ref[Any], slot: Slot = slot) -> None:
-            slot._refs.pop(id(ref), None)
-            self.release(slot)
-
-        ref = weakref.ref(owner, unpin)
-        slot._refs[id(ref)] = ref
+        # A finalizer, not a bare weakref kept on the slot: nothing else holds a slot whose lease
+        # has ended, so slot, weakref and callback would be garbage together and the callback
+        # never run (the slot lost for good). The finalizer registry holds it, and it the slot.
+        weakref.finalize(owner, self.release, slot).atexit = False
         return owner
 
     def close(self) -> None:

@@ -62,6 +62,22 @@ def test_a_slot_is_reused_only_after_every_view_is_gone(arena: Arena) -> None:
     assert arena.acquire(64 << 10) is slot
 
 
+def test_a_slot_nobody_holds_returns_once_its_last_view_is_gone(arena: Arena) -> None:
+    # the executor drops its Slot once a result is read: only the views keep the slot pinned
+    slot = arena.acquire(1000)
+    assert slot is not None
+    slab = slot.slab
+    view = arena.view(slot, 0, 8)
+    arena.release(slot)
+    del slot
+    gc.collect()  # the slot is garbage to everyone but its view's finalizer
+    assert slab.pinned == 1
+    del view
+    gc.collect()
+    assert slab.pinned == 0
+    assert slab.idle
+
+
 def test_views_stay_valid_after_close() -> None:
     arena = Arena(budget=1 << 20)
     slot = arena.acquire(4096)
