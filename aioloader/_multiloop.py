@@ -8,7 +8,7 @@ and hands out the requests themselves:
 - the parent's fetch stage passes each key through (`pass_key`);
 - its decode stage sends `FetchDecode(fetch, decode)`, that is `decode(await fetch(key))`, to the
   process pool with the key as argument;
-- a process worker runs such a coroutine callable on its own event loop (`WorkerLoop`, uvloop when
+- a process worker runs such a coroutine callable on its own event loop (`_workerloop.WorkerLoop`, uvloop when
   installed), many at once, and returns the result in shared memory like any other decode result.
 
 Fetching so scales with the workers. Each worker unpickles its own copy of the fetch callable (a
@@ -27,23 +27,15 @@ workers.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ._decode import default_workers
 from ._fetch import is_async_callable
 from ._procpool import ProcessExecutor
-from ._rng import call_seeded
-from ._sync import new_event_loop
 from ._validate import check_int
 
-__all__ = ["FetchDecode", "Wiring", "WorkerLoop", "in_workers", "pass_key"]
-
-Done = Callable[[Any, BaseException | None], None]  # (result, error): how a task ended
-CLOSE_S = 0.25  # a stopping worker's time to close its connections (the parent waits 0.5 s)
+__all__ = ["FetchDecode", "Wiring", "in_workers", "pass_key"]
 
 
 async def pass_key(key: Any) -> Any:
@@ -135,84 +127,3 @@ def in_workers(
     count = workers if isinstance(workers, int) else default_workers()
     pool = ProcessExecutor(count, async_depth=-(-limit // count))  # `concurrency` in all
     return Wiring(pass_key, task, pool, owned=True)
-
-
-class WorkerLoop:
-    """A worker process's event loop, on its own thread, running async tasks many at once.
-
-    `start` and `cancel` are called by the worker's main thread (which keeps reading the pipe and
-    runs the plain decode tasks); each task's `done(result, error)` is called on the loop thread
-    when the task ends, however it ends (a cancelled task reports its `CancelledError`). `close`
-    ends it all when the parent hangs up; a worker stopped by its lifeline ends with `os._exit`
-    instead, and the kernel closes its connections.
-    """
-
-    def __init__(self) -> None:
-        self.loop = new_event_loop()
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        threading.Thread(
-            target=self.loop.run_forever, name="aioloader-worker-loop", daemon=True
-        ).start()
-
-    def start(
-        self, task_id: int, fn: Callable[[Any], Any], arg: Any, seed: int | None, done: Done
-    ) -> None:
-        """Run `await fn(arg)` with `seed` as the sample's seed; never blocks."""
-        self.start_many([(task_id, fn, arg, seed, done)])
-
-    def start_many(
-        self, starts: list[tuple[int, Callable[[Any], Any], Any, int | None, Done]]
-    ) -> None:
-        """`start` each of `starts` (one wake-up of the loop for them all)."""
-        self.loop.call_soon_threadsafe(self._spawn_many, starts)
-
-    def _spawn_many(
-        self, starts: list[tuple[int, Callable[[Any], Any], Any, int | None, Done]]
-    ) -> None:
-        for start in starts:
-            self._spawn(*start)
-
-    def cancel(self, task_id: int) -> None:
-        """Cancel task `task_id` if it still runs (its `done` then gets `CancelledError`)."""
-        self.loop.call_soon_threadsafe(self._cancel, task_id)
-
-    def close(self, closers: list[Callable[[], Awaitable[Any]]]) -> None:
-        """Cancel the tasks, await each of `closers` (connections), stop the loop; blocks up to
-        `CLOSE_S`. Call once, from another thread."""
-        with contextlib.suppress(Exception):  # past the deadline: the process exits regardless
-            asyncio.run_coroutine_threadsafe(self._close(closers), self.loop).result(CLOSE_S)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-    async def _close(self, closers: list[Callable[[], Awaitable[Any]]]) -> None:
-        async with asyncio.timeout(CLOSE_S):
-            tasks = list(self._tasks.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for aclose in closers:
-                with contextlib.suppress(Exception):
-                    await aclose()
-
-    def _spawn(
-        self, task_id: int, fn: Callable[[Any], Any], arg: Any, seed: int | None, done: Done
-    ) -> None:
-        # the task copies the current context, in which `call_seeded` has made `seed` current
-        spawn = lambda a: self.loop.create_task(self._run(task_id, fn, a, done))  # noqa: E731
-        self._tasks[task_id] = call_seeded(spawn, arg, seed)
-
-    def _cancel(self, task_id: int) -> None:
-        task = self._tasks.get(task_id)
-        if task is not None:
-            task.cancel()
-
-    async def _run(self, task_id: int, fn: Callable[[Any], Any], arg: Any, done: Done) -> None:
-        outcome: tuple[Any, BaseException | None]
-        try:
-            outcome = (await fn(arg), None)
-        except BaseException as exc:  # CancelledError too: the parent asked for it, and is told
-            outcome = (None, exc)
-        finally:
-            self._tasks.pop(task_id, None)
-        del arg
-        with contextlib.suppress(OSError, ValueError):  # the parent is gone: its lifeline ends us
-            done(*outcome)

@@ -27,7 +27,7 @@ the caller's loop under `use_caller_loop`, a new loop per `asyncio.run`) and mus
 between epochs and be closable from any thread.
 
 Async tasks. A coroutine function (or an object whose `__call__` is one) runs on the worker's own
-event loop (`_multiloop.py`), up to `async_depth` of them at once per worker: this is how
+event loop (`_workerloop.py`), up to `async_depth` of them at once per worker: this is how
 `fetch_in_workers` fetches in every worker. Each answers when it ends, in any order, and its result
 comes back in its output slot like any other. Cancelling `run` cancels the coroutine in the worker.
 

@@ -14,7 +14,7 @@ Large `bytes` and `bytearray` objects in a result travel in the slot too (the pa
 one copy, instead of pickling them through the pipe).
 
 A callable the parent marks async (a coroutine function, or an object whose `__call__` is one) runs
-on the worker's own event loop (`_multiloop.WorkerLoop`, on a thread started with the first such task),
+on the worker's own event loop (`_workerloop.WorkerLoop`, on a thread started with the first such task),
 many at once: the main thread goes on reading the pipe, and each task answers when it ends. The
 parent may cancel one (CANCEL); it then answers FAILED with its `CancelledError`. Answers are sent
 whole under a lock, from either thread.
@@ -54,7 +54,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,9 +62,7 @@ import torch
 from ._exceptions import DecodeError
 from ._rng import call_seeded
 from ._shm import Arena, Slot
-
-if TYPE_CHECKING:
-    from ._multiloop import WorkerLoop
+from ._workerloop import WorkerLoop
 
 __all__ = [
     "RemoteTraceback",
@@ -373,8 +371,6 @@ class _Worker:
 
     def async_loop(self) -> WorkerLoop:
         if self.worker_loop is None:
-            from ._multiloop import WorkerLoop  # here: it imports the parent's pool
-
             self.worker_loop = WorkerLoop()
         return self.worker_loop
 
