@@ -25,9 +25,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._climber import Climber
-from ._decode import Executor, ThreadExecutor, default_workers, make_executor
+from ._decode import Executor, ThreadExecutor, make_executor
 from ._limits import Tuner
 from ._stats import NullRecorder, Recorder
+from ._threads import default_workers
 from ._validate import check_int
 from .sources._aimd import Slots
 

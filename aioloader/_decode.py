@@ -10,7 +10,6 @@ pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or t
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import sys
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from ._procpool import ProcessExecutor
 from ._rng import call_seeded
-from ._threads import LazyThreadPool
+from ._threads import LazyThreadPool, default_workers
 
 __all__ = ["EXECUTORS", "Executor", "InlineExecutor", "ThreadExecutor", "make_executor"]
 
@@ -84,11 +83,6 @@ class ThreadExecutor:
 
     def close(self) -> None:
         self._threads.close()
-
-
-def default_workers() -> int:
-    """The default decode pool size: the cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def make_executor(name: str, workers: int | None, arena_bytes: int | None = None) -> Executor:

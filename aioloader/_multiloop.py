@@ -8,8 +8,9 @@ and hands out the requests themselves:
 - the parent's fetch stage passes each key through (`pass_key`);
 - its decode stage sends `FetchDecode(fetch, decode)`, that is `decode(await fetch(key))`, to the
   process pool with the key as argument;
-- a process worker runs such a coroutine callable on its own event loop (`_workerloop.WorkerLoop`, uvloop when
-  installed), many at once, and returns the result in shared memory like any other decode result.
+- a process worker runs such a coroutine callable on its own event loop
+  (`_workerloop.WorkerLoop`, uvloop when installed), many at once, and returns the result in shared
+  memory like any other decode result.
 
 Fetching so scales with the workers. Each worker unpickles its own copy of the fetch callable (a
 source's copy carries no connection: see `Transport.__getstate__`) and opens its own connections, on
@@ -30,9 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._decode import default_workers
 from ._fetch import is_async_callable
 from ._procpool import ProcessExecutor
+from ._threads import default_workers
 from ._validate import check_int
 
 __all__ = ["FetchDecode", "Wiring", "in_workers", "pass_key"]

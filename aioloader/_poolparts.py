@@ -276,10 +276,7 @@ class Handle:
 
     def send_bytes(self, data: bytes) -> None:
         """Queue one message, framed as `Connection.send_bytes` frames it; `flush` writes it."""
-        if len(data) <= 0x7FFFFFFF:
-            self._out += struct.pack("!i", len(data))
-        else:
-            self._out += struct.pack("!iQ", -1, len(data))
+        self._out += wire.frame_header(len(data))
         self._out += data
         self.counts["pipe_bytes_sent"] += len(data) + FRAME_BYTES
 

@@ -47,7 +47,7 @@ from ._validate import check_int
 from ._worker import Unpacker, load_placed, rebuild_error, serve
 from ._zygote import Zygote, ZygoteProcess, zygote_allowed
 
-__all__ = ["ASYNC_DEPTH", "Config", "Pool", "default_workers", "factory", "pick_start_method"]
+__all__ = ["ASYNC_DEPTH", "Config", "Pool", "factory", "pick_start_method"]
 
 # Tasks sent ahead to one worker: one running, one waiting in its socket (hides the round trip).
 # With `INLINE_MAX` this keeps what a worker has not read yet far below a socket's buffer, so the
@@ -60,10 +60,6 @@ START_TIMEOUT_S = 60.0  # a worker not ready by then (hung worker_init_fn) fails
 STOP_GRACE_S = 0.5  # close(): how long workers get to exit before SIGKILL
 JOIN_TIMEOUT_S = 2.0
 _PRELOAD = ("aioloader._worker",)  # imports torch, numpy and aioloader once, in the forkserver
-
-
-def default_workers() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def pick_start_method(method: str | None) -> tuple[str, BaseContext | None]:

@@ -65,8 +65,9 @@ from typing import Any, TypeVar
 import torch
 
 from ._poolparts import INLINE_MAX, BatchBuffer, RowTarget
-from ._poolthread import ASYNC_DEPTH, Config, Pool, default_workers, pick_start_method
+from ._poolthread import ASYNC_DEPTH, Config, Pool, pick_start_method
 from ._shm import arena_budget
+from ._threads import default_workers
 from ._validate import check_callable, check_int, check_timeout
 
 __all__ = ["INLINE_MAX", "BatchBuffer", "ProcessExecutor", "RowTarget"]

@@ -188,6 +188,11 @@ class _Slab:
         """No slot of it is leased or viewed."""
         return self.pinned == 0
 
+    @property
+    def whole(self) -> bool:
+        """It is one slot (a batch buffer), not many (samples)."""
+        return self.size == self.slot_size
+
 
 # Each live slab holds one descriptor while the arena is open (handed to workers started later), none
 # once it is closed; past this many slabs of either kind, results are copied out so that a consumer
@@ -254,7 +259,7 @@ class Arena:
     def slab_fd(self, slab_id: int) -> tuple[int, int, bool]:
         """(file descriptor, size, whether it is one slot: a batch) of a live slab, for a worker."""
         slab = self._slabs[slab_id]
-        return slab.fd, slab.size, slab.size == slab.slot_size
+        return slab.fd, slab.size, slab.whole
 
     def acquire(self, nbytes: int) -> Slot | None:
         """Lease a slot of at least `nbytes`, or None when none is free and the budget is spent."""
@@ -268,7 +273,7 @@ class Arena:
             count = max(1, min(SLOTS_PER_SLAB, SLAB_BYTES // size))
             if count == 1:  # a batch: a free one up to twice as large will do (an epoch's last)
                 for slab in self._slabs.values():
-                    if slab.free and slab.size == slab.slot_size and size < slab.size <= 2 * size:
+                    if slab.free and slab.whole and size < slab.size <= 2 * size:
                         return self._lease(slab.free.pop())
             while (
                 self.budget - self.mapped_bytes < size * count or self._kin(count) >= MAX_SLABS
@@ -290,8 +295,7 @@ class Arena:
 
     def _kin(self, count: int) -> int:
         """Live slabs of the same kind as one of `count` slots (one slot, or many)."""
-        single = count == 1
-        return sum((s.size == s.slot_size) == single for s in self._slabs.values())
+        return sum(slab.whole == (count == 1) for slab in self._slabs.values())
 
     def _lease(self, slot: Slot) -> Slot:
         slot.pins = 1
@@ -301,20 +305,22 @@ class Arena:
     def _retire_one(self, keep: int) -> bool:
         for slab in self._slabs.values():
             if slab.slot_size != keep and slab.idle:
-                del self._slabs[slab.id]
-                slab.close()
-                self._dropped.append(slab.id)
+                self._retire(slab)
                 return True
         return False
+
+    def _retire(self, slab: _Slab) -> None:
+        """Close an idle slab; workers unmap it once told (`take_dropped`). Holds the lock."""
+        del self._slabs[slab.id]
+        slab.close()
+        self._dropped.append(slab.id)
 
     def retire_idle_samples(self) -> None:
         """Retire every slab of many slots that no slot of pins: once workers write whole batches in
         place, the slots that held single samples before are memory held for nothing."""
         with self._lock:
-            for slab in [s for s in self._slabs.values() if s.size != s.slot_size and s.idle]:
-                del self._slabs[slab.id]
-                slab.close()
-                self._dropped.append(slab.id)
+            for slab in [s for s in self._slabs.values() if not s.whole and s.idle]:
+                self._retire(slab)
 
     def take_dropped(self) -> list[int]:
         """Ids of the slabs retired since the last call (workers should unmap them)."""

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["LazyThreadPool"]
+__all__ = ["LazyThreadPool", "default_workers"]
 
 T = TypeVar("T")
+
+
+def default_workers() -> int:
+    """The default size of a decode pool (threads or processes): the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class LazyThreadPool:

@@ -14,8 +14,8 @@ Large `bytes` and `bytearray` objects in a result travel in the slot too (the pa
 one copy, instead of pickling them through the pipe).
 
 A callable the parent marks async (a coroutine function, or an object whose `__call__` is one) runs
-on the worker's own event loop (`_workerloop.WorkerLoop`, on a thread started with the first such task),
-many at once: the main thread goes on reading the pipe, and each task answers when it ends. The
+on the worker's own event loop (`_workerloop.WorkerLoop`, on a thread started with the first such
+task), many at once: the main thread goes on reading the pipe, and each task answers when it ends. The
 parent may cancel one (CANCEL); it then answers FAILED with its `CancelledError`. Answers are sent
 whole under a lock, from either thread.
 
@@ -69,6 +69,7 @@ __all__ = [
     "Unpacker",
     "die_with_parent",
     "encode_error",
+    "frame_header",
     "pack",
     "rebuild_error",
     "serve",
@@ -86,6 +87,14 @@ _PR_SET_PDEATHSIG = 1
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value
 
 Error = tuple[bytes | None, str, str]  # (pickled exception or None, "Type: message", traceback)
+
+
+def frame_header(nbytes: int) -> bytes:
+    """The length prefix `Connection.send_bytes` puts before a message of `nbytes` (so that
+    messages written in one batch read back with `Connection.recv_bytes`)."""
+    if nbytes <= 0x7FFFFFFF:
+        return struct.pack("!i", nbytes)
+    return struct.pack("!iQ", -1, nbytes)
 
 
 def encode_error(exc: BaseException) -> Error:
@@ -285,16 +294,11 @@ class _Worker:
     def _flush_posted(self) -> None:
         with self._send_lock:
             posted, self._posted = self._posted, []
+            frames = bytearray()
+            for data in posted:
+                frames += frame_header(len(data))
+                frames += data
             with contextlib.suppress(OSError):  # the parent is gone: its lifeline ends us
-                frames = bytearray()
-                for data in posted:
-                    if len(data) > 0x7FFFFFFF:
-                        self.sock.sendall(frames)
-                        frames.clear()
-                        self.conn.send_bytes(data)
-                    else:
-                        frames += struct.pack("!i", len(data))
-                        frames += data
                 self.sock.sendall(frames)
 
     def loop(self) -> None:

@@ -307,7 +307,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 2)
-    warmup, measure = (10, 8) if args.quick else (10, 20)  # warm-up: until the arenas stop growing
+    # warm-up: long enough for the process pool to have made its batch buffers
+    warmup, measure = (10, 8) if args.quick else (10, 20)
     print(f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, numpy {np.__version__}, "
           f"warm-up {warmup} batches, measured {measure}, best of {args.repeats}")  # fmt: skip
     floor, cpu = measure_floor()
