@@ -4,7 +4,9 @@ Bounds (all counted in samples or bytes, never in time):
 - at most `concurrency` fetches in flight (the tuner may move that limit while the epoch runs);
 - at most `prefetch * group_size + concurrency` samples held between launch and hand-over, so memory is
   bounded by `prefetch` batches plus `concurrency` samples whatever the consumer does;
-- at most `max_bytes_in_flight` bytes held from fetch to hand-over (see `ByteBudget`).
+- at most `max_bytes_in_flight` bytes held from fetch to hand-over (see `ByteBudget`);
+- while process workers write batch rows in place (`RowPlan`), at most `ROWS_AHEAD_PER_WORKER` decodes
+  per worker sent ahead, so that only the batches being decoded hold a buffer in shared memory.
 
 Groups (see `_order.py`) are delivered whole, in group order (`in_order=True`) or as they complete.
 With `on_error="raise"`, an error in a user callable ends the epoch: batches before it (in delivery
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Iterable
@@ -31,7 +34,9 @@ from ._order import Group
 from ._rng import derive_seed
 from ._stats import LoaderStats, Recorder, nbytes
 
-__all__ = ["END", "SKIPPED", "Epoch", "Gap", "Stages"]
+__all__ = ["END", "ROWS_AHEAD_PER_WORKER", "SKIPPED", "Epoch", "Gap", "Stages"]
+
+ROWS_AHEAD_PER_WORKER = 3  # decodes sent ahead per worker while workers write batch rows
 
 
 class _Marker:
@@ -183,6 +188,14 @@ class Epoch:
         assert stages.tuner is not None
         self._held = Gate(HeldBound(stages.tuner, stages.prefetch * stages.group_size))
         self._in_flight = Gate(stages.tuner)
+        # Rows in shared memory: a batch's buffer is taken when its first decode is sent. Sending
+        # decodes only a few per worker ahead (in the order fetches complete) keeps the buffers taken
+        # to the batches being decoded, instead of every batch whose samples are fetched.
+        self._decoding = (
+            None
+            if stages.rows is None
+            else asyncio.Semaphore(ROWS_AHEAD_PER_WORKER * max(1, stages.limits()["decode"] or 1))
+        )
         self._bytes = ByteBudget(
             None if stages.max_bytes is None else stages.max_bytes - stages.pool_bytes
         )
@@ -295,11 +308,7 @@ class Epoch:
             seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
             t0 = rec.start("decode")
             try:
-                into = state.row(slot)
-                if into is None:
-                    raw = await stages.decoder.run(stages.decode, raw, seed)
-                else:
-                    raw = await stages.decoder.run(stages.decode, raw, seed, into=into)  # type: ignore[call-arg]
+                raw = await self._decode(state, slot, raw, seed)
             except asyncio.CancelledError:
                 rec.cancelled("decode", t0)
                 raise
@@ -313,6 +322,17 @@ class Epoch:
             self._hold(state, max(0, decoded - size))
         state.samples[slot] = raw
         await self._done(state)
+
+    async def _decode(self, state: _GroupState, slot: int, raw: Any, seed: int) -> Any:
+        decoder, decode = self._stages.decoder, self._stages.decode
+        assert decode is not None
+        if self._decoding is None or state.rows is None or state.rows.off:
+            return await decoder.run(decode, raw, seed)
+        async with self._decoding:
+            into = state.row(slot)
+            if into is None:
+                return await decoder.run(decode, raw, seed)
+            return await decoder.run(decode, raw, seed, into=into)  # type: ignore[call-arg]
 
     def _hold(self, state: _GroupState, size: int) -> None:
         """Count `size` more bytes as held by the group until it is handed over."""
@@ -364,6 +384,13 @@ class Epoch:
         if batch is not None:  # the workers wrote every row: nothing to copy
             rec.stop("collate", t0, state.bytes, key=group.index)
             return self._deliver(group, batch, None, state.bytes)
+        if rows is not None and buffer is None and (buffer := rows.buffer(len(samples))):
+            # decoded before the row shape was known (the first batches): copy the samples into a
+            # batch buffer, which is recycled, rather than into fresh memory that is not
+            batch = await self._stages.collator.run(functools.partial(rows.batch, buffer), samples)
+            if batch is not None:
+                rec.stop("collate", t0, state.bytes, key=group.index)
+                return self._deliver(group, batch, None, state.bytes)
         try:
             batch = await self._stages.collator.run(self._stages.collate, samples)
         except asyncio.CancelledError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -385,6 +386,45 @@ def test_once_rows_are_written_in_place_the_collate_buffers_and_sample_slots_are
         buffer = pool.batch_buffer((4, 3, 512, 512), torch.float32)
         assert buffer is not None
         assert not [s for s in arena._slabs.values() if s.size != s.slot_size and s.idle]
+
+
+def _slow_image(key: int) -> torch.Tensor:
+    time.sleep(0.002)
+    return torch.full((3, 64, 64), float(key))
+
+
+def _in_shared_memory(t: torch.Tensor) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= ptr < end:
+                return len(fields) > 5 and fields[5].startswith("/dev/shm/")
+    return False
+
+
+def test_batches_decoded_before_the_row_shape_was_known_land_in_shared_memory_too() -> None:
+    # not in fresh memory: freeing a batch-sized block raises glibc's mmap threshold to its size,
+    # after which the allocator keeps that much freed memory for good in every arena
+    batches, _ = _rows_epoch(_big_image, keys=12)
+    assert [b[0, 0, 0, 0].item() for b in batches] == [0.0, 4.0, 8.0]
+    assert all(_in_shared_memory(b) for b in batches)
+
+
+def test_rows_are_taken_only_for_the_batches_being_decoded() -> None:
+    # 64 fetches in flight finish at once; their decodes are sent a few per worker ahead, so that
+    # batch buffers are not taken for the 17 batches whose samples are fetched
+    with aioloader.ProcessExecutor(2) as pool:
+        with Loader(list(range(96)), _ident, decode=_slow_image, batch_size=4, executor=pool,
+                    concurrency=64, prefetch=1) as loader:  # fmt: skip
+            buffers = set()
+            for i, batch in enumerate(loader):
+                assert batch[0, 0, 0, 0].item() == 4 * i
+                buffers.add(batch.data_ptr())
+                del batch
+        assert pool.stats()["results_in_rows"] >= 96 - 8
+    assert len(buffers) <= 4, len(buffers)
 
 
 def test_rows_stop_when_a_sample_differs_and_collate_names_it() -> None:
