@@ -42,6 +42,7 @@ from ._poolparts import (
     exit_text,
     settle_future,
 )
+from ._recycle import Bytearrays
 from ._shm import Arena, Slot
 from ._validate import check_int
 from ._worker import Unpacker, load_placed, rebuild_error, serve
@@ -54,6 +55,7 @@ __all__ = ["ASYNC_DEPTH", "Config", "Pool", "factory", "pick_start_method"]
 # pool's thread never blocks on a send.
 QUEUE_DEPTH = 2
 ASYNC_DEPTH = 64  # async tasks one worker may hold at once, by default
+COPIES_BYTES = 64 << 20  # recycled bytearrays kept for results copied out of slots, at most
 FIRST_OUTPUT_BYTES = 1 << 20  # output slot for tasks before the first result tells the real size
 CANCEL_GRACE_S = 1.0  # a timed-out async task not ended this long after its cancel: kill the worker
 START_TIMEOUT_S = 60.0  # a worker not ready by then (hung worker_init_fn) fails the pool
@@ -119,6 +121,8 @@ class Pool:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._arena: Arena | None = None
+        # bytearray results are copied out of their slot into these (see `_recycle.py`)
+        self._copies = Bytearrays(COPIES_BYTES)
         self._wake_r = self._wake_w = -1
         self._wake_pending = False  # a byte is in the wake pipe (see `_wake_locked`)
         # what the pool's thread waits on: each worker's socket and sentinel, and the wake pipe
@@ -405,10 +409,10 @@ class Pool:
                 result = task.row.batch.tensor[task.row.row]
                 self.counts["results_in_rows"] += 1
             elif how == wire.SINGLE and slot is not None and self._arena is not None:
-                result = load_placed(self._arena, slot, data)
+                result = load_placed(self._arena, slot, data, self._copies)
                 self.counts["results_in_shm"] += 1
             elif how == wire.SHM and slot is not None and self._arena is not None:
-                result = Unpacker(data, self._arena, slot).load()
+                result = Unpacker(data, self._arena, slot, self._copies).load()
                 self.counts["results_in_shm"] += 1
             else:
                 result = pickle.loads(data)

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from ._exceptions import DecodeError
+from ._recycle import Bytearrays
 from ._rng import call_seeded
 from ._shm import Arena, Slot
 from ._workerloop import WorkerLoop
@@ -197,21 +198,33 @@ def pack(result: Any, buf: memoryview | None) -> tuple[bytes, bool, int]:
 class Unpacker(pickle.Unpickler):
     """Parent side of `pack`: rebuilds the result with each array a view of `slot` (no copy)."""
 
-    def __init__(self, data: bytes, arena: Arena, slot: Slot) -> None:
+    def __init__(
+        self, data: bytes, arena: Arena, slot: Slot, copies: Bytearrays | None = None
+    ) -> None:
         super().__init__(io.BytesIO(data))
         self.arena = arena
         self.slot = slot
+        self.copies = copies
 
     def persistent_load(self, pid: Any) -> Any:
-        return load_placed(self.arena, self.slot, pid)
+        return load_placed(self.arena, self.slot, pid, self.copies)
 
 
-def load_placed(arena: Arena, slot: Slot, pid: tuple[Any, ...]) -> Any:
-    """Parent side of `_place`: a view of `slot` (a copy for `bytes` and `bytearray`)."""
+def load_placed(
+    arena: Arena, slot: Slot, pid: tuple[Any, ...], copies: Bytearrays | None = None
+) -> Any:
+    """Parent side of `_place`: a view of `slot` (a copy for `bytes` and `bytearray`, the latter
+    into a recycled buffer of `copies` when given)."""
     kind, offset, nbytes, dtype, shape, strides = pid
     owner = arena.view(slot, offset, nbytes)
-    if kind in ("b", "B"):  # a copy: `bytes` and `bytearray` cannot wrap shared memory
-        return bytes(owner) if kind == "b" else bytearray(owner)
+    if kind == "b":  # a copy: `bytes` and `bytearray` cannot wrap shared memory
+        return bytes(owner)
+    if kind == "B":
+        if copies is None:
+            return bytearray(owner)
+        out = copies.take(nbytes)
+        np.frombuffer(out, np.uint8)[:] = owner  # in place: no resize, one copy
+        return out
     if kind == "t":
         return torch.frombuffer(owner, dtype=getattr(torch, dtype)).as_strided(shape, strides)
     return np.ndarray(shape, np.dtype(dtype), buffer=owner, strides=strides)

@@ -3,7 +3,9 @@
 aiohttp parses each response into objects and copies every body chunk into a new `bytes` before the
 caller copies it again. Here each keep-alive connection is an `asyncio.BufferedProtocol`: once the head
 is parsed, the socket is read straight into a `bytearray` of Content-Length bytes (one copy, by the
-kernel), and a request costs a few dozen Python lines. Only what a GET for a stored object needs is
+kernel), and a request costs a few dozen Python lines. Those bytearrays are recycled (`Bytearrays`):
+once nothing refers to a body any more, a later body of the same length is received into it, without
+a fresh buffer's page faults. Only what a GET for a stored object needs is
 spoken: a response without Content-Length (chunked, say) raises `Unsupported`, and the transport
 falls back to aiohttp for that source.
 """
@@ -16,6 +18,7 @@ import collections
 import ssl as _ssl
 from urllib.parse import unquote, urlsplit
 
+from .._recycle import Bytearrays
 from ._body import Failure
 
 __all__ = ["FastPool", "Response", "Unsupported"]
@@ -23,6 +26,7 @@ __all__ = ["FastPool", "Response", "Unsupported"]
 _SCRATCH = 64 * 1024
 _MAX_HEAD = 64 * 1024
 _NO_BODY = frozenset({204, 304})
+BODIES_BYTES = 64 << 20  # recycled body buffers kept per pool, at most
 
 
 class Unsupported(Exception):
@@ -52,8 +56,9 @@ def _parse_head(head: bytes) -> tuple[int, str, dict[str, str]]:
 class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection serving one request at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, bodies: Bytearrays | None = None) -> None:
         self.transport: asyncio.Transport | None = None
+        self._bodies = bodies
         self.progress = 0
         self.reusable = False
         self._scratch = memoryview(bytearray(_SCRATCH))
@@ -61,7 +66,11 @@ class _Connection(asyncio.BufferedProtocol):
         self._resp: Response | None = None
         self._view: memoryview | None = None
         self._pos = 0
-        self._waiter: asyncio.Future[Response] | None = None
+        # set (to None) once `response` is there: a future holding the response itself would keep
+        # the body referenced for as long as anything holds the finished future, and a recycled
+        # body must be free once its user lets go of it
+        self._waiter: asyncio.Future[None] | None = None
+        self.response: Response | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
@@ -74,11 +83,12 @@ class _Connection(asyncio.BufferedProtocol):
         why = f"{type(exc).__name__}: {exc}" if exc is not None else "closed by the server"
         self._fail(Failure(f"connection failed: {why}{got}", retryable=True))
 
-    def request(self, data: bytes) -> asyncio.Future[Response]:
+    def request(self, data: bytes) -> asyncio.Future[None]:
         assert self.transport is not None
         self._waiter = asyncio.get_running_loop().create_future()
         self._head.clear()
         self._resp, self._view, self._pos, self.reusable = None, None, 0, False
+        self.response = None
         self.transport.write(data)
         return self._waiter
 
@@ -114,7 +124,8 @@ class _Connection(asyncio.BufferedProtocol):
             or "chunked" in headers.get("transfer-encoding", "")
         ):
             raise Unsupported(f"HTTP {status} response without Content-Length")
-        body = bytearray(int(length))
+        n = int(length)
+        body = bytearray(n) if self._bodies is None else self._bodies.take(n)
         self._resp = Response(status, reason, headers, body)
         self._view = memoryview(body)
         rest = self._head[end + 4 :]
@@ -130,7 +141,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._resp, self._view, self._waiter = None, None, None
         self.reusable = resp is not None and resp.headers.get("connection", "").lower() != "close"
         if waiter is not None and not waiter.done() and resp is not None:
-            waiter.set_result(resp)
+            self.response = resp
+            waiter.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
         self.reusable = False
@@ -154,6 +166,7 @@ class FastPool:
         self._idle: dict[tuple[str, str, int], collections.deque[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._slots: asyncio.Semaphore | None = None
+        self.bodies = Bytearrays(BODIES_BYTES)
 
     async def get(self, url: str, headers: dict[str, str]) -> Response:
         """GET `url`; raises `Failure` (connection problems, timeouts) or `Unsupported`."""
@@ -190,7 +203,9 @@ class FastPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(_Connection, host, port, ssl=ssl)
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self.bodies), host, port, ssl=ssl
+                )
         except TimeoutError:
             raise Failure(f"timed out connecting to {host}:{port}", retryable=True) from None
         except _ssl.SSLCertVerificationError as exc:
@@ -209,7 +224,9 @@ class FastPool:
         fut = conn.request(data)
         ok = False
         try:
-            resp = await self._wait(conn, fut)
+            await self._wait(conn, fut)
+            resp, conn.response = conn.response, None
+            assert resp is not None
             ok = True
             return resp
         finally:
@@ -219,8 +236,8 @@ class FastPool:
                 fut.cancel()  # nobody will read its outcome now
                 self._discard(conn)
 
-    async def _wait(self, conn: _Connection, fut: asyncio.Future[Response]) -> Response:
-        """`fut`'s response; `Failure` once no byte has come for `read_timeout` seconds."""
+    async def _wait(self, conn: _Connection, fut: asyncio.Future[None]) -> None:
+        """Until `fut` is done; `Failure` once no byte has come for `read_timeout` seconds."""
         timeout = self.read_timeout
         if timeout is None:
             return await fut

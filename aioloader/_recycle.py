@@ -1,0 +1,94 @@
+"""Recycled `bytearray`s, for bodies and copies of one size arriving over and over.
+
+Fresh memory is slow on the machines this runs on: every 4 KiB page costs a fault the first time it is
+written (about 11 µs here, see DESIGN.md), and glibc hands large blocks back to the kernel when they are
+freed, so a 256 KiB body received into a new `bytearray` pays 64 faults (and a zero fill) each time,
+more than receiving it. `Bytearrays.take(n)` returns a kept buffer of length `n` that nothing refers to
+any more, and makes (and keeps) a new one only when every kept one is still in use.
+
+Whether a buffer is in use is read from its reference count, as `_collate.BufferPool` does for
+tensors: a consumer that still holds the body, a slice of it, a `memoryview` or a numpy array made
+from it, holds a reference, and the buffer is not handed out again.
+
+Example:
+    >>> pool = Bytearrays(max_bytes=1 << 20)
+    >>> a = pool.take(65536)
+    >>> b = pool.take(65536)  # `a` is still referenced: a second buffer
+    >>> a is b
+    False
+    >>> del a
+    >>> len(pool.take(65536))  # the first one again, its old contents left in it
+    65536
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+__all__ = ["Bytearrays"]
+
+MIN_BYTES = 64 * 1024  # below this the allocator recycles blocks itself: not worth a scan
+
+
+def _refs_when_free() -> int:
+    kept = [bytearray(1)]
+    return sys.getrefcount(kept[0])  # the same expression `take` tests: the list's reference only
+
+
+_FREE = _refs_when_free()
+
+
+class Bytearrays:
+    """Recycled bytearrays by exact length; at most `max_bytes` of them kept. Thread-safe.
+
+    A taken buffer holds whatever it held before: callers overwrite all of it. A kept buffer whose
+    length its user changed is forgotten once free.
+    """
+
+    def __init__(self, max_bytes: int, min_bytes: int = MIN_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self.kept_bytes = 0
+        self.made = 0
+        self.reused = 0
+        self._kept: dict[int, list[bytearray]] = {}
+        self._next: dict[int, int] = {}  # where the next scan of a length starts (oldest first)
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        """A bytearray of length `n` that nothing else refers to."""
+        if n < self.min_bytes:
+            return bytearray(n)
+        with self._lock:
+            kept = self._kept.setdefault(n, [])
+            start = self._next.get(n, 0)
+            for i in range(len(kept)):
+                j = (start + i) % len(kept)
+                if sys.getrefcount(kept[j]) != _FREE:
+                    continue
+                if len(kept[j]) != n:  # resized by its user: not this length any more
+                    del kept[j]
+                    self.kept_bytes -= n
+                    return self._make(n, kept)
+                self._next[n] = j + 1
+                self.reused += 1
+                return kept[j]
+            return self._make(n, kept)
+
+    def _make(self, n: int, kept: list[bytearray]) -> bytearray:
+        self.made += 1
+        fresh = bytearray(n)
+        if self.kept_bytes + n <= self.max_bytes:
+            kept.append(fresh)
+            self.kept_bytes += n
+        return fresh
+
+    def clear(self) -> None:
+        """Forget every kept buffer (those still in use stay valid)."""
+        with self._lock:
+            self._kept.clear()
+            self._next.clear()
+            self.kept_bytes = 0

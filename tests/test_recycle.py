@@ -1,0 +1,127 @@
+"""Recycled bytearrays: a buffer is handed out again only once nothing refers to it.
+
+The fast HTTP engine receives bodies into them (real HTTP on 127.0.0.1), and the process pool copies
+bytearray results out of their slots into them (real worker processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+
+import numpy as np
+import pytest
+from faultproxy import Origin
+
+import aioloader
+from aioloader._recycle import Bytearrays
+from aioloader.sources.http import http
+
+SIZE = 128 * 1024  # above MIN_BYTES: recycled
+
+
+def test_a_buffer_comes_back_only_once_nothing_refers_to_it() -> None:
+    pool = Bytearrays(max_bytes=1 << 20)
+    a = pool.take(SIZE)
+    view = memoryview(a)[10:20]  # a view keeps it in use, as a numpy array over it would
+    array = np.frombuffer(a, np.uint8)
+    b = pool.take(SIZE)
+    assert b is not a
+    del a
+    c = pool.take(SIZE)
+    assert c is not b
+    assert c is not view.obj
+    assert c is not array.base
+    del view, array, b
+    again = pool.take(SIZE)
+    assert pool.reused == 1
+    assert pool.made == 3
+    assert len(again) == SIZE
+
+
+def test_lengths_are_kept_apart_and_bounded() -> None:
+    pool = Bytearrays(max_bytes=2 * SIZE)
+    small = pool.take(100)  # below min_bytes: never kept
+    assert len(small) == 100
+    assert pool.kept_bytes == 0
+    held = [pool.take(SIZE) for _ in range(3)]  # the third is not kept: over max_bytes
+    assert pool.kept_bytes == 2 * SIZE
+    other = pool.take(SIZE + 1)  # another length: a buffer of its own, not one of the free ones
+    assert len(other) == SIZE + 1
+    del held
+    assert len(pool.take(SIZE)) == SIZE
+    assert pool.reused == 1
+
+
+def test_a_buffer_its_user_resized_is_forgotten() -> None:
+    pool = Bytearrays(max_bytes=1 << 20)
+    a = pool.take(SIZE)
+    a += b"more"
+    del a
+    b = pool.take(SIZE)
+    assert len(b) == SIZE
+    assert pool.reused == 0
+    assert pool.kept_bytes == SIZE
+
+
+def test_max_bytes_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="max_bytes"):
+        Bytearrays(max_bytes=-1)
+
+
+@pytest.fixture
+def big_origin() -> tuple[Origin, dict[str, bytes]]:
+    rng = random.Random(3)
+    objects = {f"big/{i}.bin": rng.randbytes(SIZE) for i in range(6)}
+    server = Origin(objects)
+    yield server, objects
+    server.stop()
+
+
+@pytest.mark.asyncio
+async def test_the_fast_engine_receives_into_free_bodies_and_never_into_held_ones(
+    big_origin: tuple[Origin, dict[str, bytes]],
+) -> None:
+    origin, objects = big_origin
+    keys = list(objects)
+    src = http(origin.url + "/", keys, engine="fast")
+    try:
+        held = [await src.fetch(k) for k in keys]  # all held: each in a buffer of its own
+        assert [bytes(b) for b in held] == [objects[k] for k in keys]
+        assert src.transport._fast is not None
+        bodies = src.transport._fast.bodies
+        assert bodies.made == len(keys)
+        first = held[0]
+        del held
+        gc.collect()
+        again = [await src.fetch(k) for k in reversed(keys[1:])]  # received into the free ones
+        assert [bytes(b) for b in again] == [objects[k] for k in reversed(keys[1:])]
+        assert bytes(first) == objects[keys[0]]  # still held: not written over
+        assert bodies.made == len(keys)
+        assert bodies.reused == len(keys) - 1
+        assert all(b is not first for b in again)
+    finally:
+        await src.aclose()
+
+
+def _filled(key: int) -> bytearray:
+    return bytearray([key]) * SIZE
+
+
+def test_bytearray_results_are_copied_out_into_free_buffers_only() -> None:
+    async def run_all(pool: aioloader.ProcessExecutor, keys: range) -> list[bytearray]:
+        return list(await asyncio.gather(*(pool.run(_filled, k) for k in keys)))
+
+    with aioloader.ProcessExecutor(2) as pool:
+        held = asyncio.run(run_all(pool, range(8)))
+        assert [bytes(b) for b in held] == [bytes([k]) * SIZE for k in range(8)]
+        copies = pool._pool._copies
+        assert copies.made == 8
+        keep = held[3]
+        del held
+        later = asyncio.run(run_all(pool, range(10, 17)))
+        assert [bytes(b) for b in later] == [bytes([k]) * SIZE for k in range(10, 17)]
+        assert bytes(keep) == bytes([3]) * SIZE  # still held: not written over
+        assert copies.reused == 7
+        assert copies.made == 8
