@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 from ._fetch import is_async_callable
 from ._procpool import ProcessExecutor
+from ._recycle import landing, task_output
 from ._threads import default_workers
 from ._validate import check_int
 
@@ -63,8 +64,10 @@ class FetchDecode:
         self.source = source  # whose `aclose()` closes the fetch's connections
 
     async def __call__(self, key: Any) -> Any:
-        raw = await self.fetch(key)
-        return raw if self.decode is None else self.decode(raw)
+        if self.decode is None:  # the body is the result: let it land in the output slot
+            landing.set(task_output.get())
+            return await self.fetch(key)
+        return self.decode(await self.fetch(key))
 
     async def aclose(self) -> None:
         """Close the source's connections (a worker calls this as it stops). Idempotent."""

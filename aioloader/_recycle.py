@@ -23,10 +23,23 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 
-__all__ = ["Bytearrays"]
+__all__ = ["Bytearrays", "landing", "task_output"]
+
+# Set by a process worker, in the context of each async task, to the task's output slot (a writable
+# memoryview of shared memory) ...
+task_output: contextvars.ContextVar[memoryview | None] = contextvars.ContextVar(
+    "aioloader_task_output", default=None
+)
+# ... and by a task whose result is the fetched body itself (`fetch_in_workers` without a decode) to
+# that slot: the fast HTTP engine then receives the body straight into it, and the worker answers
+# without copying (`_worker.place_single`). A body that does not fit goes to a recycled bytearray.
+landing: contextvars.ContextVar[memoryview | None] = contextvars.ContextVar(
+    "aioloader_landing", default=None
+)
 
 MIN_BYTES = 64 * 1024  # below this the allocator recycles blocks itself: not worth a scan
 

@@ -168,10 +168,22 @@ def _place(buf: memoryview, offset: int, obj: Any, kind: str, nbytes: int) -> tu
 def place_single(result: Any, buf: memoryview | None) -> tuple[Any, ...] | None:
     """A result that is one array (or large bytes object) alone, copied to the start of `buf`: its
     persistent id, which the answer carries as is (no pickler on either side); None otherwise."""
+    if type(result) is memoryview and buf is not None and _lies_at_start(result, buf):
+        return ("B", 0, result.nbytes, "", (), ())  # received there (`_recycle.landing`): no copy
     found = _kind(result)
     if found is None or buf is None or not 0 < found[1] <= len(buf):
         return None
     return _place(buf, 0, result, *found)
+
+
+def _lies_at_start(view: memoryview, buf: memoryview) -> bool:
+    """Whether `view` is the first `len(view)` bytes of `buf` (the same memory, not a copy)."""
+    if view.obj is not buf.obj or not view.contiguous or view.format != "B":
+        return False
+    if not 0 < view.nbytes <= buf.nbytes:
+        return False
+    start: int = np.frombuffer(view, np.uint8).ctypes.data
+    return start == np.frombuffer(buf, np.uint8).ctypes.data
 
 
 def _write(buf: memoryview, offset: int, t: torch.Tensor) -> tuple[Any, ...]:
@@ -365,7 +377,7 @@ class _Worker:
             if fn_id in self.async_fns:
                 answer = functools.partial(self.answer, task_id, out, into, send=self.post)
                 self.async_loop()
-                self._starts.append((task_id, fn, arg, seed, answer))
+                self._starts.append((task_id, fn, arg, seed, out, answer))
                 return
             result = call_seeded(fn, arg, seed)
             del arg

@@ -9,12 +9,15 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ._recycle import task_output
 from ._rng import call_seeded
 from ._sync import new_event_loop
 
 __all__ = ["WorkerLoop"]
 
 Done = Callable[[Any, BaseException | None], None]  # (result, error): how a task ended
+# (task id, fn, arg, seed, output slot, done)
+Start = tuple[int, Callable[[Any], Any], Any, "int | None", "memoryview | None", Done]
 CLOSE_S = 0.25  # a stopping worker's time to close its connections (the parent waits 0.5 s)
 
 
@@ -36,20 +39,23 @@ class WorkerLoop:
         ).start()
 
     def start(
-        self, task_id: int, fn: Callable[[Any], Any], arg: Any, seed: int | None, done: Done
+        self,
+        task_id: int,
+        fn: Callable[[Any], Any],
+        arg: Any,
+        seed: int | None,
+        out: memoryview | None,
+        done: Done,
     ) -> None:
-        """Run `await fn(arg)` with `seed` as the sample's seed; never blocks."""
-        self.start_many([(task_id, fn, arg, seed, done)])
+        """Run `await fn(arg)` with `seed` as the sample's seed and `out` (the task's output slot) as
+        `_recycle.task_output`; never blocks."""
+        self.start_many([(task_id, fn, arg, seed, out, done)])
 
-    def start_many(
-        self, starts: list[tuple[int, Callable[[Any], Any], Any, int | None, Done]]
-    ) -> None:
+    def start_many(self, starts: list[Start]) -> None:
         """`start` each of `starts` (one wake-up of the loop for them all)."""
         self.loop.call_soon_threadsafe(self._spawn_many, starts)
 
-    def _spawn_many(
-        self, starts: list[tuple[int, Callable[[Any], Any], Any, int | None, Done]]
-    ) -> None:
+    def _spawn_many(self, starts: list[Start]) -> None:
         for start in starts:
             self._spawn(*start)
 
@@ -75,10 +81,22 @@ class WorkerLoop:
                     await aclose()
 
     def _spawn(
-        self, task_id: int, fn: Callable[[Any], Any], arg: Any, seed: int | None, done: Done
+        self,
+        task_id: int,
+        fn: Callable[[Any], Any],
+        arg: Any,
+        seed: int | None,
+        out: memoryview | None,
+        done: Done,
     ) -> None:
         # the task copies the current context, in which `call_seeded` has made `seed` current
-        spawn = lambda a: self.loop.create_task(self._run(task_id, fn, a, done))  # noqa: E731
+        def spawn(a: Any) -> asyncio.Task[None]:
+            token = task_output.set(out)
+            try:
+                return self.loop.create_task(self._run(task_id, fn, a, done))
+            finally:
+                task_output.reset(token)
+
         self._tasks[task_id] = call_seeded(spawn, arg, seed)
 
     def _cancel(self, task_id: int) -> None:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+from typing import Any
 
 import numpy as np
 import pytest
 from faultproxy import Origin
 
 import aioloader
-from aioloader._recycle import Bytearrays
+from aioloader import Loader
+from aioloader._recycle import Bytearrays, landing
+from aioloader._worker import _lies_at_start, place_single
 from aioloader.sources.http import http
 
 SIZE = 128 * 1024  # above MIN_BYTES: recycled
@@ -125,3 +128,61 @@ def test_bytearray_results_are_copied_out_into_free_buffers_only() -> None:
         assert bytes(keep) == bytes([3]) * SIZE  # still held: not written over
         assert copies.reused == 7
         assert copies.made == 8
+
+
+@pytest.mark.asyncio
+async def test_a_body_lands_in_the_slot_it_is_given_when_it_fits(
+    big_origin: tuple[Origin, dict[str, bytes]],
+) -> None:
+    origin, objects = big_origin
+    keys = list(objects)
+    src = http(origin.url + "/", keys, engine="fast")
+    slot = memoryview(bytearray(SIZE + 100))
+
+    async def fetch_into(key: str, into: memoryview | None) -> Any:
+        landing.set(into)  # as `FetchDecode` does in a worker's task (this task's context only)
+        return await src.fetch(key)
+
+    try:
+        body = await asyncio.create_task(fetch_into(keys[0], slot))
+        assert type(body) is memoryview
+        assert body.obj is slot.obj
+        assert body.nbytes == SIZE
+        assert bytes(slot[:SIZE]) == objects[keys[0]]
+        assert place_single(body, slot) == ("B", 0, SIZE, "", (), ())  # the worker copies nothing
+        # too small a slot, or none: a recycled bytearray as usual
+        small = await asyncio.create_task(fetch_into(keys[1], slot[: SIZE // 2]))
+        assert type(small) is bytearray
+        assert small == objects[keys[1]]
+        assert landing.get() is None  # set in those tasks' contexts, not here
+        plain = await src.fetch(keys[2])
+        assert type(plain) is bytearray
+        assert plain == objects[keys[2]]
+    finally:
+        await src.aclose()
+
+
+def test_only_a_view_of_the_slots_start_is_answered_without_a_copy() -> None:
+    slot = memoryview(bytearray(1000))
+    assert _lies_at_start(slot[:10], slot)
+    assert not _lies_at_start(slot[5:10], slot)  # the same memory, but not at the start
+    assert not _lies_at_start(memoryview(bytearray(10)), slot)  # other memory
+    assert not _lies_at_start(slot[:0], slot)
+    copy = memoryview(bytearray(slot[:10]))
+    assert place_single(copy, slot) is None  # a small copy: pickled as usual
+
+
+def test_fetch_in_workers_hands_over_bodies_received_in_their_slots(
+    big_origin: tuple[Origin, dict[str, bytes]],
+) -> None:
+    origin, objects = big_origin
+    keys = list(objects) * 4  # each slot serves several bodies in turn
+    src = http(origin.url + "/", keys, engine="fast")
+    options: dict[str, Any] = {"executor": "process", "workers": 2, "fetch_in_workers": True}
+    with Loader(src, batch_size=4, collate=None, concurrency=8, **options) as loader:
+        for _ in range(2):
+            got = [sample for batch in loader for sample in batch]
+            assert [type(s) for s in got] == [bytearray] * len(keys)
+            assert [bytes(s) for s in got] == [objects[k] for k in keys]
+        stats = loader._stages.decoder.stats()  # type: ignore[attr-defined]
+    assert stats["results_in_shm"] == 2 * len(keys)

@@ -82,7 +82,7 @@ async def error_detail(resp: aiohttp.ClientResponse) -> str:
     return error_text(body, resp.url)
 
 
-def error_text(body: bytes | bytearray, url: object) -> str:
+def error_text(body: bytes | bytearray | memoryview, url: object) -> str:
     """ ": Code: Message" from the start of an S3-style XML error body, or ""."""
     found = _XML_FIELD.findall(bytes(body[:_ERROR_BODY_MAX]))
     fields = {name.decode(): value.decode("utf-8", "replace") for name, value in found}

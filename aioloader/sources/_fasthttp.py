@@ -18,7 +18,7 @@ import collections
 import ssl as _ssl
 from urllib.parse import unquote, urlsplit
 
-from .._recycle import Bytearrays
+from .._recycle import Bytearrays, landing
 from ._body import Failure
 
 __all__ = ["FastPool", "Response", "Unsupported"]
@@ -36,7 +36,9 @@ class Unsupported(Exception):
 class Response:
     __slots__ = ("body", "headers", "reason", "status")
 
-    def __init__(self, status: int, reason: str, headers: dict[str, str], body: bytearray) -> None:
+    def __init__(
+        self, status: int, reason: str, headers: dict[str, str], body: bytearray | memoryview
+    ) -> None:
         self.status, self.reason, self.headers, self.body = status, reason, headers, body
 
 
@@ -59,6 +61,7 @@ class _Connection(asyncio.BufferedProtocol):
     def __init__(self, bodies: Bytearrays | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self._bodies = bodies
+        self._landing: memoryview | None = None  # where this request's body may go (`landing`)
         self.progress = 0
         self.reusable = False
         self._scratch = memoryview(bytearray(_SCRATCH))
@@ -83,8 +86,10 @@ class _Connection(asyncio.BufferedProtocol):
         why = f"{type(exc).__name__}: {exc}" if exc is not None else "closed by the server"
         self._fail(Failure(f"connection failed: {why}{got}", retryable=True))
 
-    def request(self, data: bytes) -> asyncio.Future[None]:
+    def request(self, data: bytes, into: memoryview | None = None) -> asyncio.Future[None]:
+        """Send `data`; the body goes into `into` if it fits there, else into a recycled buffer."""
         assert self.transport is not None
+        self._landing = into
         self._waiter = asyncio.get_running_loop().create_future()
         self._head.clear()
         self._resp, self._view, self._pos, self.reusable = None, None, 0, False
@@ -125,7 +130,14 @@ class _Connection(asyncio.BufferedProtocol):
         ):
             raise Unsupported(f"HTTP {status} response without Content-Length")
         n = int(length)
-        body = bytearray(n) if self._bodies is None else self._bodies.take(n)
+        body: bytearray | memoryview
+        if self._landing is not None and 0 < n <= len(self._landing):
+            body = self._landing[:n]
+        elif self._bodies is not None:
+            body = self._bodies.take(n)
+        else:
+            body = bytearray(n)
+        self._landing = None
         self._resp = Response(status, reason, headers, body)
         self._view = memoryview(body)
         rest = self._head[end + 4 :]
@@ -185,17 +197,18 @@ class FastPool:
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
+        into = landing.get()
         async with self._slots:
             idle = self._idle.setdefault(where, collections.deque())
             while idle:
                 conn = idle.pop()
                 if conn.transport is not None and not conn.transport.is_closing():
                     try:
-                        return await self._exchange(conn, data, idle)
+                        return await self._exchange(conn, data, idle, into)
                     except Failure:
                         if conn.progress:  # failed mid-response, not a stale keep-alive
                             raise
-            return await self._exchange(await self._connect(where), data, idle)
+            return await self._exchange(await self._connect(where), data, idle, into)
 
     async def _connect(self, where: tuple[str, str, int]) -> _Connection:
         scheme, host, port = where
@@ -218,10 +231,14 @@ class FastPool:
         return conn
 
     async def _exchange(
-        self, conn: _Connection, data: bytes, idle: collections.deque[_Connection]
+        self,
+        conn: _Connection,
+        data: bytes,
+        idle: collections.deque[_Connection],
+        into: memoryview | None,
     ) -> Response:
         conn.progress = 0
-        fut = conn.request(data)
+        fut = conn.request(data, into)
         ok = False
         try:
             await self._wait(conn, fut)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import ssl as _ssl
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiohttp
 from yarl import URL
@@ -255,7 +255,9 @@ class Transport:
             if offset is not None and not _range_ok(resp.headers.get("content-range"), offset):
                 raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
             self.counts["bytes"] += len(resp.body)
-            return resp.body
+            # a memoryview only where `_recycle.landing` is set: by `FetchDecode` without a decode,
+            # which hands the body to no user code, only to the worker's answer
+            return cast(bytearray, resp.body)
         detail = error_text(resp.body, url)
         raise self._status_failure(
             resp.status, resp.reason, resp.headers.get("retry-after"), detail
