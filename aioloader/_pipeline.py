@@ -28,7 +28,7 @@ from typing import Any
 from ._collate import RowPlan, stacks
 from ._decode import Executor
 from ._exceptions import LoaderClosedError
-from ._fetch import Fetcher
+from ._fetch import Fetcher, is_async_callable
 from ._limits import ByteBudget, ErrorPolicy, FixedConcurrency, Gate, HeldBound, Tuner
 from ._order import Group
 from ._rng import derive_seed
@@ -36,7 +36,7 @@ from ._stats import LoaderStats, Recorder, nbytes
 
 __all__ = ["END", "ROWS_AHEAD_PER_WORKER", "SKIPPED", "Epoch", "Gap", "Stages"]
 
-ROWS_AHEAD_PER_WORKER = 3  # decodes sent ahead per worker while workers write batch rows
+ROWS_AHEAD_PER_WORKER = 4  # decodes sent ahead per worker while workers write batch rows
 
 
 class _Marker:
@@ -191,9 +191,11 @@ class Epoch:
         # Rows in shared memory: a batch's buffer is taken when its first decode is sent. Sending
         # decodes only a few per worker ahead (in the order fetches complete) keeps the buffers taken
         # to the batches being decoded, instead of every batch whose samples are fetched.
+        # (Not for an async decode, such as `fetch_in_workers`'s fetch-then-decode: each worker runs
+        # many of those at once, and their number is `concurrency`'s to bound.)
         self._decoding = (
             None
-            if stages.rows is None
+            if stages.rows is None or is_async_callable(stages.decode)
             else asyncio.Semaphore(ROWS_AHEAD_PER_WORKER * max(1, stages.limits()["decode"] or 1))
         )
         self._bytes = ByteBudget(

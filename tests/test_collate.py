@@ -19,6 +19,7 @@ from torch.utils.data import default_collate as torch_collate
 import aioloader
 from aioloader import BufferPool, CollateError, Loader
 from aioloader._collate import make_collate
+from aioloader._pipeline import ROWS_AHEAD_PER_WORKER
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -413,18 +414,20 @@ def test_batches_decoded_before_the_row_shape_was_known_land_in_shared_memory_to
 
 
 def test_rows_are_taken_only_for_the_batches_being_decoded() -> None:
-    # 64 fetches in flight finish at once; their decodes are sent a few per worker ahead, so that
-    # batch buffers are not taken for the 17 batches whose samples are fetched
+    # 64 fetches in flight finish at once; their decodes are sent ROWS_AHEAD_PER_WORKER per worker
+    # ahead (8 samples: one batch here), so batch buffers are taken by the two batches being
+    # decoded and the one handed over, not by the 9 batches whose samples are fetched
+    assert ROWS_AHEAD_PER_WORKER * 2 == 8
     with aioloader.ProcessExecutor(2) as pool:
-        with Loader(list(range(96)), _ident, decode=_slow_image, batch_size=4, executor=pool,
+        with Loader(list(range(192)), _ident, decode=_slow_image, batch_size=8, executor=pool,
                     concurrency=64, prefetch=1) as loader:  # fmt: skip
             buffers = set()
             for i, batch in enumerate(loader):
-                assert batch[0, 0, 0, 0].item() == 4 * i
+                assert batch[0, 0, 0, 0].item() == 8 * i
                 buffers.add(batch.data_ptr())
                 del batch
-        assert pool.stats()["results_in_rows"] >= 96 - 8
-    assert len(buffers) <= 4, len(buffers)
+        assert pool.stats()["results_in_rows"] >= 192 - 16
+    assert len(buffers) <= 5, len(buffers)
 
 
 def test_rows_stop_when_a_sample_differs_and_collate_names_it() -> None:

@@ -132,6 +132,24 @@ def test_a_fetch_error_in_a_worker_names_the_key(origin: Origin) -> None:
     assert "missing.bin" in "\n".join(info.value.__notes__)
 
 
+def fixed_shape(raw: bytearray) -> torch.Tensor:
+    """Runs in a worker: one tensor of one shape per sample (so batch rows are written in place)."""
+    return torch.frombuffer(raw, dtype=torch.uint8)[:64].float()
+
+
+def test_batch_rows_do_not_hold_back_the_worker_loops(slow: SlowOrigin) -> None:
+    keys = [f"{i}.bin" for i in range(128)]
+    src = http(slow.url + "/", keys, concurrency=64)
+    options: dict[str, Any] = {"executor": "process", "workers": 2, "fetch_in_workers": True}
+    with Loader(src, decode=fixed_shape, batch_size=8, concurrency=64, **options) as loader:
+        batches = list(loader)
+        assert loader._stages.rows is not None  # rows in place: the default collate stacks
+    assert [tuple(b.shape) for b in batches] == [(8, 64)] * 16
+    assert all(torch.equal(b[0], torch.arange(64, dtype=torch.float32)) for b in batches)
+    # the few-per-worker window of plain decodes does not apply to fetch-then-decode coroutines
+    assert slow.peak >= 32, slow.peak
+
+
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_worker_killed_mid_epoch(slow: SlowOrigin, restarts: int) -> None:
     keys = [f"{i}.bin" for i in range(96)]
