@@ -182,8 +182,13 @@ def _lies_at_start(view: memoryview, buf: memoryview) -> bool:
         return False
     if not 0 < view.nbytes <= buf.nbytes:
         return False
-    start: int = np.frombuffer(view, np.uint8).ctypes.data
-    return start == np.frombuffer(buf, np.uint8).ctypes.data
+    try:
+        return ctypes.addressof(_Byte.from_buffer(view)) == ctypes.addressof(_Byte.from_buffer(buf))
+    except TypeError:  # read-only: not a slot
+        return False
+
+
+_Byte = ctypes.c_char
 
 
 def _write(buf: memoryview, offset: int, t: torch.Tensor) -> tuple[Any, ...]:
