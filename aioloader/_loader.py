@@ -9,7 +9,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -407,9 +415,10 @@ class Loader(Resumable, Generic[T]):
                 if batch is END:
                     return self._finished(progress)
                 progress.delivered.add(index)
-                if batch is not SKIPPED:
-                    yield self._hand_over(batch)
-                del batch
+                handed = [] if batch is SKIPPED else [self._hand_over(batch)]
+                del batch  # not held here while the consumer has it: its buffers can be reused
+                if handed:
+                    yield handed.pop()
         finally:
             if runner.alive and not runner.in_loop_thread():
                 with contextlib.suppress(TimeoutError, LoaderClosedError):  # closed meanwhile
@@ -428,31 +437,36 @@ class Loader(Resumable, Generic[T]):
         if self._use_caller_loop:
             run = await self._open(groups, progress.epoch)
             try:
-                async for batch in self._batches(run.get, progress):
-                    yield batch
-                    del batch  # an error raised later must not keep it alive
+                async for batch in self._batches(lambda: _boxed(run.get), progress):
+                    handed = [batch]
+                    del batch  # not held here while the consumer has it (nor after an error)
+                    yield handed.pop()
             finally:
                 await self._close_epoch(run)
             return
         runner = self._runner()
         run = await asyncio.wrap_future(runner.submit(self._open(groups, progress.epoch)))
         try:
-            get = lambda: asyncio.wrap_future(runner.submit(run.get()))  # noqa: E731
+            get = lambda: asyncio.wrap_future(runner.submit(_boxed(run.get)))  # noqa: E731
             async for batch in self._batches(get, progress):
-                yield batch
-                del batch  # an error raised later must not keep it alive
+                handed = [batch]
+                del batch  # not held here while the consumer has it (nor after an error)
+                yield handed.pop()
         finally:
             if runner.alive:
                 with contextlib.suppress(LoaderClosedError):  # the loader was closed meanwhile
                     await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
 
-    async def _batches(self, get: Callable[[], Any], progress: Progress) -> AsyncIterator[T]:
+    async def _batches(
+        self, get: Callable[[], Awaitable[list[Any]]], progress: Progress
+    ) -> AsyncIterator[T]:
+        """The epoch's batches; `get()` gives the next `(index, batch)` in a list (see `_boxed`)."""
         wait = self._stages.recorder.waited
         while True:
             t0 = time.perf_counter()
             try:
                 async with asyncio.timeout(self._timeout) as deadline:
-                    index, batch = await get()
+                    index, batch = (await get()).pop()
             except TimeoutError:
                 if not deadline.expired():
                     raise  # the pipeline's own, from a user callable
@@ -467,9 +481,10 @@ class Loader(Resumable, Generic[T]):
                 self._finished(progress)
                 return
             progress.delivered.add(index)
-            if batch is not SKIPPED:
-                yield self._hand_over(batch)
-            del batch
+            handed = [] if batch is SKIPPED else [self._hand_over(batch)]
+            del batch  # not held here while the consumer has it: its buffers can be reused
+            if handed:
+                yield handed.pop()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -566,3 +581,9 @@ def _loop_running() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+async def _boxed(get: Callable[[], Awaitable[Any]]) -> list[Any]:
+    """`[await get()]`, for a receiver that empties the list: a finished future that outlives the
+    hand-over (asyncio keeps some a while) then holds an empty list, not the batch."""
+    return [await get()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -416,3 +417,27 @@ def test_auto_is_the_default_with_a_decode_and_inline_without(
     assert any("cannot be sent to a worker process" in r.getMessage() for r in caplog.records)
     with Loader(range(4), _negate) as loader:  # nothing to decode: nothing to start
         assert type(loader._stages.decoder).__name__ == "InlineExecutor"
+
+
+def _tensor(key: int) -> torch.Tensor:
+    return torch.full((4,), float(key))
+
+
+def test_a_batch_the_consumer_drops_is_freed_at_once() -> None:
+    # the iterator keeps no reference to the batch it handed over, so its buffer can be reused
+    # while the consumer waits for the next one (a fresh batch each time: the default collate's
+    # recycled buffers are kept by its pool on purpose)
+    with Loader(range(12), _tensor, batch_size=3, collate=torch.stack) as loader:
+        for batch in loader:
+            ref = weakref.ref(batch)
+            del batch
+            assert ref() is None
+
+    async def consume() -> None:
+        async for batch in loader2:
+            ref = weakref.ref(batch)
+            del batch
+            assert ref() is None
+
+    with Loader(range(12), _tensor, batch_size=3, collate=torch.stack) as loader2:
+        asyncio.run(consume())
