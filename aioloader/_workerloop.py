@@ -24,7 +24,7 @@ CLOSE_S = 0.25  # a stopping worker's time to close its connections (the parent 
 class WorkerLoop:
     """A worker process's event loop, on its own thread, running async tasks many at once.
 
-    `start` and `cancel` are called by the worker's main thread (which keeps reading the pipe and
+    `start_many` and `cancel` are called by the worker's main thread (which keeps reading the pipe and
     runs the plain decode tasks); each task's `done(result, error)` is called on the loop thread
     when the task ends, however it ends (a cancelled task reports its `CancelledError`). `close`
     ends it all when the parent hangs up; a worker stopped by its lifeline ends with `os._exit`
@@ -38,21 +38,10 @@ class WorkerLoop:
             target=self.loop.run_forever, name="aioloader-worker-loop", daemon=True
         ).start()
 
-    def start(
-        self,
-        task_id: int,
-        fn: Callable[[Any], Any],
-        arg: Any,
-        seed: int | None,
-        out: memoryview | None,
-        done: Done,
-    ) -> None:
-        """Run `await fn(arg)` with `seed` as the sample's seed and `out` (the task's output slot) as
-        `_recycle.task_output`; never blocks."""
-        self.start_many([(task_id, fn, arg, seed, out, done)])
-
     def start_many(self, starts: list[Start]) -> None:
-        """`start` each of `starts` (one wake-up of the loop for them all)."""
+        """For each `(task_id, fn, arg, seed, out, done)` of `starts`, run `await fn(arg)` with `seed`
+        as the sample's seed and `out` (the task's output slot) as `_recycle.task_output`; one
+        wake-up of the loop for them all, never blocks."""
         self.loop.call_soon_threadsafe(self._spawn_many, starts)
 
     def _spawn_many(self, starts: list[Start]) -> None:
