@@ -76,7 +76,7 @@ class ThreadExecutor:
 
     def __init__(self, workers: int, name: str = "aioloader-decode") -> None:
         self.workers = workers
-        self._threads = LazyThreadPool(workers, name)
+        self._threads = LazyThreadPool(workers, name, grow_after=0.0)  # decode is CPU-bound
 
     async def run(self, fn: Callable[[Any], T], arg: Any, seed: int | None = None) -> T:
         return await self._threads.run(call_seeded, fn, arg, seed)

@@ -61,19 +61,24 @@ class _Crew:
         self.wake = threading.Condition(self.lock)
         self.calls: collections.deque[_Call] = collections.deque()
         self.threads: list[threading.Thread] = []
-        self.busy_since: list[float] = []  # per thread: when its current call began; 0.0 between calls
-        self.idle = 0
+        self.since: list[float] = []  # per thread: when its current call began; 0.0 between calls
+        self.busy = 0  # threads inside a call; the others are idle, or starting, or about to wake
         self.closed = False
         self.timer: asyncio.AbstractEventLoop | None = None  # the loop whose `_grow` is due
 
     def submit(self, call: _Call) -> None:
+        pool = self.pool
         with self.lock:
             self.calls.append(call)
-            if not self.threads:
-                self._start(1)
-            elif self.idle > 0:
-                self.wake.notify()
-            if len(self.threads) < self.pool.size and self.timer is not call.loop:
+            self.wake.notify()
+            unserved = len(self.calls) - (len(self.threads) - self.busy)
+            if unserved > 0 and (not self.threads or pool.grow_after <= 0):
+                self._start(min(unserved, pool.size - len(self.threads)))
+            if (
+                pool.grow_after > 0
+                and len(self.threads) < pool.size
+                and self.timer is not call.loop
+            ):
                 self._arm(call.loop)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -90,14 +95,15 @@ class _Crew:
             self.timer = None
             if self.closed:
                 return
-            now = time.monotonic()
-            due = now - grow_after * 0.9
-            waited = sum(1 for c in self.calls if c.queued_at <= due)
+            due = time.monotonic() - grow_after * 0.9
+            waited = sum(1 for c in self.calls if c.queued_at <= due) - (
+                len(self.threads) - self.busy
+            )
             # A thread for each call that waited, as long as as many threads are stuck in one call
             # since the last tick: threads that are merely slow to run (the GIL, busy cores) are not
             # stuck, and more of them would not help.
-            stuck = sum(1 for since in self.busy_since if 0.0 < since <= due)
-            self._start(min(waited - self.idle, stuck, self.pool.size - len(self.threads)))
+            stuck = sum(1 for since in self.since if 0.0 < since <= due)
+            self._start(min(waited, stuck, self.pool.size - len(self.threads)))
             if self.calls and len(self.threads) < self.pool.size:
                 self._arm(loop)
 
@@ -107,38 +113,39 @@ class _Crew:
             name = f"{self.pool.name}_{index}"
             thread = threading.Thread(target=self._serve, args=(index,), name=name, daemon=True)
             self.threads.append(thread)
-            self.busy_since.append(0.0)
+            self.since.append(0.0)
             thread.start()
 
     def _serve(self, index: int) -> None:
-        busy_since = self.busy_since
+        since = self.since
         if self.pool.initializer is not None:
             try:
                 self.pool.initializer()
-            except BaseException as exc:  # noqa: BLE001 - every call of this pool fails with it
+            except BaseException as exc:  # every call of this pool fails with it
                 self._fail_all(exc)
                 return
         while True:
             with self.lock:
                 while not self.calls and not self.closed:
-                    self.idle += 1
                     self.wake.wait()
-                    self.idle -= 1
                 if self.closed:
                     return
                 call = self.calls.popleft()
-            if call.future.cancelled():
-                continue
-            result, error = None, None
-            busy_since[index] = time.monotonic()
-            try:
-                result = call.fn(*call.args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                error = exc
-            busy_since[index] = 0.0
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-                call.loop.call_soon_threadsafe(_settle, call.future, result, error)
-            del call, result, error  # hold nothing while idle
+                self.busy += 1
+            if not call.future.cancelled():
+                result, error = None, None
+                since[index] = time.monotonic()
+                try:
+                    result = call.fn(*call.args)
+                except BaseException as exc:  # handed to the caller
+                    error = exc
+                since[index] = 0.0
+                with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                    call.loop.call_soon_threadsafe(_settle, call.future, result, error)
+                del result, error  # hold nothing while idle
+            del call
+            with self.lock:
+                self.busy -= 1
 
     def _fail_all(self, exc: BaseException) -> None:
         error = RuntimeError(f"the initializer of thread pool {self.pool.name!r} raised {exc!r}")
@@ -172,6 +179,8 @@ class LazyThreadPool:
     `run` is safe to cancel: the awaiting task stops waiting at once; the call itself finishes in its
     thread (Python cannot interrupt it) and its result is dropped. `initializer` runs once in each
     thread as it starts; if it raises, the pool's waiting calls fail with that error.
+    `grow_after=0` starts a thread for every call that finds none free (for CPU-bound work, where
+    `size` is the cores to use).
     """
 
     def __init__(

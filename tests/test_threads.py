@@ -25,9 +25,10 @@ def test_quick_calls_keep_one_thread() -> None:
         pool.close()
 
 
-def test_calls_that_block_start_threads_up_to_size() -> None:
+@pytest.mark.parametrize("grow_after", [0.0, 0.002])
+def test_calls_that_block_start_threads_up_to_size(grow_after: float) -> None:
     size = 8
-    pool = LazyThreadPool(size, "t-block", grow_after=0.002)
+    pool = LazyThreadPool(size, "t-block", grow_after=grow_after)
     together = threading.Barrier(size, timeout=10)  # passes only if `size` calls run at once
     names: set[str] = set()
 
