@@ -86,11 +86,12 @@ def main() -> None:
     summary["small"] = compare("small", small(5_000 if args.quick else 20_000), repeats)
     if not args.no_w2:
         sys.path.insert(0, str(Path(__file__).parent))
-        from remote import start_server
+        from remote import DELAY_S, SIZE, start_server
 
         from aioloader.sources import http
 
-        proc, base = start_server()
+        proc, base = start_server(SIZE, DELAY_S * 1000)  # W2's objects: 256 KiB, 20 ms
+        base += "/obj/"
         keys = [f"{i:05d}.bin" for i in range(300 if args.quick else 600)]
         try:
             summary["w2"] = compare("w2", lambda stats: Loader(
