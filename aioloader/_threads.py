@@ -1,12 +1,18 @@
-"""Named thread pools that start lazily, grow only while calls wait, and stop within a deadline.
+"""Named thread pools that start lazily, grow only while their threads are blocked, and stop within
+a deadline.
 
-Why grow on waiting rather than start `size` threads at the first burst: each thread that allocates
-gets a glibc malloc arena of its own, and an arena keeps its high-water mark (about 1 MB per fetch
-thread that reads 60 KB files). Sixteen fetch threads reading local files from the page cache cost
-16 arenas and do the work of two. A call that waits `grow_after` seconds for a free thread starts one
-(one per waiting call, at most doubling the threads each `grow_after`, up to `size`), so blocking calls
-(network reads, cold disk) still reach `size` threads within a few ticks while quick calls keep one or
-two.
+Why not start `size` threads at the first burst, as `concurrent.futures.ThreadPoolExecutor` does:
+each thread that allocates gets a glibc malloc arena of its own, and an arena keeps its high-water
+mark (about 1 MB for a fetch thread that reads 60 KB files). Sixteen fetch threads reading local
+files from the page cache hold sixteen arenas while doing the work of one.
+
+So a pool starts one thread, and every `grow_after` seconds while calls wait for a thread it looks at
+two things: the share of that time its threads spent inside calls (at least `BUSY_TO_GROW`), and the
+median time of the last `RECENT_CALLS` calls and of those running (at least `SLOW_CALL_S`). When
+both hold, the threads are blocked (network reads, `time.sleep`, a cold disk) and it starts a thread
+for each waiting call, at most doubling: `size` threads within a few ticks. Quick calls that the GIL
+or busy cores stretch now and then look busy too, but their median stays short, and more threads
+would not help them.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["GROW_AFTER_S", "LazyThreadPool", "default_workers"]
+__all__ = ["BUSY_TO_GROW", "GROW_AFTER_S", "SLOW_CALL_S", "LazyThreadPool", "default_workers"]
 
 T = TypeVar("T")
 
-GROW_AFTER_S = 0.02  # a call that waits this long while the threads are stuck in calls starts one
+GROW_AFTER_S = 0.005  # while calls wait, how often the pool considers starting threads
+BUSY_TO_GROW = 0.8  # ... the share of that time its threads must have spent inside calls
+SLOW_CALL_S = 0.001  # ... and the last calls must take this long (median): blocking, not quick
+RECENT_CALLS = 32
 
 
 def default_workers() -> int:
@@ -62,6 +71,9 @@ class _Crew:
         self.calls: collections.deque[_Call] = collections.deque()
         self.threads: list[threading.Thread] = []
         self.since: list[float] = []  # per thread: when its current call began; 0.0 between calls
+        self.spent: list[float] = []  # per thread: seconds inside calls that have ended
+        self.mark = (0.0, 0.0)  # (when, busy seconds until then) at the last look
+        self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_CALLS)
         self.busy = 0  # threads inside a call; the others are idle, or starting, or about to wake
         self.closed = False
         self.timer: asyncio.AbstractEventLoop | None = None  # the loop whose `_grow` is due
@@ -87,23 +99,30 @@ class _Crew:
         except RuntimeError:  # the loop is closed
             return
         self.timer = loop
+        now = time.monotonic()
+        self.mark = (now, self._busy(now))
+
+    def _busy(self, now: float) -> float:
+        """Seconds the threads have spent inside calls until `now` (racy reads of floats that only
+        their own thread writes: a look may be off by one call, which the next look corrects)."""
+        return sum(self.spent) + sum(now - since for since in self.since if since)
 
     def _grow(self, loop: asyncio.AbstractEventLoop) -> None:
-        """(On the loop) start a thread for each call that has waited `grow_after` for one."""
-        grow_after = self.pool.grow_after
+        """(On the loop) while calls wait and the threads were kept busy, start more threads."""
         with self.lock:
             self.timer = None
             if self.closed:
                 return
-            due = time.monotonic() - grow_after * 0.9
-            waited = sum(1 for c in self.calls if c.queued_at <= due) - (
-                len(self.threads) - self.busy
-            )
-            # A thread for each call that waited, as long as as many threads are stuck in one call
-            # since the last tick: threads that are merely slow to run (the GIL, busy cores) are not
-            # stuck, and more of them would not help.
-            stuck = sum(1 for since in self.since if 0.0 < since <= due)
-            self._start(min(waited, stuck, self.pool.size - len(self.threads)))
+            now = time.monotonic()
+            (then, busy_then), threads = self.mark, len(self.threads)
+            busy = (self._busy(now) - busy_then) / (threads * (now - then)) if now > then else 0.0
+            unserved = len(self.calls) - (threads - self.busy)
+            # How long the last calls took, and the running ones have run: blocking calls are long;
+            # quick ones stay short even when the GIL or busy cores stretch some of them (the median).
+            took = sorted([*self.recent, *(now - since for since in self.since if since)])
+            slow = bool(took) and took[len(took) // 2] >= SLOW_CALL_S
+            if busy >= BUSY_TO_GROW and unserved > 0 and slow:
+                self._start(min(unserved, threads, self.pool.size - threads))
             if self.calls and len(self.threads) < self.pool.size:
                 self._arm(loop)
 
@@ -114,10 +133,11 @@ class _Crew:
             thread = threading.Thread(target=self._serve, args=(index,), name=name, daemon=True)
             self.threads.append(thread)
             self.since.append(0.0)
+            self.spent.append(0.0)
             thread.start()
 
     def _serve(self, index: int) -> None:
-        since = self.since
+        since, spent = self.since, self.spent
         if self.pool.initializer is not None:
             try:
                 self.pool.initializer()
@@ -134,11 +154,14 @@ class _Crew:
                 self.busy += 1
             if not call.future.cancelled():
                 result, error = None, None
-                since[index] = time.monotonic()
+                began = since[index] = time.monotonic()
                 try:
                     result = call.fn(*call.args)
                 except BaseException as exc:  # handed to the caller
                     error = exc
+                took = time.monotonic() - began
+                spent[index] += took
+                self.recent.append(took)
                 since[index] = 0.0
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed
                     call.loop.call_soon_threadsafe(_settle, call.future, result, error)
@@ -171,9 +194,8 @@ class _Crew:
 
 
 class LazyThreadPool:
-    """At most `size` threads named `name_0`, `name_1`, ...: the first starts with the first call, and
-    one more for each call that has waited `grow_after` seconds for a free thread (at most doubling
-    the threads per `grow_after`). Reusable after close
+    """At most `size` threads named `name_0`, `name_1`, ...: the first starts with the first call, more
+    only while calls wait and the threads are blocked (see the module docstring). Reusable after close
     (a later call starts new threads).
 
     `run` is safe to cancel: the awaiting task stops waiting at once; the call itself finishes in its
