@@ -173,24 +173,24 @@ class _Crew:
     def _fail_all(self, exc: BaseException) -> None:
         error = RuntimeError(f"the initializer of thread pool {self.pool.name!r} raised {exc!r}")
         error.__cause__ = exc
-        with self.lock:
-            self.closed = True
-            calls, self.calls = list(self.calls), collections.deque()
-            self.wake.notify_all()
-        for call in calls:
-            with contextlib.suppress(RuntimeError):
+        for call in self._stop():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
                 call.loop.call_soon_threadsafe(_settle, call.future, None, error)
 
     def close(self) -> list[threading.Thread]:
         """Stop taking calls; cancel those not started. Returns the threads to join."""
+        for call in self._stop():
+            with contextlib.suppress(RuntimeError):
+                call.loop.call_soon_threadsafe(call.future.cancel)
+        return self.threads
+
+    def _stop(self) -> list[_Call]:
+        """Stop taking calls and wake every idle thread; returns the calls that never started."""
         with self.lock:
             self.closed = True
             calls, self.calls = list(self.calls), collections.deque()
             self.wake.notify_all()
-        for call in calls:
-            with contextlib.suppress(RuntimeError):
-                call.loop.call_soon_threadsafe(call.future.cancel)
-        return self.threads
+        return calls
 
 
 class LazyThreadPool:
