@@ -1,7 +1,8 @@
 """Fetch stage: key -> raw sample, with at most `concurrency` fetches in flight.
 
-Coroutine functions run on the pipeline's event loop; plain functions run in a pool of `concurrency`
-threads named "aioloader-fetch". The bound itself is kept by the pipeline (`_pipeline.py`), which
+Coroutine functions run on the pipeline's event loop; plain functions run in a pool of up to
+`concurrency` threads named "aioloader-fetch", which grows only while its threads are blocked
+(`_threads.py`). The bound itself is kept by the pipeline (`_pipeline.py`), which
 acquires a slot before it calls the fetcher.
 """
 
@@ -28,7 +29,7 @@ class Fetcher:
 
     Args:
         fn: key -> raw sample; a coroutine function or a plain function.
-        concurrency: size of the thread pool used for a plain function.
+        concurrency: the most threads the pool for a plain function may grow to.
         initializer: run once in each fetch thread as it starts (plain functions only).
     """
 

@@ -70,7 +70,8 @@ class Loader(Resumable, Generic[T]):
             `fetch`); or, without `fetch`, a map-style dataset (keys `range(len(dataset))`,
             fetched with `dataset[i]`).
         fetch: key -> raw sample; a coroutine function (runs on the event loop, `concurrency` at a time)
-            or a plain function (runs in `concurrency` threads). Defaults to the source's fetch.
+            or a plain function (runs in up to `concurrency` threads, started as they block). Defaults
+            to the source's fetch.
         decode: raw -> sample, run by `executor`; None keeps the raw sample.
         collate: list of samples -> batch. The default matches torch's default_collate and stacks
             into recycled buffers; None yields the list itself; any other callable is used as given.

@@ -42,14 +42,13 @@ def default_workers() -> int:
 
 
 class _Call:
-    __slots__ = ("args", "fn", "future", "loop", "queued_at")
+    __slots__ = ("args", "fn", "future", "loop")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], future: asyncio.Future[Any]):
         self.fn = fn
         self.args = args
         self.future = future
         self.loop = future.get_loop()
-        self.queued_at = time.monotonic()
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
