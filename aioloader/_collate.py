@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map as _torch_fn_
 
 from ._exceptions import CollateError
 
-__all__ = ["BufferPool", "RowPlan", "default_collate", "make_collate", "stacks"]
+__all__ = ["BufferPool", "Buffers", "RowPlan", "default_collate", "make_collate", "stacks"]
 
 _CollateFnMap = dict[type | tuple[type, ...], Callable[..., Any]]
 
@@ -39,6 +39,13 @@ _STORAGE_USES_WHEN_FREE = 2
 # argument and the StorageImpl's own. torch hands out the same object while anyone keeps it (a consumer
 # holding `batch.untyped_storage()`), which adds a Python reference but no StorageImpl use.
 _STORAGE_REFS_WHEN_FREE = 3
+
+
+class Buffers(Protocol):
+    """Where the default collate takes its batch tensors from: a `BufferPool`, or a `_carve.Carver`
+    (the output slot of a process worker's task)."""
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
 def _storage_uses(t: torch.Tensor) -> int:
@@ -147,7 +154,7 @@ def _stack_into(batch: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _make_fn_map(pool: BufferPool | None) -> _CollateFnMap:
+def _make_fn_map(pool: Buffers | None) -> _CollateFnMap:
     torch_tensor_fn = _torch_fn_map[torch.Tensor]
 
     def tensor_fn(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
@@ -179,7 +186,7 @@ def _make_fn_map(pool: BufferPool | None) -> _CollateFnMap:
     return fn_map
 
 
-def make_collate(pool: BufferPool | None) -> Callable[[Sequence[Any]], Any]:
+def make_collate(pool: Buffers | None) -> Callable[[Sequence[Any]], Any]:
     """Build a default collate that stacks into `pool`'s buffers (or allocates, when `pool` is None)."""
     fn_map = _make_fn_map(pool)
 

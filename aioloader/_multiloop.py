@@ -21,6 +21,11 @@ each next key to the worker with the fewest in flight. With a `ProcessExecutor` 
 `async_depth` per worker applies (the pipeline's own bound, `prefetch * batch_size + concurrency`
 samples held, still holds).
 
+A plain (sync) fetch works too: each worker then runs `decode(fetch(key))` in up to
+`ceil(concurrency / workers)` threads of its own, started as the calls block (`_threads.LazyThreadPool`,
+counting only the time calls wait), so a user function that blocks on a read and then computes is
+held neither to one core by the GIL nor to one call per process.
+
 Seen from the parent, the "fetch" stage of `stats()` then only passes keys, and the "decode" stage
 times fetch and decode together; the source's own counters (`stats()["requests"]`, ...) stay in the
 workers.
@@ -28,13 +33,15 @@ workers.
 
 from __future__ import annotations
 
+import contextvars
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ._fetch import is_async_callable
 from ._procpool import ProcessExecutor
 from ._recycle import landing, task_output
-from ._threads import default_workers
+from ._threads import LazyThreadPool, default_workers
 from ._validate import check_int
 
 __all__ = ["FetchDecode", "Wiring", "in_workers", "pass_key"]
@@ -58,16 +65,26 @@ class FetchDecode:
         fetch: Callable[[Any], Any],
         decode: Callable[[Any], Any] | None,
         source: object = None,
+        threads: int = 1,
     ) -> None:
         self.fetch = fetch
         self.decode = decode
         self.source = source  # whose `aclose()` closes the fetch's connections
+        self.threads = threads  # a plain fetch: at most this many threads in each worker
+        self.sync = not is_async_callable(fetch)
 
     async def __call__(self, key: Any) -> Any:
+        if self.sync:  # in a thread, with this task's context (its sample seed)
+            pool = _worker_threads(self.threads)
+            return await pool.run(contextvars.copy_context().run, self._both, key)
         if self.decode is None:  # the body is the result: let it land in the output slot
             landing.set(task_output.get())
             return await self.fetch(key)
         return self.decode(await self.fetch(key))
+
+    def _both(self, key: Any) -> Any:
+        raw = self.fetch(key)
+        return raw if self.decode is None else self.decode(raw)
 
     async def aclose(self) -> None:
         """Close the source's connections (a worker calls this as it stops). Idempotent."""
@@ -77,6 +94,18 @@ class FetchDecode:
 
     def __repr__(self) -> str:
         return f"FetchDecode({self.fetch!r}, {self.decode!r})"
+
+
+_threads: dict[int, LazyThreadPool] = {}  # in a worker process: its fetch threads, by size
+_threads_lock = threading.Lock()
+
+
+def _worker_threads(size: int) -> LazyThreadPool:
+    with _threads_lock:
+        pool = _threads.get(size)
+        if pool is None:
+            pool = _threads[size] = LazyThreadPool(size, "aioloader-fetch", spare_cores=True)
+        return pool
 
 
 class Wiring(NamedTuple):
@@ -99,9 +128,9 @@ def in_workers(
     """Wire a loader to fetch in its process workers (see the module docstring).
 
     Raises:
-        ValueError, TypeError: naming `fetch_in_workers` and what does not fit: an executor other than
-            "process" or a `ProcessExecutor`, a fetch that is not a coroutine function, a source that
-            keeps per-epoch state (`set_epoch`, e.g. tar shards), or `concurrency="auto"`.
+        ValueError: naming `fetch_in_workers` and what does not fit: an executor other than
+            "process" or a `ProcessExecutor`, a source that keeps per-epoch state (`set_epoch`,
+            e.g. tar shards), or `concurrency="auto"`.
     """
     if executor is None or executor == "auto":
         executor = "process"  # the one that can fetch in workers
@@ -109,11 +138,6 @@ def in_workers(
         raise ValueError(
             'fetch_in_workers=True needs executor="process" or a ProcessExecutor, '
             f"got executor={executor!r}"
-        )
-    if not is_async_callable(fetch):
-        raise TypeError(
-            "fetch_in_workers=True needs an async fetch (a Source, or a coroutine function) to run "
-            f"on the workers' event loops; got {fetch!r}"
         )
     if callable(getattr(source, "set_epoch", None)):
         raise ValueError(
@@ -123,11 +147,12 @@ def in_workers(
     if concurrency == "auto":
         raise ValueError('fetch_in_workers=True needs an int concurrency, not "auto"')
     limit = check_int("concurrency", concurrency, minimum=1)
-    task = FetchDecode(fetch, decode, source)
     if isinstance(executor, ProcessExecutor):
+        task = FetchDecode(fetch, decode, source, threads=executor.async_depth)
         return Wiring(pass_key, task, executor, owned=False)
     if workers is not None and workers != "auto":
         check_int("workers", workers, minimum=1)
     count = workers if isinstance(workers, int) else default_workers()
-    pool = ProcessExecutor(count, async_depth=-(-limit // count))  # `concurrency` in all
-    return Wiring(pass_key, task, pool, owned=True)
+    depth = -(-limit // count)  # `concurrency` in all
+    task = FetchDecode(fetch, decode, source, threads=depth)
+    return Wiring(pass_key, task, ProcessExecutor(count, async_depth=depth), owned=True)

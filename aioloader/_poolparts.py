@@ -188,6 +188,7 @@ class Task:
         "row",
         "seed",
         "sent_at",
+        "spare",
         "started",
         "worker",
     )
@@ -215,6 +216,7 @@ class Task:
         self.loop = loop
         self.in_slot: Slot | None = None
         self.out_slot: Slot | None = None
+        self.spare: Slot | None = None  # an output slot found too small, until the task ends
         self.row: RowTarget | None = None
         self.pin: int | None = None  # the index of the only worker it may run on
         self.started = False
@@ -222,6 +224,12 @@ class Task:
         self.sent_at = 0.0
         self.expired = False  # an async task past its timeout: answered, cancel sent
         self.abandoned = False  # answered or cancelled here: drop what the worker sends
+
+    def take_slots(self) -> list[Slot]:
+        """The shared-memory slots this task holds, which it holds no more."""
+        slots = [s for s in (self.in_slot, self.out_slot, self.spare) if s is not None]
+        self.in_slot = self.out_slot = self.spare = None
+        return slots
 
 
 def cancelled() -> BaseException:

@@ -100,6 +100,7 @@ class Config:
     arena_bytes: int
     inline_max: int
     async_depth: int
+    size_first: bool = False  # see ProcessExecutor
 
 
 class Pool:
@@ -366,6 +367,8 @@ class Pool:
             kind = msg[0]
             if kind == wire.DONE:
                 self._done(h, *msg[1:])
+            elif kind == wire.NEED:
+                self._grow(h, *msg[1:])
             elif kind == wire.FAILED:
                 self._failed(h, *msg[1:])
             elif kind == wire.READY:
@@ -379,7 +382,7 @@ class Pool:
                     factory(WorkerDied, text, cause=cause, pid=h.pid, exitcode=None, tasks=[])
                 )
 
-    def _finish(self, h: Handle, task_id: int, needed: int = 0) -> Task | None:
+    def _finish(self, h: Handle, task_id: int, needed: int | None = None) -> Task | None:
         task = h.inflight.pop(task_id, None)
         if task is None:
             return None  # it timed out meanwhile and was answered already
@@ -388,12 +391,27 @@ class Pool:
             h.expired_n -= task.expired
         else:
             h.head_since = time.monotonic()
-        if needed or not self._out_known:
+        if needed is not None and (needed or not self._out_known):  # a result tells its size
             self._out_bytes = needed if not self._out_known else max(self._out_bytes, needed)
             self._out_known = True
         self._free(task.in_slot)
-        task.in_slot = None
+        self._free(task.spare)
+        task.in_slot = task.spare = None
         return task
+
+    def _grow(self, h: Handle, task_id: int, needed: int) -> None:
+        """A result did not fit its output slot (the first of a `size_first` pool): learn the size,
+        and give the worker a slot that holds it (or none: it then pickles the result)."""
+        self._out_bytes, self._out_known = max(self._out_bytes, needed), True
+        task = h.inflight.get(task_id)
+        if task is None or self._arena is None:
+            return  # it timed out meanwhile: the worker is being replaced
+        task.spare, task.out_slot = task.out_slot, self._arena.acquire(needed)
+        ref = None
+        if task.out_slot is not None:
+            h.share(self._arena, task.out_slot.slab_id)
+            ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
+        h.send((wire.GROWN, task_id, ref))
 
     def _done(self, h: Handle, task_id: int, data: Any, how: str, needed: int) -> None:
         task = self._finish(h, task_id, needed)
@@ -415,7 +433,7 @@ class Pool:
                 result = Unpacker(data, self._arena, slot, self._copies).load()
                 self.counts["results_in_shm"] += 1
             else:
-                result = pickle.loads(data)
+                result = Unpacker(data, None, None).load()  # arrays in band (`_in_band`)
                 self.counts["results_pickled"] += 1
         except Exception as exc:
             exc.add_note(f"aioloader: while reading the result of decode worker pid {h.pid}")
@@ -472,10 +490,8 @@ class Pool:
         with contextlib.suppress(ValueError):
             h.process.close()
         tasks = h.take_all()
-        for slot in h.quarantine + [s for t in tasks for s in (t.in_slot, t.out_slot)]:
+        for slot in h.quarantine + [s for t in tasks for s in t.take_slots()]:
             self._free(slot)
-        for t in tasks:
-            t.in_slot = t.out_slot = None
         tasks = self._live(tasks)
         if self._stopping or h.killed:
             return
@@ -573,8 +589,7 @@ class Pool:
             h.process.kill()
         tasks = h.take_all()
         for t in tasks:  # it may still write to them until it is reaped
-            h.quarantine += [s for s in (t.in_slot, t.out_slot) if s is not None]
-            t.in_slot = t.out_slot = None
+            h.quarantine += t.take_slots()
         self._pending.extendleft(reversed(self._live([t for t in tasks if t is not failed])))
         self._settle(failed, error=error)
         self._spawn(h.index)
@@ -624,9 +639,8 @@ class Pool:
                     break
             except OSError:  # it is dying; its sentinel will tell, and the task stays queued
                 h.open = False
-                for slot in (task.in_slot, task.out_slot):
+                for slot in task.take_slots():
                     self._free(slot)
-                task.in_slot = task.out_slot = None
                 continue
             self._pending.popleft()
         if self._arena is not None:
@@ -650,6 +664,10 @@ class Pool:
             if room and (best is None or len(h.inflight) < len(best.inflight)):
                 best = h
         return best
+
+    def _busy(self) -> bool:
+        """Whether any worker has a task in flight (whose result will free, or fill, a slot)."""
+        return any(h.inflight for h in self._handles)
 
     def _async_room(self) -> int:
         """Async tasks one worker may hold now. Until the first result tells how large results are,
@@ -683,6 +701,8 @@ class Pool:
         row = None if task.row is None else task.row.batch.wire(task.row.row)
         if self._out_bytes and task.out_slot is None and row is None:
             task.out_slot = arena.acquire(self._out_bytes)
+            if task.out_slot is None and self.cfg.size_first and self._busy():
+                return False  # the arena is full: wait for a slot while results are on the way
         if task.out_slot is not None:
             h.share(arena, task.out_slot.slab_id)
             out_ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
@@ -691,7 +711,10 @@ class Pool:
         now = time.monotonic()
         if not task.is_async and not h.sync_n:
             h.head_since = now
-        h.send((wire.TASK, task.id, task.fn_id, task.seed, task.kind, inline, in_ref, out_ref, row))
+        grow = self.cfg.size_first and not task.is_async and row is None
+        h.send((
+            wire.TASK, task.id, task.fn_id, task.seed, task.kind, inline, in_ref, out_ref, row, grow,
+        ))  # fmt: skip
         h.inflight[task.id] = task
         task.worker, task.sent_at = h, now
         h.async_n += task.is_async

@@ -93,6 +93,11 @@ class ProcessExecutor:
         inline_max: arguments larger than this go through shared memory instead of the pipe.
         async_depth: async tasks (coroutine callables, see the module docstring) one worker may
             hold at once.
+        size_first: for large results (whole batches): a worker whose result does not fit its
+            output slot asks for one that does (no result is pickled through a pipe to learn how
+            large they are), and while the arena has no room for an output slot, tasks wait as
+            long as another is in flight (else one goes, its result pickled: slower, never a
+            deadlock).
 
     `batch_buffer` makes a batch in shared memory whose rows workers write in place (no collate).
     `run` is safe to cancel (the worker finishes the task; its result is dropped). `close` is
@@ -117,6 +122,7 @@ class ProcessExecutor:
         arena_bytes: int | None = None,
         inline_max: int = INLINE_MAX,
         async_depth: int = ASYNC_DEPTH,
+        size_first: bool = False,
     ) -> None:
         self.workers = (
             default_workers() if workers is None else check_int("workers", workers, minimum=1)
@@ -132,6 +138,7 @@ class ProcessExecutor:
             workers=self.workers, method=method, context=context,
             timeout=check_timeout("timeout", timeout), max_restarts=max_worker_restarts, init=init,
             arena_bytes=arena_budget(arena_bytes), inline_max=inline_max, async_depth=async_depth,
+            size_first=size_first,
         )  # fmt: skip
         self._pool = Pool(config)
         self._finalizer = weakref.finalize(self, self._pool.close)
@@ -177,13 +184,16 @@ class ProcessExecutor:
         arg: Any,
         seed: int | None = None,
         into: RowTarget | None = None,
+        worker: int | None = None,
     ) -> T:
-        """Run `fn(arg)` in a worker and await its result; safe to cancel. See `batch_buffer`.
+        """Run `fn(arg)` in a worker (worker `worker` alone, when given: see `submit`) and await its
+        result; safe to cancel. See `batch_buffer`.
 
         Cancelling it cancels an async task in the worker too; a plain one runs to its end there
         (its result is dropped).
         """
-        task = self._pool.submit(fn, arg, seed, into, loop=asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        task = self._pool.submit(fn, arg, seed, into, worker, loop=loop)
         future: asyncio.Future[T] = task.future  # type: ignore[assignment]
         try:
             return await future

@@ -26,8 +26,14 @@ Messages are pickled tuples, first item the kind:
     (SLAB, slab_id, size, whole) + fd (SCM_RIGHTS) (INIT_FAILED, error)
     (DROP, slab_id)                                (DONE, task_id, data, how, needed)
     (TASK, task_id, fn_id, seed, kind, inline,     (FAILED, task_id, error)
-     in_ref, out_ref, row)
+     in_ref, out_ref, row, grow)                   (NEED, task_id, needed)
     (CANCEL, task_id)
+    (GROWN, task_id, out_ref)
+
+With `grow`, a plain task whose result does not fit its output slot keeps the result and answers
+NEED with the bytes it needs; the parent answers GROWN with a slot that large (or None: the result is
+then pickled), and the worker packs the result there. How a pool that hands over whole batches learns
+their size without pickling the first ones through the pipe.
 
 A worker dies with its parent: PR_SET_PDEATHSIG (Linux; its parent is the forkserver, which exits
 when the main process does) and a thread that waits for EOF on a "lifeline" pipe whose only write
@@ -59,6 +65,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _carve
+from ._carve import ALIGN, Carver
 from ._exceptions import DecodeError
 from ._recycle import Bytearrays
 from ._rng import call_seeded
@@ -71,18 +79,18 @@ __all__ = [
     "die_with_parent",
     "encode_error",
     "frame_header",
+    "measure",
     "pack",
     "rebuild_error",
     "serve",
 ]
 
-READY, INIT_FAILED, DONE, FAILED = "ready", "init-failed", "done", "failed"
-FN, SLAB, DROP, TASK, CANCEL = "fn", "slab", "drop", "task", "cancel"
+READY, INIT_FAILED, DONE, FAILED, NEED = "ready", "init-failed", "done", "failed", "need"
+FN, SLAB, DROP, TASK, CANCEL, GROWN = "fn", "slab", "drop", "task", "cancel", "grown"
 RAW, RAW_BYTEARRAY, PICKLED = "raw", "bytearray", "pickled"  # how a task's argument travels
 # how a result travels: in its output slot (pickled with persistent ids), alone in its output slot
 # (the answer carries its persistent id), or written into a batch row
 SHM, SINGLE, ROW = "shm", "single", "row"
-ALIGN = 64
 BYTES_IN_SLOT_MIN = 16 << 10  # bytes/bytearray objects from this size travel in the output slot
 _PR_SET_PDEATHSIG = 1
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value
@@ -112,28 +120,82 @@ def encode_error(exc: BaseException) -> Error:
 class _Packer(pickle.Pickler):
     """Pickles a result, writing each plain tensor or array into `buf` instead (when it fits)."""
 
-    def __init__(self, file: io.BytesIO, buf: memoryview | None) -> None:
+    def __init__(self, file: io.BytesIO, buf: memoryview | None, carver: Carver | None) -> None:
         super().__init__(file, protocol=5)
         self.buf = buf
-        self.needed = 0
+        self.carver = carver
+        self.needed = 0 if carver is None else carver.used  # carved tensors come first
         self.used = False
         self._seen: dict[int, tuple[Any, ...]] = {}
+        self._raw: list[bytes] = []  # arrays that did not fit, as bytes (see `_in_band`)
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is bytes and self._raw and any(obj is raw for raw in self._raw):
+            return None  # an array's bytes in the pickle (`_in_band`): counted already
         found = _kind(obj)
         if found is None:
             return None
         if id(obj) in self._seen:
             return self._seen[id(obj)]
         kind, nbytes = found
+        if kind == "t" and self.carver is not None:
+            pid = _carved(self.carver, obj)
+            if pid is not None:  # made in the slot already (`_carve`): named, not copied
+                self.used = True
+                return pid
         offset = -(-self.needed // ALIGN) * ALIGN
         self.needed = offset + nbytes
         if self.buf is None or nbytes == 0 or self.needed > len(self.buf):
-            return None
+            return self._in_band(obj, kind)
         pid = _place(self.buf, offset, obj, kind, nbytes)
         self._seen[id(obj)] = pid
         self.used = True
         return pid
+
+    def _in_band(self, obj: Any, kind: str) -> Any:
+        """An array that does not fit the slot, as its raw bytes in the pickle: its own pickling (a
+        tensor's storage becomes a large bytes object) would count its bytes twice in `needed`."""
+        if kind == "t":
+            flat = obj.detach().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().tobytes()
+            dtype = str(obj.dtype).removeprefix("torch.")
+        elif kind == "n":
+            raw, dtype = np.ascontiguousarray(obj).tobytes(), obj.dtype.str
+        else:
+            return None  # bytes and bytearray pickle as themselves
+        self._raw.append(raw)
+        return ("p", raw, kind, dtype, tuple(obj.shape))
+
+
+class _Measure(_Packer):
+    """Counts the bytes a result's arrays need in one slot, and writes nothing."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        found = _kind(obj)
+        if found is None or id(obj) in self._seen:
+            return None if found is None else self._seen[id(obj)]
+        if found[0] == "t" and self.carver is not None and self.carver.where(obj) is not None:
+            return ("m",)  # in the slot already
+        offset = -(-self.needed // ALIGN) * ALIGN
+        self.needed = offset + found[1]
+        self._seen[id(obj)] = ("m",)
+        return ("m",)
+
+
+def measure(result: Any, carver: Carver | None) -> int:
+    """The bytes `pack` would need to place `result` (after what `carver` made in place)."""
+    packer = _Measure(io.BytesIO(), None, carver)
+    packer.dump(result)
+    return packer.needed
+
+
+def _from_band(pid: tuple[Any, ...]) -> Any:
+    """Parent side of `_Packer._in_band`: the array again (writable: over a copy of the bytes)."""
+    _, raw, kind, dtype, shape = pid
+    if kind == "t":
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
+        return flat.view(getattr(torch, dtype)).reshape(shape)
+    return np.frombuffer(bytearray(raw), np.dtype(dtype)).reshape(shape)
 
 
 def _kind(obj: Any) -> tuple[str, int] | None:
@@ -165,9 +227,25 @@ def _place(buf: memoryview, offset: int, obj: Any, kind: str, nbytes: int) -> tu
     return (kind, offset, nbytes, "", (), ())
 
 
-def place_single(result: Any, buf: memoryview | None) -> tuple[Any, ...] | None:
-    """A result that is one array (or large bytes object) alone, copied to the start of `buf`: its
-    persistent id, which the answer carries as is (no pickler on either side); None otherwise."""
+def _carved(carver: Carver, t: torch.Tensor) -> tuple[Any, ...] | None:
+    """The persistent id of `t` where `carver` made it in the slot; None if it did not."""
+    offset = carver.where(t)
+    if offset is None:
+        return None
+    nbytes = t.numel() * t.element_size()
+    return ("t", offset, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride())
+
+
+def place_single(
+    result: Any, buf: memoryview | None, carver: Carver | None = None
+) -> tuple[Any, ...] | None:
+    """A result that is one array (or large bytes object) alone, copied to the start of `buf` (or
+    made in it by `carver`): its persistent id, which the answer carries as is (no pickler on either
+    side); None otherwise."""
+    if carver is not None and type(result) is torch.Tensor:
+        pid = _carved(carver, result)
+        if pid is not None or carver.used:
+            return pid  # not carved whole: `pack` places it after what was carved
     if type(result) is memoryview and buf is not None and _lies_at_start(result, buf):
         return ("B", 0, result.nbytes, "", (), ())  # received there (`_recycle.landing`): no copy
     found = _kind(result)
@@ -204,10 +282,13 @@ def _write_np(buf: memoryview, offset: int, a: np.ndarray[Any, Any]) -> tuple[An
     return ("n", offset, a.nbytes, a.dtype.str, a.shape, dst.strides)
 
 
-def pack(result: Any, buf: memoryview | None) -> tuple[bytes, bool, int]:
-    """(pickled result, whether `buf` was written, bytes all its arrays need in one slot)."""
+def pack(
+    result: Any, buf: memoryview | None, carver: Carver | None = None
+) -> tuple[bytes, bool, int]:
+    """(pickled result, whether `buf` was written, bytes all its arrays need in one slot); arrays
+    `carver` made in `buf` are named where they lie, the others copied after them."""
     out = io.BytesIO()
-    packer = _Packer(out, buf)
+    packer = _Packer(out, buf, carver)
     packer.dump(result)
     return out.getvalue(), packer.used, packer.needed
 
@@ -216,7 +297,7 @@ class Unpacker(pickle.Unpickler):
     """Parent side of `pack`: rebuilds the result with each array a view of `slot` (no copy)."""
 
     def __init__(
-        self, data: bytes, arena: Arena, slot: Slot, copies: Bytearrays | None = None
+        self, data: bytes, arena: Arena | None, slot: Slot | None, copies: Bytearrays | None = None
     ) -> None:
         super().__init__(io.BytesIO(data))
         self.arena = arena
@@ -224,6 +305,10 @@ class Unpacker(pickle.Unpickler):
         self.copies = copies
 
     def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "p":
+            return _from_band(pid)
+        assert self.arena is not None
+        assert self.slot is not None
         return load_placed(self.arena, self.slot, pid, self.copies)
 
 
@@ -231,7 +316,9 @@ def load_placed(
     arena: Arena, slot: Slot, pid: tuple[Any, ...], copies: Bytearrays | None = None
 ) -> Any:
     """Parent side of `_place`: a view of `slot` (a copy for `bytes` and `bytearray`, the latter
-    into a recycled buffer of `copies` when given)."""
+    into a recycled buffer of `copies` when given); an array that travelled in band, rebuilt."""
+    if pid[0] == "p":
+        return _from_band(pid)
     kind, offset, nbytes, dtype, shape, strides = pid
     owner = arena.view(slot, offset, nbytes)
     if kind == "b":  # a copy: `bytes` and `bytearray` cannot wrap shared memory
@@ -305,6 +392,7 @@ class _Worker:
         self._starts: list[tuple[Any, ...]] = []  # async tasks read, handed to the loop together
         self._readable = select.poll()  # is another message waiting?
         self._readable.register(conn.fileno(), select.POLLIN)
+        self._waiting: dict[int, Any] = {}  # results that asked for a larger slot (NEED)
 
     def send(self, msg: tuple[Any, ...]) -> None:
         data = pickle.dumps(msg, protocol=5)
@@ -362,6 +450,10 @@ class _Worker:
                 self.slabs[msg[1]] = (mm, memoryview(mm))
             elif kind == DROP:
                 self.slabs.pop(msg[1], None)  # unmapped once no array of ours views it
+            elif kind == GROWN:
+                result = self._waiting.pop(msg[1])
+                out = None if msg[2] is None else self.region(msg[2])
+                self.answer(msg[1], out, None, result)
 
     def region(self, ref: tuple[int, int, int]) -> memoryview:
         slab_id, offset, size = ref
@@ -369,7 +461,8 @@ class _Worker:
 
     def task(self, task_id: int, fn_id: int, seed: int | None, kind: str, inline: Any,
              in_ref: tuple[int, int, int] | None, out_ref: tuple[int, int, int] | None,
-             row: tuple[int, int, int, str, tuple[int, ...]] | None) -> None:  # fmt: skip
+             row: tuple[int, int, int, str, tuple[int, ...]] | None,
+             grow: bool = False) -> None:  # fmt: skip
         try:
             fn = self.fns[fn_id]
             if isinstance(fn, BaseException):
@@ -384,12 +477,29 @@ class _Worker:
                 self.async_loop()
                 self._starts.append((task_id, fn, arg, seed, out, answer))
                 return
-            result = call_seeded(fn, arg, seed)
+            carver = None if out is None or into is not None else Carver(out)
+            token = _carve.current.set(carver)
+            try:
+                result = call_seeded(fn, arg, seed)
+            finally:
+                _carve.current.reset(token)
             del arg
         except Exception as exc:
             self.send((FAILED, task_id, encode_error(exc)))
             return
-        self.answer(task_id, out, into, result)
+        if grow and into is None and not self._fits(result, out, carver):
+            self._waiting[task_id] = result  # until GROWN names a slot that holds it
+            self.send((NEED, task_id, measure(result, carver)))
+            return
+        self.answer(task_id, out, into, result, carver=carver)
+
+    @staticmethod
+    def _fits(result: Any, out: memoryview | None, carver: Carver | None) -> bool:
+        """Whether `result`'s arrays fit `out` (or need no slot at all)."""
+        if carver is not None and type(result) is torch.Tensor and carver.where(result) is not None:
+            return True  # the common case, answered without a look at the rest
+        needed = measure(result, carver)
+        return needed == 0 or (out is not None and needed <= len(out))
 
     def _start_async(self) -> None:
         if self._starts:
@@ -417,6 +527,7 @@ class _Worker:
         error: BaseException | None = None,
         *,
         send: Callable[[tuple[Any, ...]], None] | None = None,
+        carver: Carver | None = None,
     ) -> None:
         """Write `result` into its batch row or output slot and tell the parent (or send `error`)."""
         send = send or self.send
@@ -425,11 +536,11 @@ class _Worker:
                 if into is not None and _into_row(result, *into):
                     send((DONE, task_id, b"", ROW, 0))
                     return
-                pid = place_single(result, out)
+                pid = place_single(result, out, carver)
                 if pid is not None:
-                    send((DONE, task_id, pid, SINGLE, pid[2]))
+                    send((DONE, task_id, pid, SINGLE, pid[1] + pid[2]))
                     return
-                blob, in_slot, needed = pack(result, out)
+                blob, in_slot, needed = pack(result, out, carver)
             except Exception as exc:
                 error = exc
             else:

@@ -41,21 +41,24 @@ from torch.utils.data import (
     SequentialSampler,
     default_convert,
 )
-from torch.utils.data import default_collate as torch_default_collate
 
 from ._collate import BufferPool, default_collate, make_collate
 from ._exceptions import StateError
+from ._limits import DEFAULT_MAX_BYTES
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
 from ._procpool import ProcessExecutor
 from ._ranges import Ranges
+from ._shm import loader_arena
 from ._torchworkers import (
-    ReadBatch,
     ReadItem,
+    ReadSamples,
     ReadStream,
+    RoundRobin,
     StreamExecutor,
     WorkerSetup,
     WorkerStreams,
+    check_threads,
 )  # fmt: skip
 from ._transfer import make_device_stage
 
@@ -77,8 +80,14 @@ class _SamplerPlan:
         self.index_sampler = index_sampler
         self.batched = batched
         self.generator = generator
-        self.group_size = getattr(index_sampler, "batch_size", None) or 1
-        self.reads_batches = False  # each key is a whole batch's indices (`__getitems__`)
+        self.batch_len = getattr(index_sampler, "batch_size", None) or 1
+        self.group_size = self.batch_len  # samples per group, as the pipeline counts them
+        self.reads_batches = False  # each key is a whole batch's indices (see `read_batches`)
+        self.numbered = False  # ... as `(batch number, indices)` (`ReadSamples` in workers)
+
+    def read_batches(self, numbered: bool = False) -> None:
+        """Make each key a whole batch's indices, read as one sample (so a group is one)."""
+        self.reads_batches, self.numbered, self.group_size = True, numbered, 1
 
     def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
@@ -93,7 +102,7 @@ class _SamplerPlan:
             if self.batched:
                 yield Group(i, [(i, j) for j in index], True)
             else:
-                yield Group(i, [(i, index)], False)
+                yield Group(i, [(i, (i, index) if self.numbered else index)], False)
 
     def __len__(self) -> int:
         return len(self.index_sampler)  # type: ignore[arg-type]
@@ -141,7 +150,7 @@ class _SamplerPlan:
             seed=sampler.seed, drop_last=sampler.drop_last,
         )  # fmt: skip
         old.set_epoch(sampler.epoch)
-        size = self.group_size
+        size = self.batch_len
         return list(old)[group * size : (group + 1) * size]
 
     def _distributed(self) -> DistributedSampler[Any]:
@@ -165,7 +174,7 @@ class _SamplerPlan:
             order = torch.randperm(n, generator=gen).tolist()
         left = [i for i in order if i not in consumed]
         mine = shard(left, sampler.rank, sampler.num_replicas, sampler.drop_last)
-        size, drop = self.group_size, bool(getattr(self.index_sampler, "drop_last", False))
+        size, drop = self.batch_len, bool(getattr(self.index_sampler, "drop_last", False))
         cut = [mine[i : i + size] for i in range(0, len(mine), size)]
         return [b for b in cut if len(b) == size or not drop]
 
@@ -282,7 +291,9 @@ class DataLoader(Loader[Any]):
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
         worker_mode: str = "process",
+        threads_per_worker: int | str = "auto",
     ) -> None:
+        threads, lazy = check_threads(threads_per_worker, num_workers)
         _check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, drop_last,
             timeout, prefetch_factor, persistent_workers,
@@ -318,6 +329,7 @@ class DataLoader(Loader[Any]):
         self.sampler = sampler
         self.batch_sampler = batch_sampler
         auto_collation = batch_sampler is not None or (iterable and batch_size is not None)
+        given_concurrency = concurrency
         if concurrency is None:
             concurrency = max(_DEFAULT_CONCURRENCY, num_workers * (prefetch_factor or 0))
         if collate_fn is None and auto_collation:
@@ -330,18 +342,25 @@ class DataLoader(Loader[Any]):
             and not inspect.iscoroutinefunction(dataset.__getitem__)
         )  # fmt: skip
         decode: Callable[[Any], Any] | None = None
-        executor: str | ProcessExecutor | StreamExecutor = "inline"
+        prefetch = max(2, prefetch_factor or 2)
+        executor: str | ProcessExecutor | StreamExecutor | RoundRobin = "inline"
         if processes and iterable:
             fetch, decode, executor, plan = self._streams(collate_fn, auto_collation)
             auto_collation = False  # the workers collate
+        elif processes and auto_collation:
+            fetch, decode, executor, plan = self._whole_batches(collate_fn, threads, lazy)
+            auto_collation = False  # the workers collate
+            # torch's bound: `prefetch_factor` batches asked of each worker at most
+            concurrency = given_concurrency or num_workers * max(1, prefetch_factor or 0)
+            prefetch = 1  # batches asked for count those done: torch's bound, not twice it
         else:
             fetch, plan = self._plan_for(dataset, iterable, auto_collation, collate_fn, concurrency)
-        if processes and not iterable:
-            fetch, decode, executor = self._in_processes(fetch, plan, collate_fn, auto_collation)
+            if processes:
+                fetch, decode, executor = self._per_item(collate_fn)
         self._setup(
             plan, fetch, decode=decode,
             collate=collate_fn if auto_collation and not _reads_batches(plan) else None,
-            concurrency=concurrency, prefetch=max(2, prefetch_factor or 2), in_order=in_order,
+            concurrency=concurrency, prefetch=prefetch, in_order=in_order,
             executor=executor, workers=None, timeout=timeout or None, use_caller_loop=False,
             fetch_initializer=_WorkerIds(worker_init_fn) if worker_init_fn and not processes
             else None,
@@ -351,32 +370,40 @@ class DataLoader(Loader[Any]):
             own_executor=True,
         )  # fmt: skip
 
-    def _in_processes(
-        self, fetch: Any, plan: Plan, collate_fn: Callable[..., Any], auto_collation: bool
+    def _per_item(
+        self, collate_fn: Callable[..., Any]
     ) -> tuple[Callable[[Any], Any], Callable[[Any], Any], ProcessExecutor]:
-        """Read the dataset in `num_workers` processes: the index travels, the sample comes back
-        in shared memory."""
-        dataset = self.dataset
-        if _reads_batches(plan):
-            collate = torch_default_collate if collate_fn is DEFAULT_COLLATE else collate_fn
-            read: Callable[[Any], Any] = ReadBatch(dataset, collate)
-        else:
-            read = ReadItem(dataset, None if auto_collation else collate_fn)
-        return _same, read, self._worker_pool()
+        """Without auto-collation, read each index in one of `num_workers` processes (then
+        `collate_fn`, torch's per-sample convert): the index travels, the sample comes back in
+        shared memory."""
+        return _same, ReadItem(self.dataset, collate_fn), self._worker_pool()
+
+    def _whole_batches(
+        self, collate_fn: Callable[..., Any], threads: int, lazy: bool
+    ) -> tuple[Callable[[Any], Any], Callable[[Any], Any], RoundRobin, Plan]:
+        """Whole batches in `num_workers` processes, as torch makes them: batch i's indices go to
+        worker i % N, which reads them (in up to `threads` threads) and collates; the batch comes
+        back in shared memory (see `_torchworkers`)."""
+        plan = _SamplerPlan(self.batch_sampler, False, self.generator)  # type: ignore[arg-type]
+        plan.read_batches(numbered=True)
+        collate = None if collate_fn is DEFAULT_COLLATE else collate_fn
+        read = ReadSamples(self.dataset, collate, threads, lazy)
+        return _same, read, RoundRobin(self._worker_pool(size_first=True)), plan
 
     def _streams(
         self, collate_fn: Callable[..., Any], auto_collation: bool
     ) -> tuple[Callable[[Any], Any], Callable[[Any], Any], StreamExecutor, Plan]:
         """Iterate an IterableDataset in `num_workers` processes, one replica each, as torch does:
         each worker makes whole batches of its own items; they are taken round robin."""
-        collate = torch_default_collate if collate_fn is DEFAULT_COLLATE else collate_fn
+        collate = None if collate_fn is DEFAULT_COLLATE else collate_fn
         batch_size = self.batch_size if auto_collation else None
         read = ReadStream(self.dataset, batch_size, self.drop_last, collate, uuid.uuid4().hex)
         plan = WorkerStreams(self.num_workers)
-        return _same, read, StreamExecutor(self._worker_pool(), plan), plan
+        return _same, read, StreamExecutor(self._worker_pool(size_first=True), plan), plan
 
-    def _worker_pool(self) -> ProcessExecutor:
-        """The worker processes, seeded and set up as torch's are."""
+    def _worker_pool(self, size_first: bool = False) -> ProcessExecutor:
+        """The worker processes, seeded and set up as torch's are; their arena as large as a
+        Loader's default byte budget (whole batches travel in it)."""
         context = self.multiprocessing_context
         method = getattr(context, "get_start_method", lambda: context)()
         gen = self.generator
@@ -384,6 +411,7 @@ class DataLoader(Loader[Any]):
         return ProcessExecutor(
             self.num_workers, start_method=method,
             worker_init_fn=WorkerSetup(self.num_workers, base_seed, self.worker_init_fn),
+            arena_bytes=loader_arena(DEFAULT_MAX_BYTES), size_first=size_first,
         )  # fmt: skip
 
     def _plan_for(
@@ -408,7 +436,7 @@ class DataLoader(Loader[Any]):
             plan = _SamplerPlan(index_sampler, False, self.generator)  # type: ignore[arg-type]
             if collate_fn is DEFAULT_COLLATE:  # batches are collated in fetch threads, many at once
                 collate_fn = make_collate(BufferPool(per_shape=concurrency + _SPARE_BUFFERS))
-            plan.reads_batches = True
+            plan.read_batches()
             return _batch_reader(getitems, collate_fn), plan
         plan = _SamplerPlan(index_sampler, auto_collation, self.generator)  # type: ignore[arg-type]
         getitem = dataset.__getitem__

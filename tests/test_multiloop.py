@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +18,6 @@ import psutil
 import pytest
 import torch
 from aiohttp import web
-from fakes import SyncFetch
 from faultproxy import Origin, ServerThread
 
 import aioloader
@@ -220,11 +221,35 @@ def test_arguments_are_checked_up_front(origin: Origin) -> None:
         Loader(src, executor="inline", fetch_in_workers=True)
     with Loader(src, fetch_in_workers=True, workers=1) as loader:  # the default: processes
         assert isinstance(loader._stages.decoder, ProcessExecutor)
-    with pytest.raises(TypeError, match="fetch_in_workers=True needs an async fetch"):
-        Loader(["a"], SyncFetch(), executor="process", fetch_in_workers=True)
     with pytest.raises(ValueError, match="int concurrency"):
         Loader(src, executor="process", concurrency="auto", fetch_in_workers=True)
     with pytest.raises(ValueError, match="per-epoch state"):
         Loader(EpochSource(), executor="process", fetch_in_workers=True)
     with pytest.raises(ValueError, match="workers must be >= 1"):
         Loader(src, executor="process", workers=0, fetch_in_workers=True)
+
+
+def sleepy_fetch(key: int) -> tuple[int, int, str]:
+    """A plain fetch that blocks (a read), then returns where it ran."""
+    time.sleep(0.05)
+    return key, os.getpid(), threading.current_thread().name
+
+
+def stamp(raw: tuple[int, int, str]) -> tuple[int, int, str, int]:
+    """A decode: the raw sample and the pid the decode ran in."""
+    return (*raw, os.getpid())
+
+
+def test_a_plain_fetch_runs_in_worker_threads_with_its_decode() -> None:
+    with Loader(
+        range(32), sleepy_fetch, decode=stamp, executor="process", workers=2, concurrency=16,
+        fetch_in_workers=True, collate=None, batch_size=8,
+    ) as loader:  # fmt: skip
+        samples = [s for batch in loader for s in batch]
+    assert [s[0] for s in samples] == list(range(32))
+    pids = {s[1] for s in samples}
+    assert len(pids) == 2
+    assert os.getpid() not in pids
+    assert all(s[1] == s[3] for s in samples)  # decoded where it was fetched
+    assert len({s[2] for s in samples}) > 2  # several fetch threads: the calls blocked
+    assert all(s[2].startswith("aioloader-fetch") for s in samples)

@@ -164,3 +164,29 @@ def test_a_loader_reading_quick_files_keeps_few_fetch_threads() -> None:
             time.sleep(0.0005)
         fetch_threads = [t for t in threading.enumerate() if t.name.startswith("aioloader-fetch")]
     assert 1 <= len(fetch_threads) < 16
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_spare_cores_grows_only_while_the_machine_has_cores_idle(
+    monkeypatch: pytest.MonkeyPatch, idle: bool
+) -> None:
+    """Sleeping calls grow a `spare_cores` pool while cores sit idle, not while every core is busy
+    (the idle counter is held still: as if other processes used every core)."""
+    from aioloader import _threads
+
+    if not idle:
+        monkeypatch.setattr(_threads, "idle_ticks", lambda: 0)
+    pool = LazyThreadPool(8, "t-spare", spare_cores=True)
+
+    async def main() -> None:
+        for _ in range(4):
+            await asyncio.gather(*(pool.run(time.sleep, 0.005) for _ in range(32)))
+
+    try:
+        asyncio.run(main())
+        if idle:
+            assert pool.threads >= 4
+        else:
+            assert pool.threads == 1
+    finally:
+        pool.close()

@@ -1,0 +1,65 @@
+"""Tensors carved out of a task's output slot, so that a worker's batch is made where it travels.
+
+A process worker that collates a whole batch (`DataLoader(num_workers=N)`) would otherwise stack the
+samples into fresh memory (about 11 µs a page here: 0.4 s for a 150 MB batch) and then copy the batch
+into its output slot. Instead, the worker hands the task a `Carver` over the slot (`current`), the
+default collate takes its batch tensors from it (`take`, the `BufferPool` protocol of
+`_collate.make_collate`), and the answer names the carved tensors by their offsets (`placed`): the
+parent maps them where they were written, and nothing is copied after the stack.
+
+A carver that runs out of room hands out ordinary tensors; `_worker.pack` then copies them into the
+rest of the slot, or pickles them when the slot is too small.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+
+import torch
+
+__all__ = ["ALIGN", "Carver", "current"]
+
+ALIGN = 64  # every carved tensor starts on a cache line
+
+# Set by a process worker around each synchronous task that has an output slot.
+current: contextvars.ContextVar[Carver | None] = contextvars.ContextVar(
+    "aioloader_carver", default=None
+)
+
+
+class Carver:
+    """A bump allocator over `buf`: tensors in its memory, each remembered by address and offset.
+
+    Example:
+        >>> carver = Carver(memoryview(bytearray(1024)))
+        >>> t = carver.take((4, 2), torch.float64)
+        >>> carver.placed[t.data_ptr()], carver.used
+        ((0, 64), 64)
+    """
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.used = 0  # bytes from the start of `buf` that carved tensors may occupy
+        self.placed: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, nbytes)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` in the slot, or a fresh one when the slot is full."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = math.prod(shape)
+        nbytes = count * itemsize
+        offset = -(-self.used // ALIGN) * ALIGN
+        if count == 0 or offset + nbytes > len(self.buf):
+            return torch.empty(shape, dtype=dtype)
+        out = torch.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).view(shape)
+        self.used = offset + nbytes
+        self.placed[out.data_ptr()] = (offset, nbytes)
+        return out
+
+    def where(self, t: torch.Tensor) -> int | None:
+        """The offset of `t` in the slot if it is a whole carved tensor (not a view of part of one)."""
+        found = self.placed.get(t.data_ptr())
+        if found is None or not t.is_contiguous():
+            return None
+        offset, nbytes = found
+        return offset if t.numel() * t.element_size() == nbytes else None
