@@ -659,8 +659,8 @@ class Pool:
                 continue
             if task.is_async:  # none to a loop that has not ended a timed-out task yet
                 room = h.async_n < self._async_room() and not h.expired_n
-            else:
-                room = h.sync_n < QUEUE_DEPTH
+            else:  # a whole batch keeps a worker busy far longer than a round trip: one at a time
+                room = h.sync_n < (1 if self.cfg.size_first else QUEUE_DEPTH)
             if room and (best is None or len(h.inflight) < len(best.inflight)):
                 best = h
         return best

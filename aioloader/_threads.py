@@ -14,12 +14,14 @@ for each waiting call, at most doubling: `size` threads within a few ticks. Quic
 or busy cores stretch now and then look busy too, but their median stays short, and more threads
 would not help them.
 
-`spare_cores=True` adds a third condition, for a pool in one of several processes that share the
-cores (a process worker's read threads): the machine had at least `IDLE_TO_GROW` of a core idle over
-the last `IDLE_WINDOW_S` (Linux's /proc/stat). Calls that compute keep the cores busy and start no
-thread, however long they take or wait for the GIL; calls that sleep or wait on a socket leave cores
-idle. (Measured, JPEG decode in 2 workers on 2 cores: the first two rules alone grew each worker to
-16 threads, 170 MB more memory for no speed.)
+`spare_cores=True`, for a pool in one of several processes that share the cores (a process worker's
+read threads), looks at waiting rather than time: the median counts only the part of each call that
+did not run on its thread's CPU (`time.thread_time()`), and a third condition must hold, that the
+machine had at least `IDLE_TO_GROW` of a core idle over the last `IDLE_WINDOW_S` (Linux's
+/proc/stat). Calls that compute keep the cores busy and start no thread, however long they take or
+wait for the GIL; calls that sleep or wait on a socket leave cores idle. (Measured, JPEG decode in
+2 workers on 2 cores: the first two rules alone grew each worker to 16 threads, 170 MB more memory
+for no speed.)
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["BUSY_TO_GROW", "GROW_AFTER_S", "SLOW_CALL_S", "LazyThreadPool", "default_workers"]
+__all__ = [
+    "BUSY_TO_GROW", "GROW_AFTER_S", "IDLE_TO_GROW", "SLOW_CALL_S", "TICKS_PER_S", "LazyThreadPool",
+    "default_workers", "idle_ticks",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -45,7 +50,7 @@ IDLE_TO_GROW = 0.25  # `spare_cores`: ... and the machine must have had this muc
 IDLE_WINDOW_S = 0.1  # ... over this long at least (/proc/stat counts in 10 ms ticks)
 
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def idle_ticks() -> int | None:
@@ -142,7 +147,8 @@ class _Crew:
             unserved = len(self.calls) - (threads - self.busy)
             # How long the last calls took, and the running ones have run: blocking calls are long;
             # quick ones stay short even when the GIL or busy cores stretch some of them (the median).
-            took = sorted([*self.recent, *(now - since for since in self.since if since)])
+            running = () if self.pool.spare_cores else (now - t for t in self.since if t)
+            took = sorted([*self.recent, *running])
             slow = bool(took) and took[len(took) // 2] >= SLOW_CALL_S
             if self.pool.spare_cores:  # cores to spare: the calls wait, not compute
                 idle = self._idle(now)
@@ -160,7 +166,7 @@ class _Crew:
             if ticks_now is None or ticks is None:
                 self.idle_cores = 1.0  # not Linux: the other two rules decide
             else:
-                self.idle_cores = (ticks_now - ticks) / _TICKS_PER_S / (now - since)
+                self.idle_cores = (ticks_now - ticks) / TICKS_PER_S / (now - since)
             self.idle_mark = (now, ticks_now)
         return self.idle_cores
 
@@ -193,12 +199,15 @@ class _Crew:
             if not call.future.cancelled():
                 result, error = None, None
                 began = since[index] = time.monotonic()
+                cpu = time.thread_time() if self.pool.spare_cores else 0.0
                 try:
                     result = call.fn(*call.args)
                 except BaseException as exc:  # handed to the caller
                     error = exc
                 took = time.monotonic() - began
                 spent[index] += took
+                if self.pool.spare_cores:  # the time it waited, not the time it computed
+                    took -= time.thread_time() - cpu
                 self.recent.append(took)
                 since[index] = 0.0
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed

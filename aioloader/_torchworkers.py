@@ -20,6 +20,7 @@ import ctypes
 import itertools
 import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -33,7 +34,14 @@ from ._order import Group
 from ._pipeline import Gap
 from ._procpool import ProcessExecutor
 from ._ranges import Ranges
-from ._threads import GROW_AFTER_S, LazyThreadPool
+from ._threads import (
+    GROW_AFTER_S,
+    IDLE_TO_GROW,
+    SLOW_CALL_S,
+    TICKS_PER_S,
+    LazyThreadPool,
+    idle_ticks,
+)
 
 __all__ = [
     "AUTO_THREADS", "Exhausted", "ReadItem", "ReadSamples", "ReadStream", "RoundRobin",
@@ -111,10 +119,12 @@ class ReadSamples:
 
     Reads with `dataset.__getitems__(indices)` when the dataset has it (one call, as torch makes
     it), else `dataset[i]` for each index: one after another with `threads` = 1 (torch's calls,
-    for datasets that are not thread-safe), else in up to `threads` threads of this worker; with
-    `lazy`, they start only while the reads block and cores are idle (`_threads.LazyThreadPool`'s
-    `spare_cores`), else as calls find none free. The batch keeps the sampler's order;
-    the first failing read, in that order, raises. `collate` None is the default collate (see
+    for datasets that are not thread-safe), else in up to `threads` threads of this worker, which
+    start as calls find none free. With `lazy`, a worker reads one after another on its own thread
+    (no thread, no event loop, no malloc arena more than torch's worker) until a batch's reads are
+    seen to block (`_Blocking`); only then do threads start, and only while the reads block and
+    cores are idle (`_threads.LazyThreadPool`'s `spare_cores`). The batch keeps the sampler's
+    order; the first failing read, in that order, raises. `collate` None is the default collate (see
     `collate_here`).
     """
 
@@ -136,10 +146,34 @@ class ReadSamples:
             samples = getitems(indices)
         elif self.threads == 1 or len(indices) == 1:
             samples = [self.dataset[i] for i in indices]
+        elif self.lazy and not _Blocking.seen:
+            samples = _Blocking.watch(self.dataset.__getitem__, indices)
         else:
             readers = _Readers.here(self.threads, self.lazy)
             samples = readers.read(self.dataset.__getitem__, indices)
         return collate_here(self.collate, samples)
+
+
+class _Blocking:
+    """Whether a worker's reads block: a batch read one by one whose calls waited (did not run on
+    the thread's CPU) `SLOW_CALL_S` or more at the median while cores sat idle. Set once per
+    process; calls that compute (a JPEG decode) never set it, and need no thread."""
+
+    seen = False
+
+    @classmethod
+    def watch(cls, getitem: Callable[[Any], Any], indices: list[Any]) -> list[Any]:
+        samples, waits = [], []
+        start, idle = time.monotonic(), idle_ticks()
+        for i in indices:
+            began, cpu = time.monotonic(), time.thread_time()
+            samples.append(getitem(i))
+            waits.append(time.monotonic() - began - (time.thread_time() - cpu))
+        took, idle_now = time.monotonic() - start, idle_ticks()
+        spare = 1.0 if idle is None or idle_now is None else (idle_now - idle) / TICKS_PER_S / took
+        waits.sort()
+        cls.seen = waits[len(waits) // 2] >= SLOW_CALL_S and spare >= IDLE_TO_GROW
+        return samples
 
 
 def keep_freed_memory() -> None:

@@ -269,3 +269,36 @@ def test_whole_batches_in_flight_are_bounded_by_prefetch_factor(tmp_path: Path) 
     # torch's bound: num_workers * prefetch_factor batches asked for (made or not), past the two
     # handed over; one more may be on its way to the consumer
     assert len(read) <= 2 + 2 * 2 + 1
+
+
+class ReadsWhere(Dataset[Any]):
+    """Which thread read each sample; reads that block (sleep) or compute."""
+
+    def __init__(self, blocks: bool) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self.blocks:
+            time.sleep(0.004)
+        else:
+            deadline = time.thread_time() + 0.004
+            while time.thread_time() < deadline:
+                pass
+        return {"i": i, "thread": threading.current_thread().name}
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_auto_threads_start_only_when_the_reads_block(blocks: bool) -> None:
+    with DataLoader(ReadsWhere(blocks), batch_size=16, num_workers=2) as loader:
+        batches = list(loader)
+    assert [i for b in batches for i in b["i"].tolist()] == list(range(64))
+    first = {t for b in batches[:2] for t in b["thread"]}
+    later = {t for b in batches[2:] for t in b["thread"]}
+    assert first == {"MainThread"}  # each worker reads its first batch one read after another
+    if blocks:  # ... sees its reads wait, and reads the next batches in threads of its own
+        assert all(t.startswith("aioloader-read") for t in later)
+    else:  # computing reads start no thread: a worker's footprint stays torch's
+        assert later == {"MainThread"}
