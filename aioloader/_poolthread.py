@@ -406,7 +406,7 @@ class Pool:
         task = h.inflight.get(task_id)
         if task is None or self._arena is None:
             return  # it timed out meanwhile: the worker is being replaced
-        task.spare, task.out_slot = task.out_slot, self._arena.acquire(needed)
+        task.spare, task.out_slot = task.out_slot, self._arena.acquire(needed, prefer=h.slabs)
         ref = None
         if task.out_slot is not None:
             h.share(self._arena, task.out_slot.slab_id)
@@ -619,30 +619,37 @@ class Pool:
     # -- dispatch -----------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        """Send what the workers have room for, in order; a task pinned to a busy worker waits
+        without holding back the tasks behind it that may go elsewhere (only those pinned to the
+        same worker wait behind it: a worker runs its tasks in the order they were submitted)."""
+        passed: collections.deque[Task] = collections.deque()  # not sent yet, in order
+        held: set[int] = set()  # workers whose next task waits
         while self._pending:
-            task = self._pending[0]
+            task = self._pending.popleft()
             if not task.started:
                 future = task.future
                 if task.loop is None and not future.set_running_or_notify_cancel():  # type: ignore[union-attr]
-                    self._pending.popleft()  # cancelled while queued
-                    continue
+                    continue  # cancelled while queued
                 task.started = True
             if task.abandoned:
-                self._pending.popleft()
                 self._settle(task, error=cancelled())
                 continue
-            h = self._pick(task)
-            if h is None:
-                break
+            h = None if task.pin in held else self._pick(task)
             try:
-                if not self._send(h, task):
-                    break
+                if h is not None and self._send(h, task):
+                    continue
             except OSError:  # it is dying; its sentinel will tell, and the task stays queued
+                assert h is not None
                 h.open = False
                 for slot in task.take_slots():
                     self._free(slot)
+                self._pending.appendleft(task)
                 continue
-            self._pending.popleft()
+            passed.append(task)
+            if task.pin is None:
+                break  # no worker has room for it: nor for those behind it
+            held.add(task.pin)
+        self._pending.extendleft(reversed(passed))
         if self._arena is not None:
             for slab_id in self._arena.take_dropped():
                 for h in self._handles:
@@ -700,7 +707,7 @@ class Pool:
                 return False  # no slot free: send it inline, but only to an idle worker
         row = None if task.row is None else task.row.batch.wire(task.row.row)
         if self._out_bytes and task.out_slot is None and row is None:
-            task.out_slot = arena.acquire(self._out_bytes)
+            task.out_slot = arena.acquire(self._out_bytes, prefer=h.slabs)
             if task.out_slot is None and self.cfg.size_first and self._busy():
                 return False  # the arena is full: wait for a slot while results are on the way
         if task.out_slot is not None:

@@ -35,6 +35,7 @@ import os
 import secrets
 import threading
 import weakref
+from collections.abc import Container
 from typing import Any
 
 import numpy as np
@@ -261,15 +262,21 @@ class Arena:
         slab = self._slabs[slab_id]
         return slab.fd, slab.size, slab.whole
 
-    def acquire(self, nbytes: int) -> Slot | None:
-        """Lease a slot of at least `nbytes`, or None when none is free and the budget is spent."""
+    def acquire(self, nbytes: int, prefer: Container[int] = ()) -> Slot | None:
+        """Lease a slot of at least `nbytes`, or None when none is free and the budget is spent.
+
+        A free slot in a slab whose id is in `prefer` (those the worker it is for has mapped
+        already) comes first: a worker that maps a slab of whole batches populates every page of it,
+        so one that keeps to its own slabs pays that once, not once per slab of the arena.
+        """
         size = size_class(nbytes)
         with self._lock:
             if self._closed:
                 return None
-            for slab in self._slabs.values():
-                if slab.slot_size == size and slab.free:
-                    return self._lease(slab.free.pop())
+            fits = [slab for slab in self._slabs.values() if slab.slot_size == size and slab.free]
+            if fits:
+                mine = next((slab for slab in fits if slab.id in prefer), fits[0])
+                return self._lease(mine.free.pop())
             count = max(1, min(SLOTS_PER_SLAB, SLAB_BYTES // size))
             if count == 1:  # a batch: a free one up to twice as large will do (an epoch's last)
                 for slab in self._slabs.values():

@@ -140,7 +140,6 @@ class ReadSamples:
     def __call__(self, key: tuple[int, list[Any]]) -> Any:
         _, indices = key
         _publish(self.dataset)
-        keep_freed_memory()
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             samples = getitems(indices)
@@ -151,6 +150,7 @@ class ReadSamples:
         else:
             readers = _Readers.here(self.threads, self.lazy)
             samples = readers.read(self.dataset.__getitem__, indices)
+        keep_freed_memory(samples)
         return collate_here(self.collate, samples)
 
 
@@ -176,26 +176,47 @@ class _Blocking:
         return samples
 
 
-def keep_freed_memory() -> None:
-    """In a worker process whose threads read large samples: let glibc keep freed blocks for reuse.
+def keep_freed_memory(samples: list[Any]) -> None:
+    """In a worker process that reads large samples: let glibc keep freed blocks for reuse, in one
+    arena. Decided once per process, from the first batch it reads.
 
-    A 1 MB sample is above glibc's mmap threshold until a free raises it, and each reading thread
-    allocates from an arena of its own, which hands freed memory back to the kernel: every sample
-    then costs its pages' faults again (about 11 µs each here; measured, 0.7 CPU-s per batch of
-    128 x 1.2 MB against 0.2 once kept). The worker process is aioloader's, so its allocator policy
-    is ours to set; the main process's is left alone.
+    A 1 MB sample is above glibc's mmap threshold until a free raises it; the top of the heap is
+    then handed back to the kernel after every batch, and each reading thread allocates from an
+    arena of its own that does the same: every sample then costs its pages' faults again (about
+    11 µs each here; measured, 0.7 CPU-s per batch of 128 x 1.2 MB against 0.2 once kept). One
+    arena, so that the threads reuse one batch's memory rather than each keeping its own peak.
+    Samples under `LARGE_SAMPLE` (a decoded image) leave glibc's defaults alone: they gain nothing
+    and a kept heap costs memory. The worker process is aioloader's, so its allocator policy is
+    ours to set; the main process's is left alone.
     """
     global _kept
     if _kept:
         return
     _kept = True
+    if not samples or _nbytes(samples[0]) < LARGE_SAMPLE:
+        return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None)
+        libc.mallopt(_M_ARENA_MAX, 1)
         libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BLOCKS_BELOW)
         libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED)
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+def _nbytes(sample: Any) -> int:
+    """The bytes of a sample's arrays (tensors, numpy arrays; one level of containers)."""
+    if isinstance(sample, torch.Tensor):
+        return sample.numel() * sample.element_size()
+    if hasattr(sample, "nbytes") and hasattr(sample, "dtype"):
+        return int(sample.nbytes)
+    if isinstance(sample, dict):
+        sample = list(sample.values())
+    if isinstance(sample, list | tuple):
+        return sum(_nbytes(x) for x in sample if not isinstance(x, list | tuple | dict))
+    return 0
+
+
+LARGE_SAMPLE = 1 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
 _KEEP_BLOCKS_BELOW = 32 << 20  # glibc's own ceiling for its dynamic mmap threshold
 _KEEP_FREED = 1 << 30  # freed memory at the top of the heap kept: a batch's samples, and more
 _kept = False  # set once per worker process
@@ -279,7 +300,6 @@ class ReadStream:
     def __call__(self, key: tuple[int, int]) -> Any:
         epoch, n = key
         _publish(self.dataset)
-        keep_freed_memory()
         stream = _streams.get(self.token)
         if stream is None or stream.epoch != epoch or (n < stream.made and n not in stream.ahead):
             stream = _streams[self.token] = _Stream(iter(self.dataset), epoch)
@@ -307,6 +327,7 @@ class ReadStream:
             stream.ended = True
             if not items or self.drop_last:
                 return Exhausted()
+        keep_freed_memory(items)
         return collate_here(self.collate, items)
 
 

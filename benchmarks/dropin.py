@@ -208,13 +208,15 @@ def measure_one(library: str, workload: str, workers: int, warmup: int, n: int) 
 
 
 def batches_for(workload: str, library: str, workers: int, quick: bool) -> tuple[int, int]:
-    """(warm-up, measured) batches: fewer where a batch is slow (torch reading on one thread)."""
+    """(warm-up, measured) batches: fewer where a batch is slow (torch reading on one thread). The
+    warm-up gives every worker a few batches of its own (each maps the shared memory it writes,
+    and its allocator settles) for both libraries alike: the figures are the steady state's."""
     if workload == "c":
         return (4, 12) if quick else (10, 60)
     slow = workers == 0 or (workload == "b" and library == "torch")
     if quick:
-        return (1, 3) if slow else (3, 8)
-    return (2, 8) if slow else (6, 30)
+        return (1, 3) if slow else (max(3, 2 * workers), 8)
+    return (2, 8) if slow else (max(6, 4 * workers), 30)
 
 
 def fmt(value: float | None, spec: str) -> str:

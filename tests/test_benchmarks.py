@@ -21,3 +21,17 @@ def test_stats_overhead_runs_both_workloads_and_ends_with_its_json() -> None:
     for workload in ("small", "w2"):
         assert summary[workload]["on_items_per_s"] > 0
         assert summary[workload]["off_items_per_s"] > 0
+
+
+def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
+    # One workload at one worker count: two fresh interpreters, a few batches each.
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "dropin.py"), "--quick", "--workloads", "b",
+         "--workers", "2"],
+        capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    b = summary["b"]
+    assert b["ratio_per_workers"]["2"] > 0
+    assert b["main_cpu_s_per_batch"]["torch"]["2"] > 0
+    assert b["pipe_share_max"] < 0.01  # the lists of arrays came back in shared memory
