@@ -56,6 +56,9 @@ __all__ = ["ASYNC_DEPTH", "Config", "Pool", "factory", "pick_start_method"]
 QUEUE_DEPTH = 2
 ASYNC_DEPTH = 64  # async tasks one worker may hold at once, by default
 COPIES_BYTES = 64 << 20  # recycled bytearrays kept for results copied out of slots, at most
+# Whole batches: the slabs one worker may map for itself, the one it writes and the one it wrote last
+# (the consumer has not taken it yet). Each costs the worker its pages' mapping once.
+SLABS_PER_WORKER = 2
 FIRST_OUTPUT_BYTES = 1 << 20  # output slot for tasks before the first result tells the real size
 CANCEL_GRACE_S = 1.0  # a timed-out async task not ended this long after its cancel: kill the worker
 START_TIMEOUT_S = 60.0  # a worker not ready by then (hung worker_init_fn) fails the pool
@@ -406,7 +409,7 @@ class Pool:
         task = h.inflight.get(task_id)
         if task is None or self._arena is None:
             return  # it timed out meanwhile: the worker is being replaced
-        task.spare, task.out_slot = task.out_slot, self._arena.acquire(needed, prefer=h.slabs)
+        task.spare, task.out_slot = task.out_slot, self._out_slot(h, needed)
         ref = None
         if task.out_slot is not None:
             h.share(self._arena, task.out_slot.slab_id)
@@ -672,6 +675,20 @@ class Pool:
                 best = h
         return best
 
+    def _out_slot(self, h: Handle, nbytes: int | None = None) -> Slot | None:
+        """An output slot for a task sent to `h`. For whole batches (`size_first`), one of the
+        slabs `h` has mapped, or a new one while it has fewer than `SLABS_PER_WORKER`; past that,
+        it waits for its own while other tasks run, else takes any (never a deadlock)."""
+        arena, nbytes = self._arena, nbytes or self._out_bytes
+        assert arena is not None
+        if not self.cfg.size_first:
+            return arena.acquire(nbytes, h.slabs)
+        room = arena.whole_slabs(h.slabs, nbytes) < SLABS_PER_WORKER
+        slot = arena.acquire(nbytes, h.slabs, only=True, new=room)
+        if slot is None and not self._busy():
+            slot = arena.acquire(nbytes)
+        return slot
+
     def _busy(self) -> bool:
         """Whether any worker has a task in flight (whose result will free, or fill, a slot)."""
         return any(h.inflight for h in self._handles)
@@ -707,7 +724,7 @@ class Pool:
                 return False  # no slot free: send it inline, but only to an idle worker
         row = None if task.row is None else task.row.batch.wire(task.row.row)
         if self._out_bytes and task.out_slot is None and row is None:
-            task.out_slot = arena.acquire(self._out_bytes, prefer=h.slabs)
+            task.out_slot = self._out_slot(h)
             if task.out_slot is None and self.cfg.size_first and self._busy():
                 return False  # the arena is full: wait for a slot while results are on the way
         if task.out_slot is not None:

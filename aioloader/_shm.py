@@ -262,23 +262,28 @@ class Arena:
         slab = self._slabs[slab_id]
         return slab.fd, slab.size, slab.whole
 
-    def acquire(self, nbytes: int, prefer: Container[int] = ()) -> Slot | None:
+    def acquire(
+        self, nbytes: int, prefer: Container[int] = (), only: bool = False, new: bool = True
+    ) -> Slot | None:
         """Lease a slot of at least `nbytes`, or None when none is free and the budget is spent.
 
         A free slot in a slab whose id is in `prefer` (those the worker it is for has mapped
         already) comes first: a worker that maps a slab of whole batches populates every page of it,
-        so one that keeps to its own slabs pays that once, not once per slab of the arena.
+        so one that keeps to its own slabs pays that once, not once per slab of the arena. With
+        `only`, a slot of another slab is never taken; with `new` False, no slab is made.
         """
         size = size_class(nbytes)
         with self._lock:
             if self._closed:
                 return None
             fits = [slab for slab in self._slabs.values() if slab.slot_size == size and slab.free]
-            if fits:
-                mine = next((slab for slab in fits if slab.id in prefer), fits[0])
-                return self._lease(mine.free.pop())
+            mine = next((slab for slab in fits if slab.id in prefer), None)
+            if mine is not None or (fits and not only):
+                return self._lease((mine or fits[0]).free.pop())
+            if not new:
+                return None
             count = max(1, min(SLOTS_PER_SLAB, SLAB_BYTES // size))
-            if count == 1:  # a batch: a free one up to twice as large will do (an epoch's last)
+            if count == 1 and not only:  # a batch: a free one up to twice as large will do
                 for slab in self._slabs.values():
                     if slab.free and slab.whole and size < slab.size <= 2 * size:
                         return self._lease(slab.free.pop())
@@ -321,6 +326,14 @@ class Arena:
         del self._slabs[slab.id]
         slab.close()
         self._dropped.append(slab.id)
+
+    def whole_slabs(self, ids: Container[int], nbytes: int) -> int:
+        """How many of the slabs `ids` hold one slot of `nbytes`' size class."""
+        size = size_class(nbytes)
+        with self._lock:
+            return sum(
+                s.whole and s.slot_size == size and s.id in ids for s in self._slabs.values()
+            )
 
     def retire_idle_samples(self) -> None:
         """Retire every slab of many slots that no slot of pins: once workers write whole batches in

@@ -642,3 +642,26 @@ def test_loader_takes_an_executor_instance_and_leaves_it_open() -> None:
 
 def _square(x: int) -> int:
     return x * x
+
+
+def held_until(marker: str) -> None:
+    """Runs until `marker` exists (a worker kept busy for as long as a test needs)."""
+    assert wait_for_file(Path(marker))
+
+
+def test_a_task_pinned_to_a_busy_worker_does_not_hold_back_the_others(
+    make: Callable[..., ProcessExecutor], tmp_path: Path
+) -> None:
+    pool = make(2)
+    pool.wait_ready(WAIT_S)
+    marker = tmp_path / "release"
+    # worker 0: one task running (held until the marker exists), one sent ahead, one queued here
+    held = [pool.submit(held_until, str(marker), worker=0) for _ in range(3)]
+    free = pool.submit(echo, 7, worker=1)  # behind them in the queue, for the other worker
+    try:
+        assert free.result(timeout=WAIT_S) == 7
+        assert not any(f.done() for f in held)
+    finally:
+        marker.touch()
+    for f in held:
+        f.result(timeout=WAIT_S)

@@ -253,3 +253,22 @@ def test_a_loaders_own_pool_gets_an_arena_as_large_as_its_memory_budget() -> Non
         assert list(loader) == [0, 1, 2, 3]
         arena = loader.stats().extra["decode_pool"]["arena_budget"]
     assert arena == min(budget, half_free)  # not the 256 MiB a bare pool gets
+
+
+def test_a_worker_gets_a_slot_of_its_own_slabs_first_and_only_those_when_asked() -> None:
+    arena = Arena(budget=64 << 20)
+    size = 8 << 20  # one slot per slab: a whole batch
+    a, b = arena.acquire(size), arena.acquire(size)
+    assert a is not None
+    assert b is not None
+    arena.release(a)
+    arena.release(b)
+    mine = arena.acquire(size, prefer={b.slab_id})
+    assert mine is not None
+    assert mine.slab_id == b.slab_id  # not the first free one: the one this worker has mapped
+    other = arena.acquire(size, prefer={b.slab_id}, only=True)
+    assert other is not None
+    assert other.slab_id not in (a.slab_id, b.slab_id)  # a new slab, not another worker's
+    assert arena.acquire(size, prefer={b.slab_id}, only=True, new=False) is None
+    assert arena.whole_slabs({a.slab_id, b.slab_id, other.slab_id}, size) == 3
+    arena.close()
