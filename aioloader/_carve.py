@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import mmap
 
 import torch
 
@@ -26,6 +27,19 @@ ALIGN = 64  # every carved tensor starts on a cache line
 current: contextvars.ContextVar[Carver | None] = contextvars.ContextVar(
     "aioloader_carver", default=None
 )
+
+
+def _outside(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """A tensor for a batch that does not fit the slot (the first ones, before the pool knows their
+    size): in memory of its own mapping, not the allocator's. A block that large from malloc would
+    raise glibc's mmap threshold to its size once freed, and the worker's heap would keep that much
+    freed memory for good (measured: about 20 MB more per worker for 19 MB batches)."""
+    if nbytes < OWN_MAPPING_MIN:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+OWN_MAPPING_MIN = 1 << 20
 
 
 class Carver:
@@ -50,7 +64,7 @@ class Carver:
         nbytes = count * itemsize
         offset = -(-self.used // ALIGN) * ALIGN
         if count == 0 or offset + nbytes > len(self.buf):
-            return torch.empty(shape, dtype=dtype)
+            return _outside(shape, dtype, nbytes)
         out = torch.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).view(shape)
         self.used = offset + nbytes
         self.placed[out.data_ptr()] = (offset, nbytes)

@@ -451,9 +451,9 @@ class _Worker:
             elif kind == DROP:
                 self.slabs.pop(msg[1], None)  # unmapped once no array of ours views it
             elif kind == GROWN:
-                result = self._waiting.pop(msg[1])
                 out = None if msg[2] is None else self.region(msg[2])
-                self.answer(msg[1], out, None, result)
+                self.answer(msg[1], out, None, self._waiting.pop(msg[1]))
+                del out  # keep nothing of it while the next message is awaited
 
     def region(self, ref: tuple[int, int, int]) -> memoryview:
         slab_id, offset, size = ref

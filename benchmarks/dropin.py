@@ -16,6 +16,7 @@ batches (after a warm-up), the main process's CPU seconds per batch, and for aio
 crossed its worker pipes per batch.
 
 Usage: python benchmarks/dropin.py [--quick] [--workloads abc] [--workers 0,2,4,8]
+(--quick: num_workers 2 and 8, fewer batches; under 90 s)
 The last line printed is a JSON summary: per-N ratios (aioloader s/batch / torch s/batch), the
 best-vs-best ratios, main-process CPU per batch of both, pipe bytes per batch.
 """
@@ -50,6 +51,7 @@ STEP_S = {"a": 0.05, "b": 0.05, "c": 0.0}
 OUT = 224
 PSS_PERIOD_S = 0.25
 WORKERS = (0, 2, 4, 8)
+QUICK = (2, 8)  # --quick: the bars' ends, under 90 s
 NAMES = {"a": "map-style", "b": "iterable + list collate", "c": "JPEG folder"}
 
 
@@ -212,10 +214,10 @@ def batches_for(workload: str, library: str, workers: int, quick: bool) -> tuple
     warm-up gives every worker a few batches of its own (each maps the shared memory it writes,
     and its allocator settles) for both libraries alike: the figures are the steady state's."""
     if workload == "c":
-        return (4, 12) if quick else (10, 60)
+        return (3, 8) if quick else (10, 60)
     slow = workers == 0 or (workload == "b" and library == "torch")
     if quick:
-        return (1, 3) if slow else (max(3, 2 * workers), 8)
+        return (1, 3) if slow else (max(3, 2 * workers), 6)
     return (2, 8) if slow else (max(6, 4 * workers), 30)
 
 
@@ -227,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workloads", default="abc")
-    parser.add_argument("--workers", default=",".join(map(str, WORKERS)))
+    parser.add_argument("--workers", help="num_workers to try (default 0,2,4,8; --quick 2,8)")
     parser.add_argument("--run", nargs=3, metavar=("WORKLOAD", "LIBRARY", "N"))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--measure", type=int, default=10)
@@ -236,7 +238,10 @@ def main() -> None:
         workload, library, workers = args.run
         print(json.dumps(run_one(library, workload, int(workers), args.warmup, args.measure)))
         return
-    counts = [int(n) for n in args.workers.split(",")]
+    counts = [
+        int(n)
+        for n in (args.workers or ",".join(map(str, QUICK if args.quick else WORKERS))).split(",")
+    ]
     results: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
     print(
         f"{'workload':<26}{'N':>3} {'library':<10}{'s/batch':>9}{'ttfb s':>8}{'main CPU s':>11}"

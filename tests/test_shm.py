@@ -256,8 +256,8 @@ def test_a_loaders_own_pool_gets_an_arena_as_large_as_its_memory_budget() -> Non
 
 
 def test_a_worker_gets_a_slot_of_its_own_slabs_first_and_only_those_when_asked() -> None:
-    arena = Arena(budget=64 << 20)
-    size = 8 << 20  # one slot per slab: a whole batch
+    arena = Arena(budget=128 << 20)
+    size = 20 << 20  # one slot per slab: a whole batch
     a, b = arena.acquire(size), arena.acquire(size)
     assert a is not None
     assert b is not None
