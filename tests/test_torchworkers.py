@@ -20,7 +20,7 @@ from test_dataloader import CASES, MapDataset, Stream, assert_same
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from aioloader import DataLoader, WorkerDied
+from aioloader import DataLoader, LoaderTimeout, WorkerDied
 from aioloader._shm import NAME_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -302,3 +302,43 @@ def test_auto_threads_start_only_when_the_reads_block(blocks: bool) -> None:
         assert all(t.startswith("aioloader-read") for t in later)
     else:  # computing reads start no thread: a worker's footprint stays torch's
         assert later == {"MainThread"}
+
+
+class Stalls(Dataset[torch.Tensor]):
+    """Index 5 never returns in time (a read that hangs)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 5:
+            time.sleep(30)
+        return torch.full((4,), float(i))
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_a_stalled_batch_hits_the_timeout_and_closing_leaves_nothing() -> None:
+    before = _shm_entries()
+    loader = DataLoader(Stalls(), batch_size=4, num_workers=2, timeout=0.5)
+    with pytest.raises(LoaderTimeout):
+        list(loader)
+    loader.close()
+    assert _children() == set()
+    assert _shm_entries() == before
+    assert [t.name for t in threading.enumerate() if t.name.startswith("aioloader")] == []
+
+
+def test_breaking_out_mid_epoch_then_the_next_epoch_is_whole() -> None:
+    before = _shm_entries()
+    with DataLoader(Tiles(), batch_size=8, num_workers=2, prefetch_factor=2) as loader:
+        for n, _ in enumerate(loader):
+            if n == 2:
+                break  # batches in flight in the workers are dropped
+        assert [b[0, 0, 0].item() for b in loader] == [8.0 * n for n in range(8)]
+    assert _children() == set()
+    assert _shm_entries() == before
