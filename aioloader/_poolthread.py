@@ -57,7 +57,9 @@ QUEUE_DEPTH = 2
 ASYNC_DEPTH = 64  # async tasks one worker may hold at once, by default
 COPIES_BYTES = 64 << 20  # recycled bytearrays kept for results copied out of slots, at most
 # Whole batches: the slabs one worker may map for itself, the one it writes and the one it wrote last
-# (the consumer has not taken it yet). Each costs the worker its pages' mapping once.
+# (the consumer has not taken it yet). Each costs the worker its pages' mapping once. (Measured with
+# one: a worker still made a second whenever both batches waited for the consumer, as they do
+# whenever it is quick.) A task that waits for a slot is woken as soon as one is released.
 SLABS_PER_WORKER = 2
 FIRST_OUTPUT_BYTES = 1 << 20  # output slot for tasks before the first result tells the real size
 CANCEL_GRACE_S = 1.0  # a timed-out async task not ended this long after its cancel: kill the worker
@@ -135,6 +137,7 @@ class Pool:
         self._ready = threading.Event()
         self._failure: Callable[[], BaseException] | None = None
         self._restarts = 0
+        self._slot_waits = False  # a task waits for an output slot (see `_slot_freed`)
         self._out_bytes, self._out_known = FIRST_OUTPUT_BYTES, False
         self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
         self._zygote = Zygote(serve) if config.method == "zygote" else None
@@ -153,6 +156,7 @@ class Pool:
             if self._thread is not None:
                 return
             self._arena = Arena(self.cfg.arena_bytes)
+            self._arena.on_free = self._slot_freed
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_w, False)
             self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
@@ -217,6 +221,16 @@ class Pool:
             self._fns.append((fn, fn_key))
             self._fn_blobs[fn_key[0]] = blob
         return fn_key
+
+    def _slot_freed(self) -> None:
+        """(Any thread: a view's finalizer.) A slot came back: wake the pool's thread if a task
+        waits for one. It takes no lock: a finalizer may run in a thread that holds one of ours."""
+        if self._slot_waits:
+            self._slot_waits = False
+            fd = self._wake_w
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(fd, b"\0")
 
     def _wake_locked(self) -> None:
         # one byte until the pool's thread reads it: a burst of submits costs one write, one wake-up
@@ -724,9 +738,11 @@ class Pool:
                 return False  # no slot free: send it inline, but only to an idle worker
         row = None if task.row is None else task.row.batch.wire(task.row.row)
         if self._out_bytes and task.out_slot is None and row is None:
+            self._slot_waits = self.cfg.size_first  # before: a slot freed meanwhile wakes us
             task.out_slot = self._out_slot(h)
             if task.out_slot is None and self.cfg.size_first and self._busy():
-                return False  # the arena is full: wait for a slot while results are on the way
+                return False  # no slot for it: wait for one (a result, or the consumer, frees it)
+            self._slot_waits = False
         if task.out_slot is not None:
             h.share(arena, task.out_slot.slab_id)
             out_ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
@@ -780,8 +796,10 @@ class Pool:
         if self._zygote is not None:
             self._zygote.close()
         with self._lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            wake_r, wake_w = self._wake_r, self._wake_w
+            self._wake_r = self._wake_w = -1  # `_slot_freed` writes to it no more
+            os.close(wake_r)
+            os.close(wake_w)
         self._ready.set()
 
 

@@ -35,7 +35,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Any
 
 import numpy as np
@@ -251,6 +251,7 @@ class Arena:
         # releases its slot from inside the locked section
         self._lock = threading.RLock()
         self._closed = False
+        self.on_free: Callable[[], None] | None = None  # see `release`
 
     @property
     def mapped_bytes(self) -> int:
@@ -349,7 +350,9 @@ class Arena:
             return dropped
 
     def release(self, slot: Slot) -> None:
-        """End a lease (or a view's pin); the slot is free again once nothing pins it."""
+        """End a lease (or a view's pin); the slot is free again once nothing pins it, and then
+        `on_free` (when set) is called, outside the arena's lock."""
+        freed = False
         with self._lock:
             slot.pins -= 1
             if slot.pins == 0:
@@ -357,8 +360,12 @@ class Arena:
                 slab.pinned -= 1
                 if not slab.closed:
                     slab.free.append(slot)
+                    freed = True
                 elif slab.idle:
                     slab.unmap_now()  # closed, and its last view is gone
+        on_free = self.on_free
+        if freed and on_free is not None:
+            on_free()
 
     def view(self, slot: Slot, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """A writable uint8 array over `nbytes` at `offset` in `slot`, pinning it while alive."""
