@@ -6,9 +6,11 @@ come in the same order as torch's DataLoader. What changes is how samples are fe
 calls run concurrently (`concurrency` at a time) instead of one after another per worker process.
 
 What `num_workers` means here: with 0, `__getitem__` calls run in `concurrency` threads (default
-16), which pays when the dataset waits on disk or network. With N > 0 they run in N persistent
-worker processes (aioloader's process pool: results come back in shared memory), where
-`torch.utils.data.get_worker_info()` and `worker_init_fn` behave as in torch's workers;
+16), which pays when the dataset waits on disk or network. With N > 0, batch i is read and collated
+by worker i % N of N persistent worker processes (aioloader's process pool), with threads of its
+own where the reads block (`threads_per_worker`); the batch comes back in shared memory (see
+`_torchworkers`), and `torch.utils.data.get_worker_info()` and `worker_init_fn` behave as in
+torch's workers;
 `worker_mode="thread"` keeps threads instead. An IterableDataset is iterated as torch does it:
 with N > 0 each worker process iterates its own replica (shard it with `get_worker_info()`) and
 makes whole batches of its items, taken round robin from the workers whose stream goes on; with 0,
@@ -254,7 +256,13 @@ class DataLoader(Loader[Any]):
     Takes torch's arguments (see the module docstring for `num_workers`) plus:
 
     Args:
-        concurrency: dataset reads in flight at most (default `max(16, num_workers * prefetch_factor)`).
+        concurrency: dataset reads in flight at most (default `max(16, num_workers * prefetch_factor)`);
+            with `num_workers > 0` and batches, whole batches in flight (default
+            `num_workers * prefetch_factor`, torch's bound).
+        threads_per_worker: with `num_workers > 0`, the threads each worker reads a batch's samples
+            with. "auto" (the default): none until a batch read one by one shows reads that wait
+            while cores sit idle, then more while they go on waiting; 1: one read at a time, as
+            torch's workers do (for a dataset that is not thread-safe); k: up to k at once.
         device, device_prefetch: move batches to this device through pinned memory and a side
             stream (see `Loader`); with `pin_memory=True` the copy is staged through pinned buffers.
 
