@@ -19,9 +19,15 @@ import mmap
 
 import torch
 
-__all__ = ["ALIGN", "Carver", "current"]
+__all__ = ["ALIGN", "Carver", "align", "current"]
 
-ALIGN = 64  # every carved tensor starts on a cache line
+ALIGN = 64  # every carved tensor, and every array placed in a slot, starts on a cache line
+
+
+def align(offset: int) -> int:
+    """`offset` rounded up to the next multiple of `ALIGN`."""
+    return -(-offset // ALIGN) * ALIGN
+
 
 # Set by a process worker around each synchronous task that has an output slot.
 current: contextvars.ContextVar[Carver | None] = contextvars.ContextVar(
@@ -62,7 +68,7 @@ class Carver:
         itemsize = torch.empty((), dtype=dtype).element_size()
         count = math.prod(shape)
         nbytes = count * itemsize
-        offset = -(-self.used // ALIGN) * ALIGN
+        offset = align(self.used)
         if count == 0 or offset + nbytes > len(self.buf):
             return _outside(shape, dtype, nbytes)
         out = torch.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).view(shape)

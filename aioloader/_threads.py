@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 __all__ = [
-    "BUSY_TO_GROW", "GROW_AFTER_S", "IDLE_TO_GROW", "SLOW_CALL_S", "TICKS_PER_S", "LazyThreadPool",
+    "BUSY_TO_GROW", "GROW_AFTER_S", "IDLE_TO_GROW", "SLOW_CALL_S", "LazyThreadPool", "cores_idle",
     "default_workers", "idle_ticks",
 ]  # fmt: skip
 
@@ -61,6 +61,14 @@ def idle_ticks() -> int | None:
     except OSError:
         return None
     return int(fields[4]) + int(fields[5])  # idle + iowait
+
+
+def cores_idle(ticks: int | None, ticks_now: int | None, seconds: float) -> float:
+    """Cores idle on average between two `idle_ticks()` readings `seconds` apart; 1.0 where the
+    readings are unknown (not Linux: the caller's other rules decide)."""
+    if ticks is None or ticks_now is None or seconds <= 0:
+        return 1.0
+    return (ticks_now - ticks) / TICKS_PER_S / seconds
 
 
 def default_workers() -> int:
@@ -99,7 +107,8 @@ class _Crew:
         self.since: list[float] = []  # per thread: when its current call began; 0.0 between calls
         self.spent: list[float] = []  # per thread: seconds inside calls that have ended
         self.mark = (0.0, 0.0)  # (when, busy seconds until then) at the last look
-        self.idle_mark = (time.monotonic(), idle_ticks())  # `spare_cores`: the window's start
+        # `spare_cores`: the window's start (/proc/stat is read only by pools that use it)
+        self.idle_mark = (time.monotonic(), idle_ticks() if pool.spare_cores else None)
         self.idle_cores: float | None = None  # cores idle over the last whole window
         self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_CALLS)
         self.busy = 0  # threads inside a call; the others are idle, or starting, or about to wake
@@ -163,10 +172,7 @@ class _Crew:
         since, ticks = self.idle_mark
         if now - since >= IDLE_WINDOW_S:
             ticks_now = idle_ticks()
-            if ticks_now is None or ticks is None:
-                self.idle_cores = 1.0  # not Linux: the other two rules decide
-            else:
-                self.idle_cores = (ticks_now - ticks) / TICKS_PER_S / (now - since)
+            self.idle_cores = cores_idle(ticks, ticks_now, now - since)
             self.idle_mark = (now, ticks_now)
         return self.idle_cores
 

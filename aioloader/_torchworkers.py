@@ -38,8 +38,8 @@ from ._threads import (
     GROW_AFTER_S,
     IDLE_TO_GROW,
     SLOW_CALL_S,
-    TICKS_PER_S,
     LazyThreadPool,
+    cores_idle,
     idle_ticks,
 )
 
@@ -169,8 +169,7 @@ class _Blocking:
             began, cpu = time.monotonic(), time.thread_time()
             samples.append(getitem(i))
             waits.append(time.monotonic() - began - (time.thread_time() - cpu))
-        took, idle_now = time.monotonic() - start, idle_ticks()
-        spare = 1.0 if idle is None or idle_now is None else (idle_now - idle) / TICKS_PER_S / took
+        spare = cores_idle(idle, idle_ticks(), time.monotonic() - start)
         waits.sort()
         cls.seen = waits[len(waits) // 2] >= SLOW_CALL_S and spare >= IDLE_TO_GROW
         return samples
@@ -426,7 +425,7 @@ class StreamExecutor:
 
     async def run(self, fn: Callable[[Any], Any], key: Any, seed: int | None = None) -> Any:
         worker, epoch, n = key
-        result = await asyncio.wrap_future(self.pool.submit(fn, (epoch, n), seed, worker=worker))
+        result = await self.pool.run(fn, (epoch, n), seed, worker=worker)
         if isinstance(result, Exhausted):
             self.plan.ended.add(worker)
         return result

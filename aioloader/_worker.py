@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from . import _carve
-from ._carve import ALIGN, Carver
+from ._carve import Carver, align
 from ._exceptions import DecodeError
 from ._recycle import Bytearrays
 from ._rng import call_seeded
@@ -143,7 +143,7 @@ class _Packer(pickle.Pickler):
             if pid is not None:  # made in the slot already (`_carve`): named, not copied
                 self.used = True
                 return pid
-        offset = -(-self.needed // ALIGN) * ALIGN
+        offset = align(self.needed)
         self.needed = offset + nbytes
         if self.buf is None or nbytes == 0 or self.needed > len(self.buf):
             return self._in_band(obj, kind)
@@ -172,13 +172,15 @@ class _Measure(_Packer):
 
     def persistent_id(self, obj: Any) -> Any:
         found = _kind(obj)
-        if found is None or id(obj) in self._seen:
-            return None if found is None else self._seen[id(obj)]
-        if found[0] == "t" and self.carver is not None and self.carver.where(obj) is not None:
-            return ("m",)  # in the slot already
-        offset = -(-self.needed // ALIGN) * ALIGN
-        self.needed = offset + found[1]
-        self._seen[id(obj)] = ("m",)
+        if found is None:
+            return None
+        if id(obj) not in self._seen:
+            carved = (
+                found[0] == "t" and self.carver is not None and self.carver.where(obj) is not None
+            )
+            if not carved:  # a carved one lies in the slot already
+                self.needed = align(self.needed) + found[1]
+            self._seen[id(obj)] = ("m",)
         return ("m",)
 
 
@@ -230,8 +232,11 @@ def _place(buf: memoryview, offset: int, obj: Any, kind: str, nbytes: int) -> tu
 def _carved(carver: Carver, t: torch.Tensor) -> tuple[Any, ...] | None:
     """The persistent id of `t` where `carver` made it in the slot; None if it did not."""
     offset = carver.where(t)
-    if offset is None:
-        return None
+    return None if offset is None else _tensor_pid(t, offset)
+
+
+def _tensor_pid(t: torch.Tensor, offset: int) -> tuple[Any, ...]:
+    """The persistent id of tensor `t` lying at `offset` in its slot."""
     nbytes = t.numel() * t.element_size()
     return ("t", offset, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride())
 
@@ -272,8 +277,7 @@ _Byte = ctypes.c_char
 def _write(buf: memoryview, offset: int, t: torch.Tensor) -> tuple[Any, ...]:
     dst = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
     dst.copy_(t)
-    nbytes = t.numel() * t.element_size()
-    return ("t", offset, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape), dst.stride())
+    return _tensor_pid(dst, offset)
 
 
 def _write_np(buf: memoryview, offset: int, a: np.ndarray[Any, Any]) -> tuple[Any, ...]:
@@ -487,19 +491,12 @@ class _Worker:
         except Exception as exc:
             self.send((FAILED, task_id, encode_error(exc)))
             return
-        if grow and into is None and not self._fits(result, out, carver):
+        needed = _overflow(result, out, carver) if grow and into is None else 0
+        if needed:
             self._waiting[task_id] = result  # until GROWN names a slot that holds it
-            self.send((NEED, task_id, measure(result, carver)))
+            self.send((NEED, task_id, needed))
             return
         self.answer(task_id, out, into, result, carver=carver)
-
-    @staticmethod
-    def _fits(result: Any, out: memoryview | None, carver: Carver | None) -> bool:
-        """Whether `result`'s arrays fit `out` (or need no slot at all)."""
-        if carver is not None and type(result) is torch.Tensor and carver.where(result) is not None:
-            return True  # the common case, answered without a look at the rest
-        needed = measure(result, carver)
-        return needed == 0 or (out is not None and needed <= len(out))
 
     def _start_async(self) -> None:
         if self._starts:
@@ -547,6 +544,14 @@ class _Worker:
                 send((DONE, task_id, blob, SHM if in_slot else PICKLED, needed))
                 return
         send((FAILED, task_id, encode_error(error)))
+
+
+def _overflow(result: Any, out: memoryview | None, carver: Carver | None) -> int:
+    """The bytes `result`'s arrays need in one slot when `out` cannot hold them, else 0."""
+    if carver is not None and type(result) is torch.Tensor and carver.where(result) is not None:
+        return 0  # the common case, answered without a look at the rest
+    needed = measure(result, carver)
+    return needed if needed > (0 if out is None else len(out)) else 0
 
 
 def _into_row(result: Any, buf: memoryview, dtype: str, shape: tuple[int, ...]) -> bool:
