@@ -134,6 +134,11 @@ def _check_shapes(batch: Sequence[torch.Tensor]) -> None:
         raise CollateError(
             "cannot batch tensors with samples that are not tensors: " + ", ".join(others)
         )
+    if any(t.is_nested for t in batch):
+        raise RuntimeError(  # torch's words
+            "Batches of nested tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
     shapes = {tuple(t.shape) for t in batch}
     if len(shapes) > 1:
         listed = ", ".join(f"[{i}]={tuple(t.shape)}" for i, t in enumerate(batch))

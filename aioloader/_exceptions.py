@@ -4,10 +4,13 @@ The hierarchy::
 
     AioloaderError
     ├── LoaderClosedError     the loader was closed by its user; it cannot be iterated again
-    ├── LoaderTimeout         no batch arrived within the `timeout` the user set (also a TimeoutError)
+    ├── LoaderTimeout         no batch arrived within the `timeout` the user set (also a TimeoutError
+    │                         and, as torch's DataLoader raises, a RuntimeError)
     ├── InvalidKeyError       a key names something outside its source (also a ValueError)
     ├── StateError            a saved state does not fit this loader; `.field` names where (ValueError)
-    ├── WorkerDied            a decode worker process died; carries `.pid`, `.exitcode`, `.tasks`
+    ├── WorkerDied            a worker process died; carries `.pid`, `.exitcode`, `.tasks` (also a
+    │                         RuntimeError, worded as torch's: "DataLoader worker (pid N) is killed
+    │                         by signal: ...")
     ├── WorkerTimeout         a decode worker spent longer than `timeout` on one task (TimeoutError)
     └── SampleError           one sample failed in a stage; carries `.key` and `.stage`
         ├── FetchError        the source could not produce the raw bytes
@@ -18,6 +21,9 @@ Errors raised by user callables (fetch, decode, collate) reach the consumer with
 traceback and a note naming the stage and the key; the classes above are for failures aioloader itself
 detects. Closed by the user, end of data (plain `StopIteration`/`StopAsyncIteration`) and broken by a
 peer are kept apart.
+
+Every one of them survives pickling and `type(e)(str(e))` (how a parent process rebuilds a child's
+error): the attributes are keyword arguments with defaults, kept in the instance's `__dict__`.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ class LoaderClosedError(AioloaderError, RuntimeError):
     """The loader was closed (by `close()`/`aclose()` or its context manager) and cannot be used."""
 
 
-class LoaderTimeout(AioloaderError, TimeoutError):
+class LoaderTimeout(AioloaderError, TimeoutError, RuntimeError):
     """No batch arrived within the configured `timeout`."""
 
 
@@ -62,7 +68,7 @@ class StateError(AioloaderError, ValueError):
         field: the state or config field that differs (e.g. "batch_size", "keys", "version").
     """
 
-    def __init__(self, message: str, *, field: str) -> None:
+    def __init__(self, message: str = "", *, field: str = "") -> None:
         super().__init__(message)
         self.field = field
 
@@ -75,7 +81,7 @@ class SampleError(AioloaderError):
         stage: the pipeline stage: "fetch", "decode" or "collate".
     """
 
-    def __init__(self, message: str, *, key: Any = None, stage: str = "") -> None:
+    def __init__(self, message: str = "", *, key: Any = None, stage: str = "") -> None:
         super().__init__(message)
         self.key = key
         self.stage = stage
@@ -93,7 +99,7 @@ class CollateError(SampleError, TypeError):
     """The samples of one batch cannot be collated (mixed types, mismatched shapes)."""
 
 
-class WorkerDied(AioloaderError):
+class WorkerDied(AioloaderError, RuntimeError):
     """A decode worker process died (killed, crashed, exited) while tasks were in flight on it.
 
     Attributes:
@@ -102,11 +108,14 @@ class WorkerDied(AioloaderError):
         tasks: what was in flight on it (the sample keys where known, else task numbers).
     """
 
-    def __init__(self, message: str, *, pid: int, exitcode: int | None, tasks: list[Any]) -> None:
+    def __init__(
+        self, message: str = "", *, pid: int = 0, exitcode: int | None = None,
+        tasks: list[Any] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.pid = pid
         self.exitcode = exitcode
-        self.tasks = tasks
+        self.tasks = [] if tasks is None else tasks
 
 
 class WorkerTimeout(AioloaderError, TimeoutError):
@@ -117,7 +126,7 @@ class WorkerTimeout(AioloaderError, TimeoutError):
         timeout: the limit, in seconds.
     """
 
-    def __init__(self, message: str, *, pid: int, timeout: float) -> None:
+    def __init__(self, message: str = "", *, pid: int = 0, timeout: float = 0.0) -> None:
         super().__init__(message)
         self.pid = pid
         self.timeout = timeout

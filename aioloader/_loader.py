@@ -10,10 +10,12 @@ import os
 import threading
 import time
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
     Awaitable,
     Callable,
+    Generator,
     Iterable,
     Iterator,
     Sequence,
@@ -32,7 +34,7 @@ from ._fetch import Fetcher, is_async_callable
 from ._limits import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._multiloop import in_workers
 from ._order import Group, KeyOrder, KeyPlan, Plan
-from ._pipeline import END, SKIPPED, Epoch, Stages
+from ._pipeline import END, SKIPPED, BatchFailed, Epoch, Stages
 from ._progress import with_progress
 from ._resume import Resumable
 from ._shm import loader_arena
@@ -219,6 +221,7 @@ class Loader(Resumable, Generic[T]):
         max_bytes: int | None = DEFAULT_MAX_BYTES,
         stats: bool = True,
         own_executor: bool = False,
+        batch_errors: bool = False,
     ) -> None:
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
@@ -267,6 +270,7 @@ class Loader(Resumable, Generic[T]):
             recorder=recorder,
             tuner=tuner,
             errors=errors or ErrorPolicy(),
+            batch_errors=batch_errors,
             max_bytes=max_bytes,
             pool_bytes=self._pool.max_bytes or 0 if self._pool is not None else 0,
         )
@@ -323,9 +327,14 @@ class Loader(Resumable, Generic[T]):
         except TypeError:
             return None
 
+    def _timed_out(self) -> LoaderTimeout:
+        return LoaderTimeout(f"no batch within timeout={self._timeout} s")
+
     def _hand_over(self, batch: Any) -> Any:
         """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""
-        return batch if self._device is None else self._device.hand_over(batch)
+        if self._device is None or type(batch) is BatchFailed:
+            return batch
+        return self._device.hand_over(batch)
 
     async def _close_epoch(self, run: Epoch | Feed) -> None:
         self._live.discard(run)
@@ -397,6 +406,9 @@ class Loader(Resumable, Generic[T]):
     # -- sync iteration ----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[T]:
+        return _Batches(self._iter())
+
+    def _iter(self) -> Generator[Any, None, None]:
         progress, groups = self._start()
         runner = self._runner()
         run = runner.run(self._open(groups, progress.epoch))
@@ -407,7 +419,7 @@ class Loader(Resumable, Generic[T]):
                 try:
                     index, batch = runner.run(run.get(), self._timeout)
                 except LoaderTimeout:
-                    raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
+                    raise self._timed_out() from None
                 except concurrent.futures.CancelledError:
                     if self._closed:  # close() from elsewhere won the race with this wait
                         raise LoaderClosedError("the loader was closed") from None
@@ -419,7 +431,7 @@ class Loader(Resumable, Generic[T]):
                 handed = [] if batch is SKIPPED else [self._hand_over(batch)]
                 del batch  # not held here while the consumer has it: its buffers can be reused
                 if handed:
-                    yield handed.pop()
+                    yield handed.pop()  # a BatchFailed is raised by `_Batches`
         finally:
             if runner.alive and not runner.in_loop_thread():
                 with contextlib.suppress(TimeoutError, LoaderClosedError):  # closed meanwhile
@@ -431,9 +443,9 @@ class Loader(Resumable, Generic[T]):
     # -- async iteration ---------------------------------------------------------------------------
 
     def __aiter__(self) -> AsyncIterator[T]:
-        return self._aiter()
+        return _AsyncBatches(self._aiter())
 
-    async def _aiter(self) -> AsyncIterator[T]:
+    async def _aiter(self) -> AsyncGenerator[Any, None]:
         progress, groups = self._start()
         if self._use_caller_loop:
             run = await self._open(groups, progress.epoch)
@@ -471,7 +483,7 @@ class Loader(Resumable, Generic[T]):
             except TimeoutError:
                 if not deadline.expired():
                     raise  # the pipeline's own, from a user callable
-                raise LoaderTimeout(f"no batch within timeout={self._timeout} s") from None
+                raise self._timed_out() from None
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if self._closed and task is not None and not task.cancelling():
@@ -564,6 +576,54 @@ class Loader(Resumable, Generic[T]):
                 self.close()
             except Exception:  # a finalizer must not raise
                 pass
+
+
+class _Batches(Iterator[T]):
+    """`iter(loader)`: the epoch's batches; a batch that failed (`BatchFailed`, torch's DataLoader's
+    semantics) raises its error from `next()`, and the next `next()` goes on with the next batch.
+    Dropping it (or `close()`) ends the epoch, as for a generator."""
+
+    __slots__ = ("_gen",)
+
+    def __init__(self, gen: Generator[Any, None, None]) -> None:
+        self._gen = gen
+
+    def __iter__(self) -> _Batches[T]:
+        return self
+
+    def __next__(self) -> T:
+        batch = next(self._gen)
+        if type(batch) is BatchFailed:
+            error = batch.error
+            del batch
+            raise error
+        return batch  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+class _AsyncBatches(AsyncIterator[T]):
+    """`aiter(loader)`: as `_Batches`, for `async for`."""
+
+    __slots__ = ("_gen",)
+
+    def __init__(self, gen: AsyncGenerator[Any, None]) -> None:
+        self._gen = gen
+
+    def __aiter__(self) -> _AsyncBatches[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        batch = await self._gen.__anext__()
+        if type(batch) is BatchFailed:
+            error = batch.error
+            del batch
+            raise error
+        return batch  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
 
 
 def _is_map_style(obj: object) -> bool:

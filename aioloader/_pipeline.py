@@ -12,6 +12,8 @@ Groups (see `_order.py`) are delivered whole, in group order (`in_order=True`) o
 With `on_error="raise"`, an error in a user callable ends the epoch: batches before it (in delivery
 order) are delivered, then the error is raised to the consumer with a note naming the stage and the
 key. With `on_error="skip"` the sample is dropped from its batch and counted, until `max_skipped`.
+With `batch_errors` (torch's DataLoader), an error ends its batch only: `get()` hands the batch's
+place over as a `BatchFailed`, whose error the consumer's `next()` raises, and the epoch goes on.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ._order import Group
 from ._rng import derive_seed
 from ._stats import LoaderStats, Recorder, nbytes
 
-__all__ = ["END", "ROWS_AHEAD_PER_WORKER", "SKIPPED", "Epoch", "Gap", "Stages"]
+__all__ = ["END", "ROWS_AHEAD_PER_WORKER", "SKIPPED", "BatchFailed", "Epoch", "Gap", "Stages"]
 
 ROWS_AHEAD_PER_WORKER = 4  # decodes sent ahead per worker while workers write batch rows
 
@@ -49,6 +51,15 @@ class _Marker:
 
 END: Any = _Marker("END")
 SKIPPED: Any = _Marker("SKIPPED")  # a batch whose every sample was skipped
+
+
+class BatchFailed:
+    """In a batch's place (`batch_errors`): the error that ended that batch, not the epoch."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class Gap:
@@ -77,6 +88,7 @@ class Stages:
     pool_bytes: int = 0  # of max_bytes, what the recycled batch buffers may keep
 
     rows: RowPlan | None = None  # set when process workers may write batch rows in place
+    batch_errors: bool = False  # an error ends its batch, not the epoch (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.tuner is None:
@@ -140,13 +152,14 @@ def _note(exc: BaseException, stage: str, keys: list[Any]) -> BaseException:
 
 
 class _GroupState:
-    __slots__ = ("buffer", "bytes", "group", "remaining", "rows", "samples", "skipped")
+    __slots__ = ("buffer", "bytes", "error", "group", "remaining", "rows", "samples", "skipped")
 
     def __init__(self, group: Group, rows: RowPlan | None) -> None:
         self.group = group
         self.samples: list[Any] = [None] * len(group.items)
         self.remaining = len(group.items)
         self.skipped: set[int] = set()
+        self.error: BaseException | None = None  # the first of the batch's (`batch_errors`)
         self.bytes = 0
         self.buffer: Any = None  # the batch in shared memory whose rows workers write (RowPlan)
         self.rows = rows if group.batched else None
@@ -223,6 +236,8 @@ class Epoch:
         rec.held_samples -= size
         rec.held_bytes -= held_bytes
         if error is not None:
+            if index >= 0 and self._stages.batch_errors:
+                return index, BatchFailed(error)
             raise error
         if batch is not END:
             rec.ready -= 1
@@ -352,7 +367,10 @@ class Epoch:
     ) -> None:
         """Drop the sample from its batch within the error policy; else end the epoch with `exc`."""
         if not self._skip(exc, stage, [key]):
-            return self._deliver(state.group, None, _note(exc, stage, [key]), state.bytes)
+            if not self._stages.batch_errors:
+                return self._deliver(state.group, None, _note(exc, stage, [key]), state.bytes)
+            if state.error is None:  # the batch fails once its other samples have ended
+                state.error = _note(exc, stage, [key])
         state.skipped.add(slot)
         await self._done(state)
 
@@ -372,6 +390,9 @@ class Epoch:
 
     async def _collate(self, state: _GroupState) -> None:
         group, samples = state.group, state.kept()
+        if state.error is not None:
+            state.buffer = None
+            return self._deliver(group, None, state.error, state.bytes)
         if not samples:
             return self._deliver(group, SKIPPED, None, state.bytes)
         if not group.batched:
@@ -409,18 +430,19 @@ class Epoch:
 
     def _deliver(self, group: Group, batch: Any, error: BaseException | None, size: int) -> None:
         item = (group.index, batch, len(group.items), size, error)
+        ends = not self._stages.batch_errors  # an error ends the epoch
         if error is None:
             self._rec.ready += 1
         if not self._stages.in_order:
             self._out.put_nowait(item)
-            if error is not None:
+            if error is not None and ends:
                 raise _Failed
             return
-        if error is not None and self._failed_group is None:
+        if error is not None and ends and self._failed_group is None:
             self._failed_group = group.index
         self._ready[group.index] = item
         while self._launched and self._launched[0] in self._ready:
             item = self._ready.pop(self._launched.popleft())
             self._out.put_nowait(item)
-            if item[4] is not None:
+            if item[4] is not None and ends:
                 raise _Failed

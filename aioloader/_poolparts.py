@@ -68,6 +68,15 @@ def encode_arg(arg: Any) -> tuple[str, bytes]:
         ) from exc
 
 
+def died_text(pid: int, code: int | None) -> str:
+    """How a worker's death begins its error, in torch's DataLoader's words."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            name = signal.strsignal(-code)
+            return f"DataLoader worker (pid {pid}) is killed by signal: {name}. ({exit_text(code)})"
+    return f"DataLoader worker (pid {pid}) exited unexpectedly ({exit_text(code)})."
+
+
 def exit_text(code: int | None) -> str:
     if code is not None and code < 0:
         with contextlib.suppress(ValueError):

@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import multiprocessing as mp
 import os
 import pickle
 import selectors
+import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.context import BaseContext
@@ -38,14 +40,14 @@ from ._poolparts import (
     RowTarget,
     Task,
     cancelled,
+    died_text,
     encode_arg,
-    exit_text,
     settle_future,
 )
 from ._recycle import Bytearrays
 from ._shm import Arena, Slot
 from ._validate import check_int
-from ._worker import Unpacker, load_placed, rebuild_error, serve
+from ._worker import GIVEN, Unpacker, load_placed, rebuild_error, serve
 from ._zygote import Zygote, ZygoteProcess, zygote_allowed
 
 __all__ = ["ASYNC_DEPTH", "Config", "Pool", "factory", "pick_start_method"]
@@ -66,19 +68,24 @@ CANCEL_GRACE_S = 1.0  # a timed-out async task not ended this long after its can
 START_TIMEOUT_S = 60.0  # a worker not ready by then (hung worker_init_fn) fails the pool
 STOP_GRACE_S = 0.5  # close(): how long workers get to exit before SIGKILL
 JOIN_TIMEOUT_S = 2.0
+_FORKED = ("zygote", "fork")  # start methods whose workers inherit what they are given
 _PRELOAD = ("aioloader._worker",)  # imports torch, numpy and aioloader once, in the forkserver
 
 
-def pick_start_method(method: str | None) -> tuple[str, BaseContext | None]:
-    """(method, its multiprocessing context; None for "zygote"). None picks as the docstring says."""
+def pick_start_method(
+    method: str | None, like_torch: bool = False
+) -> tuple[str, BaseContext | None]:
+    """(method, its multiprocessing context; None for "zygote"). None picks as the docstring says;
+    `like_torch`: forks where torch's DataLoader does (any Linux process, threads or CUDA)."""
     methods = [*mp.get_all_start_methods(), "zygote"]
+    torch_fork = like_torch and method is None and sys.platform.startswith("linux")
     if method is None:
-        method = "zygote" if zygote_allowed() is None else "forkserver"
+        method = "zygote" if torch_fork or zygote_allowed() is None else "forkserver"
         method = method if method in methods else "spawn"
     if method not in methods:
         raise ValueError(f"start_method must be one of {methods}, got {method!r}")
     cuda_live: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    if method in ("fork", "zygote") and cuda_live:
+    if method in ("fork", "zygote") and cuda_live and not torch_fork:
         raise RuntimeError(
             f"start_method={method!r} after CUDA was initialised in this process: a forked "
             "worker inherits a CUDA context it cannot use; use 'forkserver' or 'spawn'"
@@ -101,11 +108,13 @@ class Config:
     context: BaseContext | None
     timeout: float | None
     max_restarts: int
-    init: bytes | None
+    init: Callable[[int], Any] | None
     arena_bytes: int
     inline_max: int
     async_depth: int
     size_first: bool = False  # see ProcessExecutor
+    given: tuple[Any, ...] = ()  # see ProcessExecutor
+    fork_at_start: bool = False  # the zygote is forked by `start`, not by the constructor
 
 
 class Pool:
@@ -123,7 +132,13 @@ class Pool:
         self._pending: collections.deque[Task] = collections.deque()
         self._handles: list[Handle] = []
         self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
-        self._fn_blobs: dict[int, bytes] = {}
+        self._fn_blobs: dict[int, bytes | int] = {}
+        # objects given to the workers as they start (see `_worker.GIVEN`), by id
+        self._given = {id(o): o for o in (*config.given, config.init) if o is not None}
+        self._given_blob = (
+            None if config.method in _FORKED else _pickle_given(self._given, config.method)
+        )
+        GIVEN.update(self._given)  # before any fork
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._arena: Arena | None = None
@@ -139,8 +154,12 @@ class Pool:
         self._restarts = 0
         self._slot_waits = False  # a task waits for an output slot (see `_slot_freed`)
         self._out_bytes, self._out_known = FIRST_OUTPUT_BYTES, False
-        self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        self._zygote = Zygote(serve) if config.method == "zygote" else None
+        # from torch's seed, without drawing from its generator (a DataLoader must leave the global
+        # RNG as torch's leaves it)
+        self._seed = (torch.initial_seed() * 0x9E3779B97F4A7C15 + 1) % 2**62
+        self._zygote: Zygote | None = None
+        if config.method == "zygote" and not config.fork_at_start:
+            self._zygote = Zygote(serve)
         self.counts: collections.Counter[str] = collections.Counter()
         self._outcomes: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}  # see `_settle`
         self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
@@ -155,6 +174,8 @@ class Pool:
                 raise LoaderClosedError("the process executor was closed")
             if self._thread is not None:
                 return
+            if self.cfg.method == "zygote" and self._zygote is None:
+                self._zygote = Zygote(serve)
             self._arena = Arena(self.cfg.arena_bytes)
             self._arena.on_free = self._slot_freed
             self._wake_r, self._wake_w = os.pipe()
@@ -210,7 +231,7 @@ class Pool:
                 if known is fn or (isinstance(fn, types.MethodType) and known == fn):
                     return fn_key
         try:
-            blob = pickle.dumps(fn, protocol=5)
+            blob: bytes | int = id(fn) if id(fn) in self._given else pickle.dumps(fn, protocol=5)
         except Exception as exc:
             raise TypeError(
                 f"executor='process' needs a decode callable that pickles (a module-level function "
@@ -245,6 +266,9 @@ class Pool:
             self.closed = self._stopping = True
             if thread is not None and not already:
                 self._wake_locked()
+            for key, obj in self._given.items():
+                if GIVEN.get(key) is obj:
+                    del GIVEN[key]
         if thread is None and self._zygote is not None:
             self._zygote.close()
         if thread is not None and thread is not threading.current_thread():
@@ -292,7 +316,8 @@ class Pool:
     def _spawn(self, index: int) -> None:
         conn, child_conn = mp.Pipe(duplex=True)
         lifeline_r, lifeline_w = mp.Pipe(duplex=False)
-        args = (index, self._seed + index, self.cfg.init is not None)
+        init = None if self.cfg.init is None else id(self.cfg.init)
+        args = (index, self._seed + index, init, self._given_blob is not None)
         process: Any
         try:
             if self._zygote is not None:
@@ -314,8 +339,8 @@ class Pool:
             lifeline_r.close()
         handle = Handle(index, process, conn, lifeline_w, self.counts)
         self._handles.append(handle)
-        if self.cfg.init is not None:
-            handle.send_bytes(self.cfg.init)
+        if self._given_blob is not None:
+            handle.send_bytes(self._given_blob)
             handle.flush()
 
     def _watch(self, h: Handle) -> None:
@@ -392,12 +417,8 @@ class Pool:
                 h.ready = True
                 if all(x.ready for x in self._handles):
                     self._ready.set()
-            elif kind == wire.INIT_FAILED:
-                cause = rebuild_error(msg[1], h.pid, "worker_init_fn")
-                text = f"worker_init_fn raised in decode worker pid {h.pid}: {cause!r}"
-                self._fail_pool(
-                    factory(WorkerDied, text, cause=cause, pid=h.pid, exitcode=None, tasks=[])
-                )
+            elif kind == wire.INIT_FAILED:  # the user's own error, raised anew each time
+                self._fail_pool(functools.partial(rebuild_error, msg[1], h.pid, "worker_init_fn"))
 
     def _finish(self, h: Handle, task_id: int, needed: int | None = None) -> Task | None:
         task = h.inflight.pop(task_id, None)
@@ -513,7 +534,7 @@ class Pool:
         if self._stopping or h.killed:
             return
         if not h.ready:
-            text = f"decode worker pid {pid} died while starting ({exit_text(code)})"
+            text = f"{died_text(pid, code)} It died while starting."
             self._fail_pool(factory(WorkerDied, text, pid=pid, exitcode=code, tasks=[]))
             return
         self.counts["replaced"] += 1
@@ -532,8 +553,8 @@ class Pool:
             else "pass max_worker_restarts=N to retry such tasks on a new worker"
         )
         text = (
-            f"decode worker pid {pid} died ({exit_text(code)}) with {len(ids)} task(s) in flight "
-            f"(task ids {ids}); it was replaced, {hint}"
+            f"{died_text(pid, code)} It died with {len(ids)} task(s) in flight (task ids {ids}) "
+            f"and was replaced; {hint}"
         )
         for t in tasks:
             self._settle(t, error=WorkerDied(text, pid=pid, exitcode=code, tasks=ids))
@@ -662,6 +683,9 @@ class Pool:
                     self._free(slot)
                 self._pending.appendleft(task)
                 continue
+            except BaseException:  # a bug: keep every task where `_shutdown` fails it
+                self._pending.extendleft([task, *reversed(passed)])
+                raise
             passed.append(task)
             if task.pin is None:
                 break  # no worker has room for it: nor for those behind it
@@ -719,7 +743,7 @@ class Pool:
         assert arena is not None
         if task.fn_id not in h.fns:
             blob = self._fn_blobs[task.fn_id]
-            if len(blob) > inline_max and h.inflight:
+            if isinstance(blob, bytes) and len(blob) > inline_max and h.inflight:
                 return False
             h.send((wire.FN, task.fn_id, blob, task.is_async))
             h.fns.add(task.fn_id)
@@ -801,6 +825,45 @@ class Pool:
             os.close(wake_r)
             os.close(wake_w)
         self._ready.set()
+
+
+def _pickle_given(given: dict[int, Any], method: str) -> bytes:
+    """`given` pickled for workers that are not forked; a TypeError naming what does not pickle."""
+    try:
+        return pickle.dumps(given, protocol=5)
+    except Exception as exc:
+        where = next(
+            (path for obj in given.values() for path in _unpicklable(obj, type(obj).__name__)),
+            None,
+        )
+        raise TypeError(
+            f"the worker processes do not fork (start method {method!r}), so what they run is "
+            f"pickled, and "
+            f"{where or 'it'} does not pickle ({type(exc).__name__}: {exc}). Define it at module "
+            "level, keep the default (fork) start method, or read in threads "
+            "(aioloader.DataLoader(..., worker_mode='thread'))"
+        ) from exc
+
+
+def _unpicklable(obj: Any, path: str, depth: int = 4) -> Iterator[str]:
+    """Paths (`Dataset.transform.fn`) of the innermost attributes of `obj` that do not pickle."""
+    try:
+        pickle.dumps(obj, protocol=5)
+        return
+    except Exception:
+        pass
+    inner = vars(obj) if depth > 0 and hasattr(obj, "__dict__") else {}
+    if isinstance(obj, functools.partial):
+        inner = {"func": obj.func}
+    elif depth > 0 and hasattr(obj, "__self__") and hasattr(obj, "__func__"):
+        inner = {"__self__": obj.__self__}
+    found = False
+    for name, value in inner.items():
+        for deeper in _unpicklable(value, f"{path}.{name}", depth - 1):
+            found = True
+            yield deeper
+    if not found:
+        yield path
 
 
 def factory(

@@ -18,6 +18,13 @@ child. So the default is:
   numpy once (`set_forkserver_preload`); workers fork from it in milliseconds once it runs, but its
   first start imports torch again (seconds) and keeps that second copy in memory.
 "spawn" and "fork" can be asked for; "fork" and "zygote" are refused once CUDA is initialised.
+`aioloader.DataLoader` asks for torch's behaviour instead (`fork_like_torch`): the zygote whatever
+threads run and even with CUDA initialised, forked when its first epoch starts; torch's DataLoader
+forks its workers from such a process too, and a script that works with it works the same.
+
+What the workers run is `given` to them as they start (`_worker.GIVEN`): with a forked start it is
+inherited, not pickled, so a dataset holding a lambda or a `multiprocessing.Value` works, and a
+`worker_init_fn` that is a bound method of the dataset changes the very object the reads use.
 
 One thread per executor, "aioloader-procpool", does all the waiting: it blocks in one selector
 (epoll on Linux) on every worker's socket and process sentinel, so a worker that
@@ -56,7 +63,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import pickle
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -64,6 +70,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._exceptions import LoaderClosedError
 from ._poolparts import INLINE_MAX, BatchBuffer, RowTarget
 from ._poolthread import ASYNC_DEPTH, Config, Pool, pick_start_method
 from ._shm import arena_budget
@@ -98,6 +105,16 @@ class ProcessExecutor:
             large they are), and while the arena has no room for an output slot, tasks wait as
             long as another is in flight (else one goes, its result pickled: slower, never a
             deadlock).
+        given: objects the workers get as they start, not through their pipes (a callable among
+            them that `run` is given is not pickled): with a forked start they are inherited, so
+            a dataset holding a `multiprocessing.Value` or a lambda works, and `worker_init_fn`
+            and the tasks share them; otherwise they are pickled together once per worker (and
+            a TypeError here names the attribute that does not pickle). `worker_init_fn` is
+            always given so.
+        fork_like_torch: as torch's DataLoader forks its workers: with `start_method=None` the
+            zygote is used whatever threads run and even once CUDA is initialised (a worker
+            must then not use CUDA), and it is forked by `start` (the first task), so that it
+            sees the objects as they are then rather than at construction.
 
     `batch_buffer` makes a batch in shared memory whose rows workers write in place (no collate).
     `run` is safe to cancel (the worker finishes the task; its result is dropped). `close` is
@@ -123,6 +140,8 @@ class ProcessExecutor:
         inline_max: int = INLINE_MAX,
         async_depth: int = ASYNC_DEPTH,
         size_first: bool = False,
+        given: tuple[Any, ...] = (),
+        fork_like_torch: bool = False,
     ) -> None:
         self.workers = (
             default_workers() if workers is None else check_int("workers", workers, minimum=1)
@@ -131,14 +150,14 @@ class ProcessExecutor:
         check_int("inline_max", inline_max, minimum=0)
         self.async_depth = check_int("async_depth", async_depth, minimum=1)
         check_callable("worker_init_fn", worker_init_fn, optional=True)
-        init = None if worker_init_fn is None else pickle.dumps(worker_init_fn, protocol=5)
-        method, context = pick_start_method(start_method)
+        method, context = pick_start_method(start_method, fork_like_torch)
         self.start_method = method
         config = Config(
             workers=self.workers, method=method, context=context,
-            timeout=check_timeout("timeout", timeout), max_restarts=max_worker_restarts, init=init,
-            arena_bytes=arena_budget(arena_bytes), inline_max=inline_max, async_depth=async_depth,
-            size_first=size_first,
+            timeout=check_timeout("timeout", timeout), max_restarts=max_worker_restarts,
+            init=worker_init_fn, arena_bytes=arena_budget(arena_bytes), inline_max=inline_max,
+            async_depth=async_depth, size_first=size_first, given=given,
+            fork_at_start=fork_like_torch,
         )  # fmt: skip
         self._pool = Pool(config)
         self._finalizer = weakref.finalize(self, self._pool.close)
@@ -224,6 +243,17 @@ class ProcessExecutor:
     def pids(self) -> list[int]:
         """Process ids of the live workers."""
         return self._pool.pids()
+
+    def renew(self) -> None:
+        """Stop the workers and start fresh ones (forked anew: they see the given objects as they
+        are now), as torch's DataLoader does each epoch without `persistent_workers`. Call it
+        between epochs: what is queued or running fails with `LoaderClosedError`. Arrays already
+        handed out stay valid."""
+        if self._pool.closed:
+            raise LoaderClosedError("the process executor was closed")
+        self._finalizer()
+        self._pool = Pool(self._pool.cfg)
+        self._finalizer = weakref.finalize(self, self._pool.close)
 
     @property
     def closed(self) -> bool:

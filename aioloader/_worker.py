@@ -30,6 +30,10 @@ Messages are pickled tuples, first item the kind:
     (CANCEL, task_id)
     (GROWN, task_id, out_ref)
 
+A `blob` that is an int names an object the worker was given as it started (`GIVEN`: inherited by
+a fork, or the first message), not pickled: a dataset holding a `multiprocessing.Value` or a
+lambda then works, and `worker_init_fn` and the tasks see the very same objects.
+
 With `grow`, a plain task whose result does not fit its output slot keeps the result and answers
 NEED with the bytes it needs; the parent answers GROWN with a slot that large (or None: the result is
 then pickled), and the worker packs the result there. How a pool that hands over whole batches learns
@@ -578,7 +582,15 @@ def _populate(mm: mmap.mmap) -> None:
         mm.madvise(_MADV_POPULATE_WRITE)
 
 
-def _load_fn(blob: bytes) -> Callable[[Any], Any] | BaseException:
+# Objects a worker gets as it starts rather than through its pipe, by their id in the parent
+# (`Given`): with a forked start (the zygote, "fork") this dict is inherited with the objects in it;
+# otherwise the parent sends it pickled as the worker's first message.
+GIVEN: dict[int, Any] = {}
+
+
+def _load_fn(blob: bytes | int) -> Callable[[Any], Any] | BaseException:
+    if isinstance(blob, int):
+        return GIVEN[blob]  # type: ignore[no-any-return]
     try:
         fn: Callable[[Any], Any] = pickle.loads(blob)
     except Exception as exc:
@@ -592,10 +604,14 @@ def _raw(data: Any, kind: str) -> Any:
     return data if type(data) is bytes else bytes(data)
 
 
-def serve(conn: Connection, lifeline: Connection, worker_id: int, seed: int, init: bool) -> None:
+def serve(
+    conn: Connection, lifeline: Connection, worker_id: int, seed: int, init: int | None,
+    given: bool = False,
+) -> None:  # fmt: skip
     """The worker process's target: set up, run `worker_init_fn(worker_id)`, then serve tasks.
 
-    With `init`, the parent's first message is the pickled `worker_init_fn`.
+    `init`: the id of `worker_init_fn` in `GIVEN`. With `given`, the parent's first message is
+    `GIVEN` pickled (a start that does not fork: the objects are not inherited).
     """
     gc.freeze()  # inherited objects: collections here never write to (and so copy) their pages
     die_with_parent()
@@ -607,8 +623,10 @@ def serve(conn: Connection, lifeline: Connection, worker_id: int, seed: int, ini
     torch.manual_seed(seed)
     worker = _Worker(conn)
     try:
-        if init:
-            pickle.loads(conn.recv_bytes())(worker_id)
+        if given:
+            GIVEN.update(pickle.loads(conn.recv_bytes()))
+        if init is not None:
+            GIVEN[init](worker_id)
     except Exception as exc:
         worker.send((INIT_FAILED, encode_error(exc)))
         return

@@ -26,11 +26,13 @@ import base64
 import inspect
 import itertools
 import math
+import multiprocessing as mp
 import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from multiprocessing.context import BaseContext
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import (
@@ -38,14 +40,16 @@ from torch.utils.data import (
     Dataset,
     DistributedSampler,
     IterableDataset,
+    IterDataPipe,
     RandomSampler,
     Sampler,
     SequentialSampler,
     default_convert,
+    graph_settings,
 )
 
 from ._collate import BufferPool, default_collate, make_collate
-from ._exceptions import StateError
+from ._exceptions import LoaderTimeout, StateError
 from ._limits import DEFAULT_MAX_BYTES
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
@@ -66,7 +70,11 @@ from ._transfer import make_device_stage
 
 __all__ = ["DataLoader"]
 
+T = TypeVar("T")
+
 _DEFAULT_CONCURRENCY = 16
+# set after construction, these raise ValueError (as in torch: the plan is made from them)
+_FIXED = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
 
 
 class _SamplerPlan:
@@ -246,11 +254,36 @@ def _check_arguments(
         )
 
 
+def _check_context(context: Any, num_workers: int) -> str | None:
+    """The start method `multiprocessing_context` names (None: the default), checked as torch's."""
+    if context is None:
+        return None
+    if num_workers == 0:
+        raise ValueError(
+            "multiprocessing_context can only be used with multi-process loading "
+            f"(num_workers > 0), but got num_workers={num_workers}"
+        )
+    if isinstance(context, str):
+        valid = mp.get_all_start_methods()
+        if context not in valid:
+            raise ValueError(
+                f"multiprocessing_context option should specify a valid start method in "
+                f"{valid!r}, but got multiprocessing_context={context!r}"
+            )
+        return context
+    if not isinstance(context, BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context!r}"
+        )
+    return str(context.get_start_method())
+
+
 async def _same(item: Any) -> Any:
     return item
 
 
-class DataLoader(Loader[Any]):
+class DataLoader(Loader[T]):
     """A drop-in for `torch.utils.data.DataLoader` whose `__getitem__` calls run concurrently.
 
     Takes torch's arguments (see the module docstring for `num_workers`) plus:
@@ -302,6 +335,10 @@ class DataLoader(Loader[Any]):
         threads_per_worker: int | str = "auto",
     ) -> None:
         threads, lazy = check_threads(threads_per_worker, num_workers)
+        self._start_method = _check_context(multiprocessing_context, num_workers)
+        if isinstance(dataset, IterDataPipe) and shuffle is not None:
+            dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
+            shuffle = None  # the pipe shuffles itself, as in torch
         _check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, drop_last,
             timeout, prefetch_factor, persistent_workers,
@@ -321,6 +358,10 @@ class DataLoader(Loader[Any]):
         self.generator = generator
         self.persistent_workers = persistent_workers
         self.in_order = in_order
+        self._workers: ProcessExecutor | None = None  # the worker processes, if any
+        self._len_called: int | None = None  # IterableDataset: len(dataset) when len(self) asked
+        self._yielded = 0  # batches handed over this epoch
+        self._epochs_started = 0
         if device is None:
             self._warn_pin_memory()  # else the device stage checks pin_memory itself
         iterable = isinstance(dataset, IterableDataset)
@@ -375,8 +416,49 @@ class DataLoader(Loader[Any]):
             device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
             ) if device is not None else None,
-            own_executor=True,
+            own_executor=True, batch_errors=True,
         )  # fmt: skip
+        torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
+        self._initialized = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FIXED and self.__dict__.get("_initialized"):
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        super().__setattr__(name, value)
+
+    def _start(self) -> Any:
+        started = super()._start()
+        self._yielded = 0
+        workers = self._workers
+        if workers is not None:
+            if self._epochs_started and not self.persistent_workers:
+                workers.renew()  # torch forks them anew each epoch: they see the dataset as it is
+            workers.start()  # forked here, from the consumer's thread, as torch's are
+        self._epochs_started += 1
+        return started
+
+    def _hand_over(self, batch: Any) -> Any:
+        self._yielded += 1
+        if self._len_called is not None and self._yielded > self._len_called:
+            workers = (
+                " For multiprocessing data-loading, this could be caused by not properly "
+                "configuring the IterableDataset replica at each worker (shard it with "
+                "torch.utils.data.get_worker_info())."
+                if self.num_workers > 0
+                else ""
+            )
+            warnings.warn(
+                f"Length of IterableDataset {self.dataset} was reported to be {self._len_called} "
+                f"(when accessing len(dataloader)), but {self._yielded} samples have been "
+                f"fetched.{workers}",
+                stacklevel=3,
+            )
+        return super()._hand_over(batch)
+
+    def _timed_out(self) -> LoaderTimeout:
+        return LoaderTimeout(f"DataLoader timed out after {self.timeout} seconds")
 
     def _per_item(
         self, collate_fn: Callable[..., Any]
@@ -384,7 +466,8 @@ class DataLoader(Loader[Any]):
         """Without auto-collation, read each index in one of `num_workers` processes (then
         `collate_fn`, torch's per-sample convert): the index travels, the sample comes back in
         shared memory."""
-        return _same, ReadItem(self.dataset, collate_fn), self._worker_pool()
+        read = ReadItem(self.dataset, collate_fn)
+        return _same, read, self._worker_pool(read)
 
     def _whole_batches(
         self, collate_fn: Callable[..., Any], threads: int, lazy: bool
@@ -396,7 +479,7 @@ class DataLoader(Loader[Any]):
         plan.read_batches(numbered=True)
         collate = None if collate_fn is DEFAULT_COLLATE else collate_fn
         read = ReadSamples(self.dataset, collate, threads, lazy)
-        return _same, read, RoundRobin(self._worker_pool(size_first=True)), plan
+        return _same, read, RoundRobin(self._worker_pool(read, size_first=True)), plan
 
     def _streams(
         self, collate_fn: Callable[..., Any], auto_collation: bool
@@ -407,20 +490,22 @@ class DataLoader(Loader[Any]):
         batch_size = self.batch_size if auto_collation else None
         read = ReadStream(self.dataset, batch_size, self.drop_last, collate, uuid.uuid4().hex)
         plan = WorkerStreams(self.num_workers)
-        return _same, read, StreamExecutor(self._worker_pool(size_first=True), plan), plan
+        return _same, read, StreamExecutor(self._worker_pool(read, size_first=True), plan), plan
 
-    def _worker_pool(self, size_first: bool = False) -> ProcessExecutor:
+    def _worker_pool(self, read: Callable[[Any], Any], size_first: bool = False) -> ProcessExecutor:
         """The worker processes, seeded and set up as torch's are; their arena as large as a
-        Loader's default byte budget (whole batches travel in it)."""
-        context = self.multiprocessing_context
-        method = getattr(context, "get_start_method", lambda: context)()
+        Loader's default byte budget (whole batches travel in it). They are forked as torch's are
+        (by default, whatever threads run), when the first epoch starts, and inherit `read`
+        (the dataset) and the worker_init_fn, which are not pickled."""
         gen = self.generator
         base_seed = gen.initial_seed() if gen is not None else torch.initial_seed()
-        return ProcessExecutor(
-            self.num_workers, start_method=method,
+        self._workers = ProcessExecutor(
+            self.num_workers, start_method=self._start_method,
             worker_init_fn=WorkerSetup(self.num_workers, base_seed, self.worker_init_fn),
-            arena_bytes=loader_arena(DEFAULT_MAX_BYTES), size_first=size_first,
+            arena_bytes=loader_arena(DEFAULT_MAX_BYTES), size_first=size_first, given=(read,),
+            fork_like_torch=True,
         )  # fmt: skip
+        return self._workers
 
     def _plan_for(
         self,
@@ -485,7 +570,7 @@ class DataLoader(Loader[Any]):
     def __len__(self) -> int:
         if not isinstance(self.dataset, IterableDataset):
             return super().__len__()
-        length = len(self.dataset)  # type: ignore[arg-type]
+        length = self._len_called = len(self.dataset)  # type: ignore[arg-type]
         if self.batch_size is None:
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)

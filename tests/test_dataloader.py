@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
 import threading
 import time
+import typing
 from collections import namedtuple
 from typing import Any
 
@@ -277,7 +284,8 @@ def test_timeout_raises_loader_timeout_naming_the_limit() -> None:
         pytest.raises(LoaderTimeout) as err,
     ):
         next(iter(ours))
-    assert "timeout=0.2" in str(err.value)
+    assert str(err.value) == "DataLoader timed out after 0.2 seconds"  # torch's words
+    assert isinstance(err.value, RuntimeError)  # as torch's
 
 
 def test_error_in_getitem_keeps_type_and_names_the_index() -> None:
@@ -413,3 +421,364 @@ def test_an_error_in_a_workers_stream_keeps_its_type() -> None:
     with loader, pytest.raises(KeyError, match="shard 1 is missing") as info:
         list(loader)
     assert any("decode" in note for note in info.value.__notes__), info.value.__notes__
+
+
+# -- drop-in fidelity: a script that works with torch's DataLoader works the same ------------------
+
+
+class FailsAt(Dataset[Any]):
+    """`dataset[i]` is i, except at `bad`, which raise ValueError naming the index."""
+
+    def __init__(self, n: int = 12, bad: tuple[int, ...] = (5,)) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i in self.bad:
+            raise ValueError(f"bad sample {i}")
+        return i
+
+
+def _outcomes(loader: Any) -> list[Any]:
+    """Each `next()` of one epoch: the batch as a list, or the type and message it raised."""
+    got: list[Any] = []
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return got
+        except Exception as exc:
+            got.append((type(exc).__name__, str(exc).splitlines()[-1]))
+            continue
+        got.append(batch.tolist())
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_error_ends_its_batch_and_the_next_call_goes_on(num_workers: int) -> None:
+    dataset = FailsAt(bad=(5, 9))
+    expected = _outcomes(TorchDataLoader(dataset, batch_size=2, num_workers=num_workers))
+    with DataLoader(dataset, batch_size=2, num_workers=num_workers) as ours:
+        got = _outcomes(ours)
+    assert [b if isinstance(b, list) else b[0] for b in got] == [
+        b if isinstance(b, list) else b[0] for b in expected
+    ]
+    assert got == [[0, 1], [2, 3], ("ValueError", "bad sample 5"), [6, 7],
+                   ("ValueError", "bad sample 9"), [10, 11]]  # fmt: skip
+
+
+def test_an_error_ends_its_batch_in_async_for_too() -> None:
+    async def main() -> list[Any]:
+        got: list[Any] = []
+        async with DataLoader(FailsAt(bad=(3,)), batch_size=4) as loader:
+            it = aiter(loader)
+            while True:
+                try:
+                    got.append((await anext(it)).tolist())
+                except StopAsyncIteration:
+                    return got
+                except ValueError as exc:
+                    got.append(str(exc))
+
+    assert asyncio.run(main()) == ["bad sample 3", [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def _broken_init(worker_id: int) -> None:
+    raise ZeroDivisionError(f"Error in worker_init_fn {worker_id}")
+
+
+def test_a_failing_worker_init_fn_raises_its_own_error() -> None:
+    loader = DataLoader(MapDataset(8), batch_size=2, num_workers=2, worker_init_fn=_broken_init)
+    with loader, pytest.raises(ZeroDivisionError, match="Error in worker_init_fn"):
+        list(loader)
+
+
+class KillsItself(Dataset[Any]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def test_a_killed_worker_is_a_runtime_error_worded_as_torchs() -> None:
+    loader = DataLoader(KillsItself(), batch_size=2, num_workers=2)
+    killed = r"DataLoader worker \(pid \d+\) is killed by signal: Killed"
+    with loader, pytest.raises(RuntimeError, match=killed) as info:
+        list(loader)
+    assert isinstance(info.value, aioloader.WorkerDied)
+    assert info.value.exitcode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("name", aioloader._exceptions.__all__)
+def test_every_error_survives_pickling_and_rebuilding_from_its_message(name: str) -> None:
+    cls = getattr(aioloader._exceptions, name)
+    exc = cls("what happened")
+    for again in (pickle.loads(pickle.dumps(exc)), type(exc)(str(exc))):
+        assert type(again) is cls
+        assert str(again) == "what happened"
+    died = aioloader.WorkerDied("gone", pid=12, exitcode=-9, tasks=[3])
+    assert pickle.loads(pickle.dumps(died)).__dict__ == died.__dict__
+
+
+class Counted(Dataset[Any]):
+    """Counts its reads in a `multiprocessing.Value` under a `Lock`, shared with the parent."""
+
+    def __init__(self, n: int = 10) -> None:
+        self.n = n
+        self.reads = multiprocessing.Value("i", 0)
+        self.lock = multiprocessing.Lock()
+        self.scale = 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        with self.lock:
+            self.reads.value += 1
+        return i * self.scale
+
+    def init_worker(self, worker_id: int) -> None:
+        self.scale = 100  # a bound method: the very dataset the reads use
+
+
+def test_workers_get_the_dataset_at_start_with_its_shared_values() -> None:
+    dataset = Counted()
+    with DataLoader(dataset, batch_size=3, num_workers=2) as loader:
+        assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert dataset.reads.value == 10  # counted in the workers, seen here
+
+
+def test_a_bound_method_worker_init_fn_changes_the_dataset_the_reads_use() -> None:
+    dataset = Counted(4)
+    with DataLoader(
+        dataset, batch_size=2, num_workers=2, worker_init_fn=dataset.init_worker
+    ) as loader:
+        assert [b.tolist() for b in loader] == [[0, 100], [200, 300]]
+
+
+def test_a_local_closure_worker_init_fn_and_a_local_dataset_class_work() -> None:
+    marks: list[int] = []
+
+    class Local(Dataset[Any]):
+        transform = staticmethod(lambda x: x * 2)
+
+        def __init__(self) -> None:
+            self.offset = lambda x: x + 1
+
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int) -> Any:
+            return (self.transform(i), self.offset(i), len(marks))
+
+    def init(worker_id: int) -> None:
+        marks.append(worker_id)  # the worker's own copy of `marks`
+
+    with DataLoader(Local(), batch_size=3, num_workers=2, worker_init_fn=init) as loader:
+        batches = [[t.tolist() for t in b] for b in loader]
+    assert batches == [[[0, 2, 4], [1, 2, 3], [1, 1, 1]], [[6, 8, 10], [4, 5, 6], [1, 1, 1]]]
+    assert marks == []
+
+
+def test_without_fork_what_does_not_pickle_is_named_at_construction() -> None:
+    class Local(MapDataset):
+        def __init__(self) -> None:
+            super().__init__(4)
+            self.transform = lambda x: x
+
+    with pytest.raises(
+        TypeError, match=r"dataset\.transform does not pickle.*worker_mode='thread'"
+    ):
+        DataLoader(Local(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = """
+import threading, time, sys
+sys.path.insert(0, {tests!r})
+from aioloader import DataLoader
+from test_dataloader import MapDataset
+threading.Thread(target=time.sleep, args=(5,), daemon=True).start()  # a thread runs already
+loader = DataLoader(MapDataset(8, "tensor"), batch_size=4, num_workers=2)
+print(sum(len(b) for b in loader))
+loader.close()
+"""
+
+
+def test_a_script_without_a_main_guard_works_while_a_thread_runs(tmp_path: Any) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD.format(tests=os.path.dirname(__file__)))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["8"]
+
+
+def test_fixed_attributes_cannot_be_set_after_construction() -> None:
+    loader = DataLoader(MapDataset(4), batch_size=2)
+    for name in ("batch_size", "sampler", "batch_sampler", "drop_last", "dataset"):
+        with pytest.raises(ValueError, match=f"{name} attribute should not be set after"):
+            setattr(loader, name, None)
+    loader.num_workers = 0  # others may change, as in torch
+    loader.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(num_workers=0, multiprocessing_context="fork"), ValueError, "num_workers > 0"),
+        (dict(num_workers=1, multiprocessing_context="nope"), ValueError, "'forkserver'"),
+        (dict(num_workers=1, multiprocessing_context=3), TypeError, "valid context object"),
+    ],
+)
+def test_multiprocessing_context_is_checked_as_torch_does(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        TorchDataLoader(MapDataset(4), **kwargs)
+    with pytest.raises(error, match=match):
+        DataLoader(MapDataset(4), **kwargs)
+
+
+def test_a_context_object_picks_the_start_method() -> None:
+    context = multiprocessing.get_context("fork")
+    with DataLoader(
+        MapDataset(6, "tensor"), batch_size=3, num_workers=1, multiprocessing_context=context
+    ) as loader:
+        assert [b.shape[0] for b in loader] == [3, 3]
+        assert loader._workers is not None
+        assert loader._workers.start_method == "fork"
+
+
+def test_more_workers_than_cpus_warns() -> None:
+    many = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 64) + 1
+    with pytest.warns(UserWarning, match=f"will create {many} worker processes"):
+        DataLoader(MapDataset(4), num_workers=many).close()
+
+
+class ShortStream(IterableDataset[Any]):
+    def __iter__(self) -> Any:
+        return iter(range(5))
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_an_iterable_dataset_longer_than_its_len_warns() -> None:
+    with DataLoader(ShortStream(), batch_size=1) as loader:
+        assert len(loader) == 2
+        with pytest.warns(UserWarning, match="reported to be 2.*samples have been fetched") as w:
+            assert len(list(loader)) == 5
+    assert [str(x.message).split("but ")[1][0] for x in w] == ["3", "4", "5"]  # as torch warns
+
+
+def test_an_iter_datapipe_accepts_shuffle() -> None:
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(10)).shuffle()  # shuffle=True turns its shuffler on
+    with DataLoader(pipe, batch_size=5, shuffle=True) as loader:
+        got = sorted(x for b in loader for x in b.tolist())
+    assert got == list(range(10))
+
+
+def test_the_class_is_generic() -> None:
+    typed = DataLoader[list[torch.Tensor]]
+    assert typing.get_origin(typed) is DataLoader
+
+
+def test_zero_element_tensors_batch_in_worker_processes() -> None:
+    class Empty(MapDataset):
+        def __getitem__(self, i: int) -> Any:
+            return torch.empty(0), torch.zeros(0, 3)
+
+    with DataLoader(Empty(6), batch_size=3, num_workers=2) as loader:
+        shapes = [(a.shape, b.shape) for a, b in loader]
+    assert shapes == [((3, 0), (3, 0, 3))] * 2
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_get_torchs_default_collate_error() -> None:
+    class Nested(MapDataset):
+        def __getitem__(self, i: int) -> Any:
+            return torch.nested.nested_tensor([torch.ones(i + 1), torch.ones(2)])
+
+    for make in (TorchDataLoader, DataLoader):
+        loader = make(Nested(4), batch_size=2)
+        with pytest.raises(RuntimeError, match="not currently supported by the default collate_fn"):
+            list(loader)
+        getattr(loader, "close", lambda: None)()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_shuffle_without_a_generator_matches_torch_and_leaves_the_same_rng(
+    num_workers: int,
+) -> None:
+    def run(make: Any) -> tuple[list[Any], torch.Tensor]:
+        torch.manual_seed(1234)
+        loader = make(MapDataset(20, "tensor"), batch_size=5, shuffle=True, num_workers=num_workers)
+        batches = [b.tolist() for b in loader]
+        after = torch.rand(3)
+        getattr(loader, "close", lambda: None)()
+        return batches, after
+
+    expected, expected_after = run(TorchDataLoader)
+    got, got_after = run(DataLoader)
+    assert got == expected
+    assert torch.equal(got_after, expected_after)
+
+
+class Versioned(Dataset[Any]):
+    def __init__(self) -> None:
+        self.version = 0
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return self.version
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_see_the_dataset_as_it_is_when_their_epoch_starts(persistent: bool) -> None:
+    dataset = Versioned()
+    seen: dict[str, list[list[int]]] = {}
+    for name, make in (("torch", TorchDataLoader), ("ours", DataLoader)):
+        dataset.version = 0
+        loader = make(dataset, batch_size=4, num_workers=2, persistent_workers=persistent)
+        dataset.version = 1  # after construction, before the first epoch: both see it
+        epochs = [next(iter(loader)).tolist()]
+        dataset.version = 2  # between epochs: fresh workers see it, persistent ones do not
+        epochs.append(next(iter(loader)).tolist())
+        seen[name] = epochs
+        getattr(loader, "close", lambda: None)()
+    assert seen["ours"] == seen["torch"]
+    assert seen["ours"] == [[1] * 4, [1 if persistent else 2] * 4]
+
+
+class BreaksMidway(IterableDataset[Any]):
+    """Worker 1's stream raises at its third item; worker 0's goes on."""
+
+    def __iter__(self) -> Any:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        for i in range(6):
+            if worker == 1 and i == 2:
+                raise KeyError(f"worker {worker} item {i}")
+            yield worker * 100 + i
+
+
+def test_an_error_in_one_workers_stream_ends_that_batch_as_in_torch() -> None:
+    expected = _outcomes(TorchDataLoader(BreaksMidway(), batch_size=2, num_workers=2))
+    with DataLoader(BreaksMidway(), batch_size=2, num_workers=2) as ours:
+        got = _outcomes(ours)
+    assert [b if isinstance(b, list) else b[0] for b in got] == [
+        b if isinstance(b, list) else b[0] for b in expected
+    ]
+    assert got[3] == ("KeyError", "'worker 1 item 2'")
