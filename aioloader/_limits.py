@@ -137,7 +137,8 @@ class ByteBudget:
 class ErrorPolicy:
     """What a failed sample does: "raise" ends the epoch; "skip" drops it, within `max_skipped`.
 
-    `max_skipped`: a count (int), a fraction of the epoch's samples (float < 1), or None (no limit).
+    `max_skipped`: a count (an int, or a whole float >= 1 such as 20.0), a fraction of the epoch's
+    samples (a float < 1), or None (no limit).
     """
 
     on_error: str = "raise"
@@ -147,10 +148,14 @@ class ErrorPolicy:
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
         m = self.max_skipped
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int | float) or m < 0):
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int | float) or not m >= 0):
             raise ValueError(f"max_skipped must be a count, a fraction or None, got {m!r}")
         if isinstance(m, float) and m >= 1:
-            raise ValueError(f"max_skipped as a fraction must be < 1, got {m!r}")
+            if not m.is_integer():
+                raise ValueError(
+                    f"max_skipped must be a count (a whole number) or a fraction < 1, got {m!r}"
+                )
+            object.__setattr__(self, "max_skipped", int(m))  # 20.0 means 20 samples
 
     def allows(self, skipped: int, epoch_samples: int | None) -> bool:
         """Whether `skipped` samples (this one included) are still within the budget."""

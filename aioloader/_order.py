@@ -113,6 +113,11 @@ class KeyOrder:
         world_size: int = 1,
         drop_last: bool = False,
     ) -> None:
+        if not isinstance(keys, Iterable | AsyncIterable):
+            raise TypeError(
+                "keys: expected a sequence, an iterable or an async iterable of keys (or a "
+                f"Source), got {type(keys).__name__}"
+            )
         sized = isinstance(keys, Sequence)
         if not sized and shuffle:
             raise ValueError(
@@ -130,6 +135,9 @@ class KeyOrder:
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        # a generator (an iterator, sync or async) gives its keys once: a second epoch would be empty
+        self.one_shot = isinstance(keys, Iterator | AsyncIterator)
+        self.epochs_read = 0
 
     @property
     def sized(self) -> bool:
@@ -155,6 +163,13 @@ class KeyOrder:
         if isinstance(keys, Sequence):
             perm = permutation(len(keys), self.shuffle, self.seed, epoch)
             return ((perm[i], keys[perm[i]]) for i in self.mine(consumed))
+        if self.one_shot and self.epochs_read:
+            raise ValueError(
+                f"keys: a one-shot {type(keys).__name__} (an iterator: its keys come once) was used "
+                "up by an earlier epoch, so this one would be empty; pass a sequence or an iterable "
+                "that starts again each time it is iterated (a list, a class with __iter__)"
+            )
+        self.epochs_read += 1
         if isinstance(keys, AsyncIterable):
             return _aenumerate(keys)
         return enumerate(keys)

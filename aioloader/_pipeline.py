@@ -29,7 +29,7 @@ from typing import Any
 
 from ._collate import RowPlan, stacks
 from ._decode import Executor
-from ._exceptions import LoaderClosedError
+from ._exceptions import DecodeError, LoaderClosedError
 from ._fetch import Fetcher, is_async_callable
 from ._limits import ByteBudget, ErrorPolicy, FixedConcurrency, Gate, HeldBound, Tuner
 from ._order import Group
@@ -332,6 +332,12 @@ class Epoch:
             except BaseException as exc:
                 rec.stop("decode", t0, error=True, key=key)
                 return await self._failed(state, slot, key, "decode", exc)
+            if raw is None and stages.errors.on_error == "skip":  # "no sample": this one alone
+                rec.stop("decode", t0, error=True, key=key)
+                error = DecodeError(
+                    f"decode returned None for key {key!r}", key=key, stage="decode"
+                )
+                return await self._failed(state, slot, key, "decode", error)
             decoded = nbytes(raw)
             rec.stop("decode", t0, decoded, key=key)
             if stages.rows is not None:

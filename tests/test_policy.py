@@ -113,6 +113,7 @@ def test_raise_is_the_default_and_keeps_the_original_type() -> None:
         (dict(seed=-1), ValueError, "seed"),
         (dict(decode=3), TypeError, "decode"),
         (dict(collate="stack"), TypeError, "collate"),
+        (dict(max_skipped=float("nan")), ValueError, "max_skipped"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], error: type, name: str) -> None:
@@ -147,3 +148,53 @@ def test_a_timeout_error_from_fetch_is_not_a_loader_timeout(asynchronous: bool) 
     with pytest.raises(TimeoutError, match="upstream") as err:
         run()
     assert not isinstance(err.value, LoaderTimeout)
+
+
+def test_keys_none_is_a_type_error_naming_keys() -> None:
+    with pytest.raises(TypeError, match="^keys: expected a sequence"):
+        Loader(None, lambda k: k)  # type: ignore[arg-type]
+
+
+def test_a_whole_float_max_skipped_is_a_count() -> None:
+    def fetch(k: int) -> int:
+        if k % 2:
+            raise ValueError(f"odd {k}")
+        return k
+
+    with Loader(range(60), fetch, batch_size=10, on_error="skip", max_skipped=30.0) as loader:
+        assert sum(len(b) for b in loader) == 30  # 30 skipped: within a count of 30, not 30x
+
+
+def test_a_one_shot_iterator_of_keys_refuses_a_second_epoch() -> None:
+    with Loader((k for k in range(6)), lambda k: k, batch_size=3) as loader:
+        assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+        with pytest.raises(ValueError, match="keys: a one-shot generator .*used up"):
+            list(loader)
+
+
+def test_a_one_shot_async_iterator_of_keys_refuses_a_second_epoch() -> None:
+    async def keys() -> Any:
+        for k in range(4):
+            yield k
+
+    async def main() -> None:
+        async with Loader(keys(), lambda k: k, batch_size=2) as loader:
+            assert [b.tolist() async for b in loader] == [[0, 1], [2, 3]]
+            with pytest.raises(ValueError, match="keys: a one-shot async_generator"):
+                [b async for b in loader]
+
+    asyncio.run(main())
+
+
+def test_a_decode_that_returns_none_under_skip_costs_that_sample_alone() -> None:
+    def decode(k: int) -> int | None:
+        return None if k == 3 else k
+
+    loader = Loader(
+        range(10), lambda k: k, decode=decode, batch_size=5, on_error="skip", max_skipped=1
+    )
+    with loader:
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 4], [5, 6, 7, 8, 9]]
+        ((key, reason),) = loader.stats().skipped
+    assert key == 3
+    assert "returned None" in reason

@@ -37,6 +37,7 @@ from scripts.tarcraft import END, member
 from aioloader import FetchError, Loader, ProcessExecutor
 from aioloader._shm import Arena
 from aioloader.sources import http, tar_shards
+from aioloader.sources._redact import redact_url
 
 WAIT_S = 30.0
 SLAB_NAME = re.compile(r"^/dev/shm/aioloader-(\d+)-([0-9a-f]{24}) \(deleted\)$")
@@ -202,7 +203,10 @@ def test_remote_bytes_are_never_unpickled(
 
 USER, PASSWORD = "alice", "hunter2pass"
 TOKEN, SIG = "TOKENqwerty9", "SIGabc123xyz"
-SECRETS = [PASSWORD, TOKEN, SIG, base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()]
+CUSTOM = "CUSTOMauth7781"  # the value of a parameter whose name no list of secrets holds
+SECRETS = [
+    PASSWORD, TOKEN, SIG, CUSTOM, base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+]  # fmt: skip
 
 
 class Everything(logging.Handler):
@@ -238,7 +242,9 @@ def everything() -> Iterator[Everything]:
 def authenticated(url: str) -> str:
     """`url` with the userinfo and the secret query parameters."""
     scheme, rest = url.split("://", 1)
-    return f"{scheme}://{USER}:{PASSWORD}@{rest}?token={TOKEN}&sig={SIG}&page=2"
+    return (
+        f"{scheme}://{USER}:{PASSWORD}@{rest}?token={TOKEN}&sig={SIG}&X-Custom-Auth={CUSTOM}&page=2"
+    )
 
 
 def error_texts(err: BaseException) -> list[str]:
@@ -345,6 +351,7 @@ def test_the_secrets_checked_are_really_sent(engine: str) -> None:
         server.stop()
     (request,) = seen
     assert all(secret in request for secret in SECRETS[1:]), request  # the password, as Basic
+    assert "page=2" in redact_url(authenticated(server.url + "/"))  # a harmless one is shown
 
 
 def test_process_decode_sees_only_bytes_of_a_remote_pickle(
