@@ -54,7 +54,20 @@ class LoaderClosedError(AioloaderError, RuntimeError):
 
 
 class LoaderTimeout(AioloaderError, TimeoutError, RuntimeError):
-    """No batch arrived within the configured `timeout`."""
+    """No batch arrived within the configured `timeout`.
+
+    Attributes:
+        stage: the stage that held the epoch's oldest work ("fetch", "decode", "collate"; "" when
+            nothing was in flight).
+        keys: up to 5 keys in flight there, oldest first.
+    """
+
+    def __init__(
+        self, message: str = "", *, stage: str = "", keys: list[Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.keys = [] if keys is None else keys
 
 
 class InvalidKeyError(AioloaderError, ValueError):

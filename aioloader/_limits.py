@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -87,32 +88,46 @@ class Gate:
 class ByteBudget:
     """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
 
-    A sample's size is known only once fetched, so each launch reserves the mean size seen so far
-    (before any is known, the first wave is bounded by the fetch concurrency alone). A sample of the
-    oldest batch still being assembled is never held back, so a batch larger than the whole budget
-    still completes (the bound is then exceeded by that one batch).
+    A sample's size is known only once fetched, so each launch reserves the mean size seen so far;
+    until a first size is known, samples are admitted one at a time (a first wave of `concurrency`
+    samples of unknown size could hold many times the budget). The oldest batch still being
+    assembled is never held back, so a batch larger than the whole budget still completes (the
+    bound is then exceeded by that one batch, and a warning names the sizes once).
     """
 
     def __init__(self, max_bytes: int | None) -> None:
         self.max_bytes = max_bytes
         self.held = 0
+        self.peak = 0
         self.pending = 0  # launched, size not yet known
         self._seen_bytes = 0
         self._seen = 0
+        self._warned = False
         self._changed = asyncio.Event()
+
+    @property
+    def reserved(self) -> int:
+        """Bytes reserved for the samples launched whose size is not known yet."""
+        return int(self.pending * self._seen_bytes / self._seen) if self._seen else 0
 
     def _full(self) -> bool:
         if self.max_bytes is None:
             return False
-        if not self._seen:  # the first wave: bounded by the fetch concurrency alone
-            return False
+        if not self._seen:  # nothing measured yet: one sample at a time
+            return self.pending > 0
         mean = self._seen_bytes / self._seen
         return self.held + (self.pending + 1) * mean > self.max_bytes
 
-    async def room(self, oldest: bool) -> None:
-        while not oldest and self._full():
+    async def room(self, oldest: Callable[[], bool]) -> None:
+        """Wait until one more sample fits, or until it belongs to the oldest batch (`oldest()`,
+        asked again whenever the budget or the batches change: see `poke`)."""
+        while self._full() and not oldest():
             self._changed.clear()
             await self._changed.wait()
+
+    def poke(self) -> None:
+        """The oldest batch changed: waiting launches look again."""
+        self._changed.set()
 
     def launched(self) -> None:
         self.pending += 1
@@ -127,6 +142,20 @@ class ByteBudget:
 
     def add(self, n: int) -> None:
         self.held += n
+        if self.held > self.peak:
+            self.peak = self.held
+
+    def over(self, batch_bytes: int) -> str | None:
+        """A warning's text, once, when one batch alone holds more than the whole budget."""
+        if self._warned or self.max_bytes is None or batch_bytes <= self.max_bytes:
+            return None
+        self._warned = True
+        return (
+            f"one batch holds {batch_bytes:,} bytes, more than max_bytes_in_flight's "
+            f"{self.max_bytes:,} left for samples in flight: each such batch is admitted alone, "
+            "so memory exceeds the budget by up to one batch; raise max_bytes_in_flight or make "
+            "batches smaller"
+        )
 
     def release(self, n: int) -> None:
         self.held -= n

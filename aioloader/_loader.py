@@ -327,8 +327,8 @@ class Loader(Resumable, Generic[T]):
         except TypeError:
             return None
 
-    def _timed_out(self) -> LoaderTimeout:
-        return LoaderTimeout(f"no batch within timeout={self._timeout} s")
+    def _timed_out(self, run: Epoch | Feed) -> LoaderTimeout:
+        return _timeout_error(f"no batch within timeout={self._timeout} s", run)
 
     def _hand_over(self, batch: Any) -> Any:
         """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""
@@ -419,7 +419,7 @@ class Loader(Resumable, Generic[T]):
                 try:
                     index, batch = runner.run(run.get(), self._timeout)
                 except LoaderTimeout:
-                    raise self._timed_out() from None
+                    raise self._timed_out(run) from None
                 except concurrent.futures.CancelledError:
                     if self._closed:  # close() from elsewhere won the race with this wait
                         raise LoaderClosedError("the loader was closed") from None
@@ -450,7 +450,7 @@ class Loader(Resumable, Generic[T]):
         if self._use_caller_loop:
             run = await self._open(groups, progress.epoch)
             try:
-                async for batch in self._batches(lambda: _boxed(run.get), progress):
+                async for batch in self._batches(lambda: _boxed(run.get), progress, run):
                     handed = [batch]
                     del batch  # not held here while the consumer has it (nor after an error)
                     yield handed.pop()
@@ -461,7 +461,7 @@ class Loader(Resumable, Generic[T]):
         run = await asyncio.wrap_future(runner.submit(self._open(groups, progress.epoch)))
         try:
             get = lambda: asyncio.wrap_future(runner.submit(_boxed(run.get)))  # noqa: E731
-            async for batch in self._batches(get, progress):
+            async for batch in self._batches(get, progress, run):
                 handed = [batch]
                 del batch  # not held here while the consumer has it (nor after an error)
                 yield handed.pop()
@@ -471,7 +471,7 @@ class Loader(Resumable, Generic[T]):
                     await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
 
     async def _batches(
-        self, get: Callable[[], Awaitable[list[Any]]], progress: Progress
+        self, get: Callable[[], Awaitable[list[Any]]], progress: Progress, run: Epoch | Feed
     ) -> AsyncIterator[T]:
         """The epoch's batches; `get()` gives the next `(index, batch)` in a list (see `_boxed`)."""
         wait = self._stages.recorder.waited
@@ -483,7 +483,7 @@ class Loader(Resumable, Generic[T]):
             except TimeoutError:
                 if not deadline.expired():
                     raise  # the pipeline's own, from a user callable
-                raise self._timed_out() from None
+                raise self._timed_out(run) from None
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if self._closed and task is not None and not task.cancelling():
@@ -624,6 +624,18 @@ class _AsyncBatches(AsyncIterator[T]):
 
     async def aclose(self) -> None:
         await self._gen.aclose()
+
+
+def _timeout_error(message: str, run: Epoch | Feed) -> LoaderTimeout:
+    """`LoaderTimeout(message)`, naming the stage that holds the epoch's oldest work and up to five
+    of its keys with their ages (`stage`, `keys`); else saying that nothing is in flight."""
+    stage, keys = run.stuck()
+    if not stage:
+        where = "; no sample is in flight: the keys are not coming (the order stage waits)"
+    else:
+        listed = ", ".join(f"{key!r} ({age:.1f} s)" for key, age in keys)
+        where = f"; the oldest work is in stage {stage!r}, keys in flight there: {listed}"
+    return LoaderTimeout(message + where, stage=stage, keys=[key for key, _ in keys])
 
 
 def _is_map_style(obj: object) -> bool:

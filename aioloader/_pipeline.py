@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import time
+import warnings
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -124,7 +125,8 @@ class Stages:
             ready_batches=rec.ready, held_samples=rec.held_samples, held_bytes=rec.held_bytes,
             max_bytes_in_flight=self.max_bytes, concurrency=self.tuner.limit,
             skipped=list(rec.skipped), skipped_count=rec.skipped_count, extra=extra,
-            first_batch_s=rec.first_wait_s,
+            first_batch_s=rec.first_wait_s, reserved_bytes=rec.reserved_bytes,
+            peak_held_bytes=rec.peak_held_bytes,
         )  # fmt: skip
 
 
@@ -218,6 +220,8 @@ class Epoch:
         self._ready: dict[int, _Item] = {}
         self._launched: deque[int] = deque()  # group indices in launch order, until delivered
         self._failed_group: int | None = None
+        # (group, slot) -> (stage, key, since): what is in flight where (see `stuck`)
+        self._active: dict[tuple[int, int], tuple[str, Any, float]] = {}
         self._task = asyncio.get_running_loop().create_task(self._run(), name="aioloader-epoch")
 
     @property
@@ -235,6 +239,9 @@ class Epoch:
         rec = self._rec
         rec.held_samples -= size
         rec.held_bytes -= held_bytes
+        warning = self._bytes.over(held_bytes)
+        if warning is not None:  # to the consumer (a warning that is an error reaches it as one)
+            warnings.warn(warning, ResourceWarning, stacklevel=2)
         if error is not None:
             if index >= 0 and self._stages.batch_errors:
                 return index, BatchFailed(error)
@@ -290,13 +297,40 @@ class Epoch:
                 state = _GroupState(group, self._stages.rows)
                 for slot, (_, key) in enumerate(group.items):
                     await self._held.acquire()
-                    await self._bytes.room(oldest=self._launched[0] == group.index)
+                    await self._bytes.room(functools.partial(self._oldest, group.index))
                     await self._in_flight.acquire()
                     self._bytes.launched()
+                    self._rec.reserved_bytes = self._bytes.reserved
                     self._rec.held_samples += 1
                     tasks.create_task(self._sample(state, slot, key))
 
+    def stuck(self) -> tuple[str, list[tuple[Any, float]]]:
+        """(the stage that holds the oldest work in flight, up to 5 of its keys with their ages in
+        seconds, oldest first); ("", []) when nothing is in flight. Safe from any thread."""
+        active = list(self._active.values())  # one C call: no other thread runs meanwhile
+        if not active:
+            return "", []
+        stage = min(active, key=lambda a: a[2])[0]
+        now = time.monotonic()
+        there = sorted((a for a in active if a[0] == stage), key=lambda a: a[2])[:5]
+        return stage, [(key, now - since) for _, key, since in there]
+
+    def _oldest(self, group: int) -> bool:
+        """Whether `group` is the oldest batch and no other holds bytes (made batches all taken by
+        the consumer): it is never held back for bytes, so a batch larger than the budget goes."""
+        return self._launched[0] == group and self._out.empty()
+
     async def _sample(self, state: _GroupState, slot: int, key: Any) -> None:
+        where = (state.group.index, slot)
+        self._active[where] = ("fetch", key, time.monotonic())
+        try:
+            await self._sample_at(state, slot, key, where)
+        finally:
+            self._active.pop(where, None)
+
+    async def _sample_at(
+        self, state: _GroupState, slot: int, key: Any, where: tuple[int, int]
+    ) -> None:
         stages, rec = self._stages, self._rec
         t0 = rec.start("fetch")
         try:
@@ -323,6 +357,7 @@ class Epoch:
         stages.tuner.completed(rec.stages["fetch"].last)
         if stages.decode is not None:
             seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
+            self._active[where] = ("decode", key, time.monotonic())
             t0 = rec.start("decode")
             try:
                 raw = await self._decode(state, slot, raw, seed)
@@ -361,7 +396,10 @@ class Epoch:
         """Count `size` more bytes as held by the group until it is handed over."""
         state.bytes += size
         self._bytes.add(size)
-        self._rec.held_bytes += size
+        rec = self._rec
+        rec.held_bytes += size
+        rec.peak_held_bytes = max(rec.peak_held_bytes, self._bytes.peak)
+        rec.reserved_bytes = self._bytes.reserved
 
     async def _done(self, state: _GroupState) -> None:
         state.remaining -= 1
@@ -420,17 +458,21 @@ class Epoch:
             if batch is not None:
                 rec.stop("collate", t0, state.bytes, key=group.index)
                 return self._deliver(group, batch, None, state.bytes)
+        where = (group.index, -1)
+        self._active[where] = ("collate", group.index, time.monotonic())
         try:
             batch = await self._stages.collator.run(self._stages.collate, samples)
         except asyncio.CancelledError:
             rec.cancelled("collate", t0)
             raise
         except BaseException as exc:
+            self._active.pop(where, None)
             rec.stop("collate", t0, error=True)
             keys = [key for i, (_, key) in enumerate(group.items) if i not in state.skipped]
             if self._skip(exc, "collate", keys):
                 return self._deliver(group, SKIPPED, None, state.bytes)
             return self._deliver(group, None, _note(exc, "collate", keys), state.bytes)
+        self._active.pop(where, None)
         rec.stop("collate", t0, state.bytes, key=group.index)
         self._deliver(group, batch, None, state.bytes)
 
@@ -441,6 +483,8 @@ class Epoch:
             self._rec.ready += 1
         if not self._stages.in_order:
             self._out.put_nowait(item)
+            self._launched.remove(group.index)
+            self._bytes.poke()  # another batch may be the oldest now
             if error is not None and ends:
                 raise _Failed
             return
@@ -449,6 +493,7 @@ class Epoch:
         self._ready[group.index] = item
         while self._launched and self._launched[0] in self._ready:
             item = self._ready.pop(self._launched.popleft())
+            self._bytes.poke()  # another batch is the oldest now
             self._out.put_nowait(item)
             if item[4] is not None and ends:
                 raise _Failed

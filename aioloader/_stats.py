@@ -82,6 +82,8 @@ class LoaderStats:
         ready_batches: batches collated and waiting for the consumer (the output queue).
         held_samples, held_bytes: samples and bytes held from launch to hand-over, against
             `max_bytes_in_flight` (None: no byte bound).
+        reserved_bytes: bytes reserved for the fetches in flight whose size is not known yet (the
+            mean size so far each); peak_held_bytes: the most `held_bytes` has been.
         concurrency: the fetch limit now (it moves with `concurrency="auto"`).
         skipped: (key, reason) of the first 100 skipped samples; `skipped_count` counts them all.
         extra: the source's own `stats()` (retries, throttles, ...) and, with a device, "transfer".
@@ -109,6 +111,8 @@ class LoaderStats:
     skipped_count: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     first_batch_s: float | None = None
+    reserved_bytes: int = 0
+    peak_held_bytes: int = 0
 
     def table(self) -> str:
         """These numbers as a plain-text table, one row per stage, then the consumer and memory."""
@@ -169,6 +173,7 @@ class Recorder:
         self.first_wait: float | None = None
         self.first_wait_s: float | None = None
         self.ready = self.held_samples = self.held_bytes = 0
+        self.peak_held_bytes = self.reserved_bytes = 0
         self.skipped: list[tuple[Any, str]] = []
         self.skipped_count = 0
         self.tracer: Any = None  # a `_trace.Tracer` while tracing

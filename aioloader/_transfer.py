@@ -251,6 +251,7 @@ class _Batches(Protocol):
     async def get(self) -> tuple[int, Any]: ...
     async def aclose(self) -> None: ...
     def cancel(self) -> None: ...
+    def stuck(self) -> tuple[str, list[tuple[Any, float]]]: ...
 
 
 class Feed:
@@ -276,6 +277,10 @@ class Feed:
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop this feed and its epoch run on."""
         return self._loop
+
+    def stuck(self) -> tuple[str, list[tuple[Any, float]]]:
+        """The epoch's `stuck()`: where its oldest work in flight is."""
+        return self._epoch.stuck()
 
     async def get(self) -> tuple[int, Any]:
         """The next `(index, Staged)`, `(-1, END)` after the last; safe to cancel."""

@@ -51,7 +51,7 @@ from torch.utils.data import (
 from ._collate import BufferPool, default_collate, make_collate
 from ._exceptions import LoaderTimeout, StateError
 from ._limits import DEFAULT_MAX_BYTES
-from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader
+from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, _timeout_error
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
 from ._procpool import ProcessExecutor
 from ._ranges import Ranges
@@ -457,8 +457,8 @@ class DataLoader(Loader[T]):
             )
         return super()._hand_over(batch)
 
-    def _timed_out(self) -> LoaderTimeout:
-        return LoaderTimeout(f"DataLoader timed out after {self.timeout} seconds")
+    def _timed_out(self, run: Any) -> LoaderTimeout:
+        return _timeout_error(f"DataLoader timed out after {self.timeout} seconds", run)
 
     def _per_item(
         self, collate_fn: Callable[..., Any]

@@ -8,15 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from aioloader import Loader
 from aioloader._limits import ByteBudget
 
 SCRIPT = Path(__file__).parent / "scripts" / "budget_rss.py"
 BUDGET_MB = 200
-# Beyond the budget: the first wave of fetches, launched before any sample's size is known
-# (concurrency 16 x 10 MB), the batch the consumer holds (40 MB), and allocator slack (freed 10 MB
-# samples that glibc keeps mapped for a while).
+# Beyond the budget: the batch the consumer holds (40 MB) and allocator slack (freed 10 MB samples
+# that glibc keeps mapped for a while).
 OVERHEAD_MB = 250
 
 
@@ -39,24 +40,79 @@ def test_budget_bounds_peak_rss_growth() -> None:
     assert unbounded["peak_growth_mb"] > BUDGET_MB + OVERHEAD_MB, unbounded
 
 
+def _no() -> bool:
+    return False
+
+
+def _yes() -> bool:
+    return True
+
+
 @pytest.mark.asyncio
 async def test_budget_reserves_the_mean_size_for_launches() -> None:
     budget = ByteBudget(100)
-    for _ in range(3):
-        await budget.room(oldest=False)  # nothing measured yet: the first wave is not held back
-        budget.launched()
+    await budget.room(_no)
+    budget.launched()
+    first_wave = asyncio.ensure_future(budget.room(_no))
+    await asyncio.sleep(0)
+    assert not first_wave.done()  # no size known yet: one sample at a time
     budget.measured(40)
     budget.add(40)
+    await first_wave
+    budget.launched()
     budget.measured(0)  # failed
-    waiter = asyncio.ensure_future(budget.room(oldest=False))
+    budget.launched()
+    waiter = asyncio.ensure_future(budget.room(_no))
     await asyncio.sleep(0)
     assert not waiter.done()  # 40 held + (1 pending + 1) x 40 reserved > 100
+    assert budget.reserved == 40
     budget.measured(0)
     await waiter  # 40 held + 1 x 40 reserved <= 100
     budget.launched()
-    blocked = asyncio.ensure_future(budget.room(oldest=False))
+    blocked = asyncio.ensure_future(budget.room(_no))
     await asyncio.sleep(0)
     assert not blocked.done()  # 40 held + 2 x 40 > 100
-    await budget.room(oldest=True)  # the oldest batch is never held back
+    await budget.room(_yes)  # the oldest batch is never held back
     budget.release(40)
     await blocked
+
+
+@pytest.mark.asyncio
+async def test_a_launch_waiting_for_room_goes_when_its_batch_becomes_the_oldest() -> None:
+    budget = ByteBudget(100)
+    budget.launched()
+    budget.measured(80)
+    budget.add(80)
+    oldest = [False]
+    waiter = asyncio.ensure_future(budget.room(lambda: oldest[0]))
+    await asyncio.sleep(0)
+    assert not waiter.done()  # 80 held + 80 > 100, and another batch is older
+    oldest[0] = True
+    budget.poke()  # the older batch was handed over: this one is the oldest now
+    await asyncio.wait_for(waiter, 1)
+
+
+def fetch_mib(key: int) -> np.ndarray:
+    return np.full(1 << 20, key % 256, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_batches_larger_than_the_budget_all_come_with_a_warning(in_order: bool) -> None:
+    loader = Loader(
+        range(24), fetch_mib, batch_size=8, max_bytes_in_flight=3 << 20, timeout=20,
+        in_order=in_order,
+    )  # fmt: skip
+    with loader, pytest.warns(ResourceWarning, match=r"one batch holds 8,388,608 bytes"):
+        batches = list(loader)
+    assert sorted(int(b[0, 0]) for b in batches) == [0, 8, 16]
+    stats = loader.stats()
+    assert stats.peak_held_bytes >= 8 << 20  # one batch at a time, over the budget
+    assert stats.peak_held_bytes <= (8 << 20) + (1 << 20) * 2
+
+
+def test_the_first_wave_waits_for_a_first_size() -> None:
+    # 16 fetches at once would hold 16 MiB before any size is known; the budget is 4 MiB
+    with Loader(range(32), fetch_mib, batch_size=2, max_bytes_in_flight=8 << 20) as loader:
+        assert len(list(loader)) == 16
+        peak = loader.stats().peak_held_bytes
+    assert peak <= (4 << 20) + (2 << 20), peak  # the budget for samples + one batch

@@ -6,6 +6,7 @@ import asyncio
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -284,8 +285,12 @@ def test_timeout_raises_loader_timeout_naming_the_limit() -> None:
         pytest.raises(LoaderTimeout) as err,
     ):
         next(iter(ours))
-    assert str(err.value) == "DataLoader timed out after 0.2 seconds"  # torch's words
+    assert str(err.value).startswith("DataLoader timed out after 0.2 seconds; ")  # torch's words
     assert isinstance(err.value, RuntimeError)  # as torch's
+    # ... then where the work is stuck: the stage and the keys in flight there, with their ages
+    assert err.value.stage == "fetch"
+    assert sorted(err.value.keys) == [0, 1]
+    assert re.search(r"stage 'fetch', keys in flight there: \d \(0\.\d s\), \d", str(err.value))
 
 
 def test_error_in_getitem_keeps_type_and_names_the_index() -> None:

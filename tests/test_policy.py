@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aioloader import CollateError, Loader
+from aioloader import CollateError, Loader, LoaderTimeout
 
 
 def failing_on(bad: set[int]) -> Any:
@@ -151,7 +153,7 @@ def test_a_timeout_error_from_fetch_is_not_a_loader_timeout(asynchronous: bool) 
 
 
 def test_keys_none_is_a_type_error_naming_keys() -> None:
-    with pytest.raises(TypeError, match="^keys: expected a sequence"):
+    with pytest.raises(TypeError, match=r"^keys: expected a sequence"):
         Loader(None, lambda k: k)  # type: ignore[arg-type]
 
 
@@ -168,7 +170,7 @@ def test_a_whole_float_max_skipped_is_a_count() -> None:
 def test_a_one_shot_iterator_of_keys_refuses_a_second_epoch() -> None:
     with Loader((k for k in range(6)), lambda k: k, batch_size=3) as loader:
         assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
-        with pytest.raises(ValueError, match="keys: a one-shot generator .*used up"):
+        with pytest.raises(ValueError, match=r"keys: a one-shot generator .*used up"):
             list(loader)
 
 
@@ -198,3 +200,23 @@ def test_a_decode_that_returns_none_under_skip_costs_that_sample_alone() -> None
         ((key, reason),) = loader.stats().skipped
     assert key == 3
     assert "returned None" in reason
+
+
+def test_a_timeout_names_the_stuck_stage_and_its_oldest_keys() -> None:
+    gate = threading.Event()
+
+    def decode(k: int) -> int:
+        if k == 7:
+            gate.wait(10)  # one sample stuck in decode
+        return k
+
+    loader = Loader(
+        range(12), lambda k: k, decode=decode, executor="thread", batch_size=4, timeout=0.5
+    )
+    with loader, pytest.raises(LoaderTimeout) as info:
+        list(loader)
+    gate.set()
+    assert info.value.stage == "decode"
+    assert info.value.keys == [7]
+    assert re.search(r"the oldest work is in stage 'decode', keys in flight there: 7 \(0\.\d s\)",
+                     str(info.value))  # fmt: skip
