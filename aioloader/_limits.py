@@ -132,10 +132,10 @@ class ByteBudget:
     def launched(self) -> None:
         self.pending += 1
 
-    def measured(self, n: int) -> None:
-        """A launched sample turned out to be `n` bytes (0: it failed)."""
+    def measured(self, n: int | None) -> None:
+        """A launched sample turned out to be `n` bytes (None: it failed)."""
         self.pending -= 1
-        if n:
+        if n is not None:
             self._seen_bytes += n
             self._seen += 1
         self._changed.set()

@@ -347,7 +347,7 @@ class Epoch:
             if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
                 assert stages.tuner is not None
                 stages.tuner.throttled()
-            self._bytes.measured(0)
+            self._bytes.measured(None)
             return await self._failed(state, slot, key, "fetch", exc)
         size = nbytes(raw)
         self._bytes.measured(size)

@@ -190,6 +190,7 @@ class Task:
         "id",
         "in_slot",
         "is_async",
+        "isolated",
         "kind",
         "loop",
         "out_slot",
@@ -233,6 +234,7 @@ class Task:
         self.sent_at = 0.0
         self.expired = False  # an async task past its timeout: answered, cancel sent
         self.abandoned = False  # answered or cancelled here: drop what the worker sends
+        self.isolated = False  # in flight on a worker that died: runs again alone (a suspect)
 
     def take_slots(self) -> list[Slot]:
         """The shared-memory slots this task holds, which it holds no more."""

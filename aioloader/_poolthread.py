@@ -542,19 +542,29 @@ class Pool:
         if not tasks:
             return
         if self._restarts < self.cfg.max_restarts:
+            # Blame only the culprit: each task that was in flight runs again alone on a fresh
+            # worker; one that kills its worker when alone fails, the others go on.
             self._restarts += 1
-            self.counts["retried"] += len(tasks)
-            self._pending.extendleft(reversed(tasks))
-            return
+            culprits = [t for t in tasks if t.isolated]
+            retried = [t for t in tasks if not t.isolated]
+            for t in retried:
+                t.isolated = True
+            self.counts["retried"] += len(retried)
+            self._pending.extendleft(reversed(retried))
+            if not culprits:
+                return
+            tasks = culprits
         ids = [t.id for t in tasks]
         hint = (
             f"its max_worker_restarts={self.cfg.max_restarts} retries were used up"
             if self.cfg.max_restarts
             else "pass max_worker_restarts=N to retry such tasks on a new worker"
         )
+        alone = len(tasks) == 1 and tasks[0].isolated
         text = (
-            f"{died_text(pid, code)} It died with {len(ids)} task(s) in flight (task ids {ids}) "
-            f"and was replaced; {hint}"
+            f"{died_text(pid, code)} It died with {len(ids)} task(s) in flight (task ids {ids})"
+            f"{', running that task alone' if alone else ''} and was replaced; "
+            f"{'the task killed it' if alone else hint}"
         )
         for t in tasks:
             self._settle(t, error=WorkerDied(text, pid=pid, exitcode=code, tasks=ids))
@@ -705,6 +715,8 @@ class Pool:
         for h in self._handles:
             if not h.ready or not h.open or h.killed or task.pin not in (None, h.index):
                 continue
+            if h.inflight and (task.isolated or any(t.isolated for t in h.inflight.values())):
+                continue  # a suspect runs alone (see `_reap`)
             if task.is_async:  # none to a loop that has not ended a timed-out task yet
                 room = h.async_n < self._async_room() and not h.expired_n
             else:  # a whole batch keeps a worker busy far longer than a round trip: one at a time

@@ -60,13 +60,13 @@ async def test_budget_reserves_the_mean_size_for_launches() -> None:
     budget.add(40)
     await first_wave
     budget.launched()
-    budget.measured(0)  # failed
+    budget.measured(None)  # failed
     budget.launched()
     waiter = asyncio.ensure_future(budget.room(_no))
     await asyncio.sleep(0)
     assert not waiter.done()  # 40 held + (1 pending + 1) x 40 reserved > 100
     assert budget.reserved == 40
-    budget.measured(0)
+    budget.measured(None)
     await waiter  # 40 held + 1 x 40 reserved <= 100
     budget.launched()
     blocked = asyncio.ensure_future(budget.room(_no))

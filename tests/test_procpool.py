@@ -436,6 +436,41 @@ def test_restarts_retry_what_was_in_flight_once(make: Any, tmp_path: Path) -> No
         executor.submit(die_once_at, (str(tmp_path), 0, 0)).result(WAIT_S)
 
 
+def killed_by(arg: tuple[int, int]) -> int:
+    i, fatal = arg
+    if i == fatal:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.05)  # the others are in flight beside it
+    return i
+
+
+def test_a_crash_costs_the_task_that_causes_it_alone(make: Any) -> None:
+    executor = make(2, max_worker_restarts=3)
+    futures = [executor.submit(killed_by, (i, 3)) for i in range(8)]
+    outcomes: list[Any] = []
+    for f in futures:
+        try:
+            outcomes.append(f.result(WAIT_S))
+        except WorkerDied as exc:
+            outcomes.append(str(exc))
+    assert outcomes[:3] + outcomes[4:] == [0, 1, 2, 4, 5, 6, 7]  # its neighbours were retried
+    assert "running that task alone" in outcomes[3]
+    assert "the task killed it" in outcomes[3]
+
+
+def test_under_skip_a_crash_skips_its_sample_alone() -> None:
+    with (
+        ProcessExecutor(2, max_worker_restarts=3) as pool,
+        aioloader.Loader(
+            [(i, 5) for i in range(12)], lambda k: k, decode=killed_by, executor=pool,
+            batch_size=4, on_error="skip", max_skipped=1,
+        ) as loader,
+    ):  # fmt: skip
+        got = [x for b in loader for x in b.tolist()]
+        assert got == [i for i in range(12) if i != 5]
+        assert [key for key, _ in loader.stats().skipped] == [(5, 5)]
+
+
 @pytest.mark.parametrize("how", ["sleep", "sigstop", "spin"])
 @pytest.mark.parametrize("method", ["zygote", "forkserver"])
 def test_a_stalled_worker_times_out_and_is_replaced(make: Any, how: str, method: str) -> None:

@@ -178,7 +178,9 @@ def test_slowdown_shrinks_the_whole_sources_concurrency(
     keys = sorted(stored)
     src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, endpoint_url=s3_proxy.url,
              credentials=seaweed.credentials, concurrency=16, engine=engine, **FAST)  # fmt: skip
-    with Loader(src, concurrency=16, collate=None) as loader:
+    # no byte budget, so that the first 16 requests go out at once (with one, the first goes
+    # alone until a first size is known, and would meet all 16 throttles by itself)
+    with Loader(src, concurrency=16, collate=None, max_bytes_in_flight=None) as loader:
         got = [bytes(x) for x in loader]
     assert got == [stored[k] for k in keys]
     stats = src.stats()

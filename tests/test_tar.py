@@ -218,3 +218,35 @@ def test_members_without_data_kinds_are_skipped(tmp_path: Path) -> None:
         tar.addfile(info, io.BytesIO(body))
     got = collect(tar_shards([str(path)], shuffle=False))
     assert got == [{"__key__": "d/\u00e9t\u00e9", "__url__": str(path), "txt": body}]
+
+
+def test_under_skip_a_bad_shard_costs_its_rest_and_the_epoch_goes_on(
+    shards: list[str], tmp_path: Path
+) -> None:
+    data = Path(shards[0]).read_bytes()
+    with tarfile.open(shards[0]) as tar:
+        third = tar.getmembers()[2].offset
+    bad = {
+        "cut.tar": data[:3000],  # truncated inside a member
+        "corrupt.tar": data[:third + 10] + bytes([data[third + 10] ^ 0xFF]) + data[third + 11:],
+        "empty.tar": b"",
+    }  # fmt: skip
+    for name, blob in bad.items():
+        (tmp_path / name).write_bytes(blob)
+    broken = [str(tmp_path / name) for name in bad] + [str(tmp_path / "missing.tar")]
+    good = shards[1:3]
+    source = tar_shards([*broken, *good], shuffle=False, parallel=2)
+    with Loader(source, collate=None, on_error="skip", max_skipped=None) as loader:
+        got = [sample["__key__"] for sample in loader]
+        stats = loader.stats()
+    whole = [s["__key__"] for s in reference(good)]
+    assert sorted(k for k in got if not k.startswith("s0/")) == sorted(whole)  # every good one
+    assert set(got) - set(whole) <= {s["__key__"] for s in reference(shards[:1])}  # ... + heads
+    assert stats.skipped_count == len(broken)  # each broken shard: one skip for its rest
+    reasons = " ".join(reason for _, reason in stats.skipped)
+    for name in (*bad, "missing.tar"):
+        assert name in reasons, reasons
+    # without skip the first broken shard ends the epoch, naming it
+    loader = Loader(tar_shards(broken, shuffle=False), collate=None)
+    with loader, pytest.raises(FetchError, match=r"cut\.tar"):
+        list(loader)

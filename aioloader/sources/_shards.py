@@ -15,12 +15,12 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiofiles
 import aiohttp
 
 from .._exceptions import FetchError
 from ._redact import redact_url
 from ._transport import Transport
+from .files import _Opening
 
 __all__ = ["interleave", "open_shard", "shuffled"]
 
@@ -54,10 +54,18 @@ async def open_shard(
             yield chunk
     else:
         path = Path(shard.removeprefix("file://"))
+        opening = _Opening()  # a read given up on (the epoch ended) leaves no open file behind
         try:
-            async with aiofiles.open(path, "rb") as f:
-                while chunk := await f.read(CHUNK):
+            try:
+                f = await asyncio.to_thread(opening.open, path)
+            except asyncio.CancelledError:
+                opening.cancel()
+                raise
+            try:
+                while chunk := await asyncio.to_thread(f.read, CHUNK):
                     yield chunk
+            finally:
+                f.close()
         except OSError as exc:
             raise FetchError(
                 f"tar shard {shard}: {exc.strerror or exc}", key=redact_url(shard)

@@ -148,9 +148,12 @@ class TarShards:
                         len(order), self.slots, self.slot)  # fmt: skip
         return mine
 
-    def samples(self, epoch: int) -> AsyncGenerator[dict[str, Any], None]:
-        """The samples of `epoch` for this rank and worker, streamed."""
-        streams = [self._shard_samples(shard) for shard in self.shards_for(epoch)]
+    def samples(self, epoch: int, keep_going: bool = False) -> AsyncGenerator[dict[str, Any], None]:
+        """The samples of `epoch` for this rank and worker, streamed. A shard that cannot be read
+        (missing, truncated, corrupt) raises FetchError naming it and the offset; with
+        `keep_going` it yields `{"__error__": that error, ...}` in its place and the others go on
+        (how a Loader skips it under `on_error="skip"`)."""
+        streams = [self._shard_samples(shard, keep_going) for shard in self.shards_for(epoch)]
         merged = interleave(streams, self.parallel)
         rng = random.Random(f"{self.seed}/{epoch}/{self.slot}")
         return shuffled(merged, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else merged
@@ -158,7 +161,33 @@ class TarShards:
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self.samples(self._next_epoch())
 
-    async def _shard_samples(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+    async def _shard_samples(
+        self, shard: str, keep_going: bool = False
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        if not keep_going:
+            async with contextlib.aclosing(self._shard_members(shard)) as samples:
+                async for sample in samples:
+                    yield sample
+            return
+        done = 0
+        try:
+            async with contextlib.aclosing(self._shard_members(shard)) as samples:
+                async for sample in samples:
+                    yield sample
+                    done += 1
+        except Exception as exc:  # the rest of this shard is lost; the other shards go on
+            error = exc if isinstance(exc, FetchError) else FetchError(
+                f"tar shard {redact_url(shard)}: {type(exc).__name__}: {exc}",
+                key=redact_url(shard),
+            )  # fmt: skip
+            error.add_note(f"aioloader: after {done} whole samples of the shard")
+            yield {
+                "__error__": error,
+                "__url__": shard,
+                "__key__": f"<rest of {redact_url(shard)}>",
+            }
+
+    async def _shard_members(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
         label = redact_url(shard)
         current: dict[str, Any] | None = None
         members = tar_members(open_shard(shard, self._remotes, self._options), label)
@@ -188,8 +217,8 @@ class TarShards:
 
     async def _refs(self, epoch: int) -> AsyncIterator[SampleRef]:
         index = 0
-        async for sample in self.samples(epoch):
-            yield SampleRef(sample["__url__"], index, sample)
+        async for sample in self.samples(epoch, keep_going=True):
+            yield SampleRef(sample["__url__"], index, sample)  # a broken shard: fetch raises
             index += 1
 
     def keys(self) -> _Epochs:
@@ -201,6 +230,9 @@ class TarShards:
         sample, ref.sample = ref.sample, None
         if sample is None:
             raise FetchError(f"{ref!r} was already fetched", key=ref, stage="fetch")
+        error = sample.get("__error__")
+        if error is not None:  # the rest of a shard that could not be read
+            raise error
         return sample
 
     async def aclose(self) -> None:
