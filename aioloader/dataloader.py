@@ -568,9 +568,21 @@ class DataLoader(Loader[T]):
                 break
 
     def __len__(self) -> int:
+        length = self._length()
+        if isinstance(self.dataset, IterableDataset):
+            self._len_called = len(self.dataset)  # type: ignore[arg-type]
+        return length
+
+    def _epoch_samples(self) -> int | None:
+        try:  # not len(self): only the user's asking arms the IterableDataset length warning
+            return self._length() * self._stages.group_size
+        except TypeError:
+            return None
+
+    def _length(self) -> int:
         if not isinstance(self.dataset, IterableDataset):
             return super().__len__()
-        length = self._len_called = len(self.dataset)  # type: ignore[arg-type]
+        length = len(self.dataset)  # type: ignore[arg-type]
         if self.batch_size is None:
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import typing
+import warnings
 from collections import namedtuple
 from typing import Any
 
@@ -787,3 +788,11 @@ def test_an_error_in_one_workers_stream_ends_that_batch_as_in_torch() -> None:
         b if isinstance(b, list) else b[0] for b in expected
     ]
     assert got[3] == ("KeyError", "'worker 1 item 2'")
+
+
+def test_an_iterable_dataset_does_not_warn_until_len_was_asked() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the loader's own use of the length arms nothing
+        with DataLoader(ShortStream(), batch_size=1) as loader:
+            got = [batch for batch in loader]  # noqa: C416 - list() would ask len(), as in torch
+            assert len(got) == 5
