@@ -794,5 +794,5 @@ def test_an_iterable_dataset_does_not_warn_until_len_was_asked() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the loader's own use of the length arms nothing
         with DataLoader(ShortStream(), batch_size=1) as loader:
-            got = [batch for batch in loader]  # noqa: C416 - list() would ask len(), as in torch
+            got = [batch for batch in loader]  # not list(): it asks len(), as it would of torch
             assert len(got) == 5
