@@ -631,15 +631,24 @@ class Pool:
         return deadlines
 
     def _kill(self, h: Handle, failed: Task, error: BaseException) -> None:
-        """Kill a stalled worker and replace it: `failed` gets `error`, its other tasks are retried."""
+        """Kill a stalled worker and replace it: its other tasks are retried; `failed` gets `error`,
+        unless `max_worker_restarts` allows one more try: it then runs again alone, and fails only
+        if it stalls again alone (a worker that stalled for a cause of its own costs nothing)."""
         h.killed = True
         with contextlib.suppress(OSError, ValueError):
             h.process.kill()
         tasks = h.take_all()
         for t in tasks:  # it may still write to them until it is reaped
             h.quarantine += t.take_slots()
-        self._pending.extendleft(reversed(self._live([t for t in tasks if t is not failed])))
-        self._settle(failed, error=error)
+        retry = [t for t in tasks if t is not failed]
+        if not failed.isolated and not failed.is_async and self._restarts < self.cfg.max_restarts:
+            self._restarts += 1
+            failed.isolated = True
+            self.counts["retried"] += 1
+            retry.insert(0, failed)
+        else:
+            self._settle(failed, error=error)
+        self._pending.extendleft(reversed(self._live(retry)))
         self._spawn(h.index)
 
     def _live(self, tasks: list[Task]) -> list[Task]:

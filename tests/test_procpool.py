@@ -458,6 +458,24 @@ def test_a_crash_costs_the_task_that_causes_it_alone(make: Any) -> None:
     assert "the task killed it" in outcomes[3]
 
 
+def stall_once(folder: str) -> str:
+    marker = Path(folder, "stalled")
+    if not marker.exists():
+        marker.touch()
+        time.sleep(WAIT_S)  # a transient stall: the first try only
+    return "done"
+
+
+def test_within_restarts_a_stalled_task_runs_again_alone_and_fails_only_if_it_stalls_again(
+    make: Any, tmp_path: Path
+) -> None:
+    executor = make(2, timeout=0.5, max_worker_restarts=2)
+    assert executor.submit(stall_once, str(tmp_path)).result(WAIT_S) == "done"
+    with pytest.raises(WorkerTimeout):
+        executor.submit(stall, "sleep").result(WAIT_S)  # stalls alone too: it is the culprit
+    assert executor.stats()["timeouts"] == 3
+
+
 def test_under_skip_a_crash_skips_its_sample_alone() -> None:
     with (
         ProcessExecutor(2, max_worker_restarts=3) as pool,
