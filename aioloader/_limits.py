@@ -85,6 +85,17 @@ class Gate:
         self._changed.set()
 
 
+class SampleSizes:
+    """The sizes of the samples a loader has fetched, for `ByteBudget`'s estimate; kept across
+    epochs, so only a loader's very first samples wait for a first size."""
+
+    __slots__ = ("count", "total")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.count = 0
+
+
 class ByteBudget:
     """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
 
@@ -95,27 +106,28 @@ class ByteBudget:
     bound is then exceeded by that one batch, and a warning names the sizes once).
     """
 
-    def __init__(self, max_bytes: int | None) -> None:
+    def __init__(self, max_bytes: int | None, sizes: SampleSizes | None = None) -> None:
         self.max_bytes = max_bytes
         self.held = 0
         self.peak = 0
         self.pending = 0  # launched, size not yet known
-        self._seen_bytes = 0
-        self._seen = 0
+        self.sizes = SampleSizes() if sizes is None else sizes  # the loader's, kept across epochs
         self._warned = False
         self._changed = asyncio.Event()
 
     @property
     def reserved(self) -> int:
         """Bytes reserved for the samples launched whose size is not known yet."""
-        return int(self.pending * self._seen_bytes / self._seen) if self._seen else 0
+        sizes = self.sizes
+        return int(self.pending * sizes.total / sizes.count) if sizes.count else 0
 
     def _full(self) -> bool:
         if self.max_bytes is None:
             return False
-        if not self._seen:  # nothing measured yet: one sample at a time
+        sizes = self.sizes
+        if not sizes.count:  # nothing measured yet: one sample at a time
             return self.pending > 0
-        mean = self._seen_bytes / self._seen
+        mean = sizes.total / sizes.count
         return self.held + (self.pending + 1) * mean > self.max_bytes
 
     async def room(self, oldest: Callable[[], bool]) -> None:
@@ -136,8 +148,8 @@ class ByteBudget:
         """A launched sample turned out to be `n` bytes (None: it failed)."""
         self.pending -= 1
         if n is not None:
-            self._seen_bytes += n
-            self._seen += 1
+            self.sizes.total += n
+            self.sizes.count += 1
         self._changed.set()
 
     def add(self, n: int) -> None:

@@ -32,7 +32,15 @@ from ._collate import RowPlan, stacks
 from ._decode import Executor
 from ._exceptions import DecodeError, LoaderClosedError
 from ._fetch import Fetcher, is_async_callable
-from ._limits import ByteBudget, ErrorPolicy, FixedConcurrency, Gate, HeldBound, Tuner
+from ._limits import (
+    ByteBudget,
+    ErrorPolicy,
+    FixedConcurrency,
+    Gate,
+    HeldBound,
+    SampleSizes,
+    Tuner,
+)
 from ._order import Group
 from ._rng import derive_seed
 from ._stats import LoaderStats, Recorder, nbytes
@@ -90,6 +98,7 @@ class Stages:
 
     rows: RowPlan | None = None  # set when process workers may write batch rows in place
     batch_errors: bool = False  # an error ends its batch, not the epoch (see the module docstring)
+    sizes: SampleSizes = field(default_factory=SampleSizes)  # what the byte budget estimates from
 
     def __post_init__(self) -> None:
         if self.tuner is None:
@@ -214,7 +223,8 @@ class Epoch:
             else asyncio.Semaphore(ROWS_AHEAD_PER_WORKER * max(1, stages.limits()["decode"] or 1))
         )
         self._bytes = ByteBudget(
-            None if stages.max_bytes is None else stages.max_bytes - stages.pool_bytes
+            None if stages.max_bytes is None else stages.max_bytes - stages.pool_bytes,
+            stages.sizes,
         )
         self._skipped = 0
         self._ready: dict[int, _Item] = {}

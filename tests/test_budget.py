@@ -116,3 +116,15 @@ def test_the_first_wave_waits_for_a_first_size() -> None:
         assert len(list(loader)) == 16
         peak = loader.stats().peak_held_bytes
     assert peak <= (4 << 20) + (2 << 20), peak  # the budget for samples + one batch
+
+
+@pytest.mark.asyncio
+async def test_the_size_estimate_outlives_the_epoch() -> None:
+    first = ByteBudget(100)
+    first.launched()
+    first.measured(10)
+    later = ByteBudget(100, first.sizes)  # the next epoch's, sharing the loader's sizes
+    for _ in range(5):  # launched at once: 5 x 10 reserved fit in 100
+        await asyncio.wait_for(later.room(_no), 1)
+        later.launched()
+    assert later.reserved == 50
