@@ -99,7 +99,8 @@ class SampleSizes:
 class ByteBudget:
     """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
 
-    A sample's size is known only once fetched, so each launch reserves the mean size seen so far;
+    A sample's size is known only once fetched, so each launch reserves the mean size seen so far
+    (what it was fetched as, plus what decode added);
     until a first size is known, samples are admitted one at a time (a first wave of `concurrency`
     samples of unknown size could hold many times the budget). The oldest batch still being
     assembled is never held back, so a batch larger than the whole budget still completes (the
@@ -151,6 +152,11 @@ class ByteBudget:
             self.sizes.total += n
             self.sizes.count += 1
         self._changed.set()
+
+    def grew(self, n: int) -> None:
+        """A measured sample came to hold `n` more bytes (decoded larger than fetched): the
+        estimate a launch reserves grows with it."""
+        self.sizes.total += n
 
     def add(self, n: int) -> None:
         self.held += n

@@ -387,7 +387,9 @@ class Epoch:
             rec.stop("decode", t0, decoded, key=key)
             if stages.rows is not None:
                 stages.rows.observe(raw)
-            self._hold(state, max(0, decoded - size))
+            grown = max(0, decoded - size)
+            self._hold(state, grown)
+            self._bytes.grew(grown)  # what a launch reserves covers what decode adds
         state.samples[slot] = raw
         await self._done(state)
 

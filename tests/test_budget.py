@@ -128,3 +128,20 @@ async def test_the_size_estimate_outlives_the_epoch() -> None:
         await asyncio.wait_for(later.room(_no), 1)
         later.launched()
     assert later.reserved == 50
+
+
+def test_a_launch_reserves_what_decode_adds_too() -> None:
+    def small(key: int) -> bytes:
+        return bytes(1 << 10)
+
+    def large(raw: bytes) -> np.ndarray:
+        return np.zeros(1 << 20, dtype=np.uint8)  # decoded: a thousand times the fetched size
+
+    loader = Loader(
+        range(24), small, decode=large, executor="inline", batch_size=2,
+        max_bytes_in_flight=8 << 20,
+    )  # fmt: skip
+    with loader:
+        assert len(list(loader)) == 12
+        peak = loader.stats().peak_held_bytes
+    assert peak <= (4 << 20) + (2 << 20) + (2 << 20), peak  # samples' half + one batch + slack
