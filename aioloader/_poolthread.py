@@ -174,6 +174,8 @@ class Pool:
                 raise LoaderClosedError("the process executor was closed")
             if self._thread is not None:
                 return
+            if self._given_blob is not None:  # as they are now (checked at construction)
+                self._given_blob = _pickle_given(self._given, self.cfg.method)
             if self.cfg.method == "zygote" and self._zygote is None:
                 self._zygote = Zygote(serve)
             self._arena = Arena(self.cfg.arena_bytes)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
@@ -57,18 +58,24 @@ _worker: dict[str, int] = {}  # in a worker process: its id, the number of worke
 
 
 class WorkerSetup:
-    """`worker_init_fn` of the process pool: seeds the worker, then calls the user's hook."""
+    """`worker_init_fn` of the process pool: seeds the worker as torch seeds its workers (torch,
+    `random` and numpy from `base_seed` + id), makes `get_worker_info()` answer, then calls the
+    user's hook (which may read the worker info, as in torch)."""
 
     def __init__(
-        self, num_workers: int, base_seed: int, user_fn: Callable[[int], Any] | None
-    ) -> None:
+        self, num_workers: int, base_seed: int, user_fn: Callable[[int], Any] | None,
+        dataset: Any = None,
+    ) -> None:  # fmt: skip
         self.num_workers, self.base_seed, self.user_fn = num_workers, base_seed, user_fn
+        self.dataset = dataset
 
     def __call__(self, worker_id: int) -> None:
-        seed = (self.base_seed + worker_id) % 2**63
+        seed = (self.base_seed + worker_id) % 2**64
         _worker.update(id=worker_id, num_workers=self.num_workers, seed=seed)
         torch.manual_seed(seed)
         random.seed(seed)
+        np.random.seed(torch_worker._generate_state(self.base_seed, worker_id))  # type: ignore[no-untyped-call]
+        _publish(self.dataset)
         if self.user_fn is not None:
             self.user_fn(worker_id)
 

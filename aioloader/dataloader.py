@@ -27,6 +27,7 @@ import inspect
 import itertools
 import math
 import multiprocessing as mp
+import os
 import threading
 import uuid
 import warnings
@@ -92,6 +93,7 @@ class _SamplerPlan:
         self.generator = generator
         self.batch_len = getattr(index_sampler, "batch_size", None) or 1
         self.group_size = self.batch_len  # samples per group, as the pipeline counts them
+        self.base_seed: int | None = None  # drawn for each epoch, as torch's iterator draws it
         self.reads_batches = False  # each key is a whole batch's indices (see `read_batches`)
         self.numbered = False  # ... as `(batch number, indices)` (`ReadSamples` in workers)
 
@@ -100,7 +102,7 @@ class _SamplerPlan:
         self.reads_batches, self.numbered, self.group_size = True, numbered, 1
 
     def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        self.base_seed = _draw_seed(self.generator)
         if consumed:
             return self._number(iter(self._remainder(consumed)))
         indices = iter(self.index_sampler)
@@ -251,6 +253,30 @@ def _check_arguments(
     elif batch_size is None and drop_last:
         raise ValueError(
             "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
+        )
+
+
+def _warn_if_many_workers(num_workers: int) -> None:
+    """torch's warning when a loader makes more workers than this process may use CPUs."""
+    if num_workers <= 0:
+        return
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity is not None else os.cpu_count()
+    if cpus is None or num_workers > cpus:
+        known = (
+            f"Our suggested max number of worker in current system is {cpus}"
+            f"{'' if affinity is not None else ' (`cpuset` is not taken into account)'}, "
+            "which is smaller than what this DataLoader is going to create."
+            if cpus is not None
+            else "DataLoader is not able to compute a suggested max number of worker in "
+            "current system."
+        )
+        warnings.warn(
+            f"This DataLoader will create {num_workers} worker processes in total. {known} "
+            "Please be aware that excessive worker creation might get DataLoader running slow "
+            "or even freeze, lower the worker number to avoid potential slowness/freeze if "
+            "necessary.",
+            stacklevel=3,
         )
 
 
@@ -418,7 +444,7 @@ class DataLoader(Loader[T]):
             ) if device is not None else None,
             own_executor=True, batch_errors=True,
         )  # fmt: skip
-        torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
+        _warn_if_many_workers(num_workers)
         self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -429,10 +455,17 @@ class DataLoader(Loader[T]):
         super().__setattr__(name, value)
 
     def _start(self) -> Any:
-        started = super()._start()
+        started = super()._start()  # a map-style plan draws the epoch's base seed here
         self._yielded = 0
         workers = self._workers
         if workers is not None:
+            # torch's iterator draws a base seed per epoch; its workers seed from it (base + id)
+            base_seed = getattr(self._plan, "base_seed", None)
+            if base_seed is None:  # an IterableDataset's plan draws nothing: draw as torch does
+                base_seed = _draw_seed(self.generator)
+            fresh = not self._epochs_started or not self.persistent_workers
+            if fresh:
+                self._worker_setup.base_seed = base_seed
             if self._epochs_started and not self.persistent_workers:
                 workers.renew()  # torch forks them anew each epoch: they see the dataset as it is
             workers.start()  # forked here, from the consumer's thread, as torch's are
@@ -497,11 +530,11 @@ class DataLoader(Loader[T]):
         Loader's default byte budget (whole batches travel in it). They are forked as torch's are
         (by default, whatever threads run), when the first epoch starts, and inherit `read`
         (the dataset) and the worker_init_fn, which are not pickled."""
-        gen = self.generator
-        base_seed = gen.initial_seed() if gen is not None else torch.initial_seed()
+        # the base seed is the epoch's draw, set by `_start` before the workers fork (as torch's)
+        self._worker_setup = WorkerSetup(self.num_workers, 0, self.worker_init_fn, self.dataset)
         self._workers = ProcessExecutor(
             self.num_workers, start_method=self._start_method,
-            worker_init_fn=WorkerSetup(self.num_workers, base_seed, self.worker_init_fn),
+            worker_init_fn=self._worker_setup,
             arena_bytes=loader_arena(DEFAULT_MAX_BYTES), size_first=size_first, given=(read,),
             fork_like_torch=True,
         )  # fmt: skip
@@ -586,6 +619,11 @@ class DataLoader(Loader[T]):
         if self.batch_size is None:
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """One int64 from `generator` (None: the global RNG), as torch's iterator draws its base seed."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def _reads_batches(plan: Plan) -> bool:

@@ -796,3 +796,69 @@ def test_an_iterable_dataset_does_not_warn_until_len_was_asked() -> None:
         with DataLoader(ShortStream(), batch_size=1) as loader:
             got = [batch for batch in loader]  # not list(): it asks len(), as it would of torch
             assert len(got) == 5
+
+
+class Draws(Dataset[Any]):
+    """Each read: the worker's seed and one draw from each of torch, numpy and random."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        import random as stdlib_random
+
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        return (
+            info.seed if info is not None else -1, torch.rand(()).item(),
+            float(np.random.rand()), stdlib_random.random(),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_are_seeded_as_torchs_each_epoch(persistent: bool) -> None:
+    def epochs(make: Any) -> list[Any]:
+        torch.manual_seed(2024)
+        loader = make(Draws(), batch_size=2, num_workers=2, persistent_workers=persistent)
+        got = [[[t.tolist() for t in b] for b in loader] for _ in range(2)]
+        getattr(loader, "close", lambda: None)()
+        return got
+
+    expected, got = epochs(TorchDataLoader), epochs(DataLoader)
+    assert got == expected
+    seeds = [{seed for batch in epoch for seed in batch[0]} for epoch in got]
+    assert (seeds[0] == seeds[1]) == persistent  # fresh workers: a fresh base seed each epoch
+
+
+def _shard_in_init(worker_id: int) -> None:
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()  # answers inside worker_init_fn, as in torch
+    dataset = info.dataset
+    dataset.start, dataset.end = 10 * info.id, 10 * info.id + 2
+
+
+class Ranged(IterableDataset[Any]):
+    def __init__(self) -> None:
+        self.start, self.end = 0, 0
+
+    def __iter__(self) -> Any:
+        return iter(range(self.start, self.end))
+
+
+def test_get_worker_info_answers_inside_worker_init_fn() -> None:
+    def run(make: Any) -> list[int]:
+        loader = make(Ranged(), batch_size=None, num_workers=2, worker_init_fn=_shard_in_init)
+        got = sorted(int(x) for x in loader)
+        getattr(loader, "close", lambda: None)()
+        return got
+
+    assert run(DataLoader) == run(TorchDataLoader) == [0, 1, 10, 11]
+
+
+def test_construction_works_while_torch_dataloader_is_patched(monkeypatch: Any) -> None:
+    monkeypatch.setattr(torch.utils.data, "DataLoader", DataLoader)  # the usual global drop-in
+    many = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 64) + 1
+    with pytest.warns(UserWarning, match=f"will create {many} worker processes"):
+        DataLoader(MapDataset(4), num_workers=many).close()
