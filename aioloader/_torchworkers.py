@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 
 from . import _carve
@@ -76,8 +77,22 @@ class WorkerSetup:
         random.seed(seed)
         np.random.seed(torch_worker._generate_state(self.base_seed, worker_id))  # type: ignore[no-untyped-call]
         _publish(self.dataset)
+        if isinstance(self.dataset, IterDataPipe | MapDataPipe):  # each worker its shard, as torch
+            world, rank = _world()
+            graph_settings.apply_sharding(
+                self.dataset, self.num_workers * world, worker_id * world + rank
+            )
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+
+def _world() -> tuple[int, int]:
+    """(world size, rank) of torch.distributed, else (1, 0)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 def _publish(dataset: Any) -> None:
@@ -303,11 +318,15 @@ class ReadStream:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
         self.collate, self.token = collate, token  # collate None: the default (`collate_here`)
 
-    def __call__(self, key: tuple[int, int]) -> Any:
-        epoch, n = key
+    def __call__(self, key: tuple[int, int, int | None]) -> Any:
+        epoch, n, pipe_seed = key
         _publish(self.dataset)
         stream = _streams.get(self.token)
         if stream is None or stream.epoch != epoch or (n < stream.made and n not in stream.ahead):
+            if pipe_seed is not None:  # a datapipe's random ops, from the epoch's shared seed
+                graph_settings.apply_random_seed(
+                    self.dataset, torch.Generator().manual_seed(pipe_seed)
+                )
             stream = _streams[self.token] = _Stream(iter(self.dataset), epoch)
         if n in stream.ahead:
             return stream.ahead.pop(n)
@@ -341,7 +360,7 @@ class ReadStream:
 
 
 class WorkerStreams:
-    """The plan of an IterableDataset read in `workers` processes: one key `(worker, epoch, n)` per
+    """The plan of an IterableDataset read in `workers` processes: one key `(worker, epoch, n, seed)` per
     batch, round robin over the workers whose stream has not ended, which is the order torch's
     DataLoader takes batches from its workers in. `StreamExecutor` marks a worker ended when it
     answers `Exhausted`; keys asked of it after its end come back as gaps and are dropped."""
@@ -351,6 +370,7 @@ class WorkerStreams:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self.ended: set[int] = set()
+        self.pipe_seed: int | None = None  # an IterDataPipe's shared seed for this epoch
 
     def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
         return self._groups(epoch, consumed)
@@ -369,7 +389,7 @@ class WorkerStreams:
                 return
             for worker in live:
                 if worker not in self.ended:
-                    yield Group(index, [(index, (worker, epoch, n))], False)
+                    yield Group(index, [(index, (worker, epoch, n, self.pipe_seed))], False)
                     index += 1
 
     def __len__(self) -> int:
@@ -424,15 +444,16 @@ def _short(indices: list[Any], most: int = 16) -> str:
 
 
 class StreamExecutor:
-    """Sends each `(worker, epoch, n)` to that worker of `pool`, and tells `plan` which ended."""
+    """Sends each `(worker, epoch, n, seed)` to that worker of `pool`, and tells `plan` which ended
+    (`seed`: an IterDataPipe's shared seed for the epoch, else None)."""
 
     def __init__(self, pool: ProcessExecutor, plan: WorkerStreams) -> None:
         self.pool, self.plan = pool, plan
         self.workers = pool.workers
 
     async def run(self, fn: Callable[[Any], Any], key: Any, seed: int | None = None) -> Any:
-        worker, epoch, n = key
-        result = await self.pool.run(fn, (epoch, n), seed, worker=worker)
+        worker, epoch, n, pipe_seed = key
+        result = await self.pool.run(fn, (epoch, n, pipe_seed), seed, worker=worker)
         if isinstance(result, Exhausted):
             self.plan.ended.add(worker)
         return result

@@ -463,6 +463,8 @@ class DataLoader(Loader[T]):
             base_seed = getattr(self._plan, "base_seed", None)
             if base_seed is None:  # an IterableDataset's plan draws nothing: draw as torch does
                 base_seed = _draw_seed(self.generator)
+            if isinstance(self._plan, WorkerStreams) and isinstance(self.dataset, IterDataPipe):
+                self._plan.pipe_seed = _draw_seed(self.generator)  # torch's shared seed
             fresh = not self._epochs_started or not self.persistent_workers
             if fresh:
                 self._worker_setup.base_seed = base_seed

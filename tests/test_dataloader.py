@@ -862,3 +862,24 @@ def test_construction_works_while_torch_dataloader_is_patched(monkeypatch: Any) 
     many = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 64) + 1
     with pytest.warns(UserWarning, match=f"will create {many} worker processes"):
         DataLoader(MapDataset(4), num_workers=many).close()
+
+
+@pytest.mark.filterwarnings("ignore:.*Shuffler.*")
+def test_an_iter_datapipe_is_sharded_and_reshuffled_across_workers_as_in_torch() -> None:
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def run(make: Any, seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        pipe = IterableWrapper(range(40)).shuffle().sharding_filter()
+        loader = make(pipe, batch_size=None, num_workers=2)
+        got = [[int(x) for x in loader] for _ in range(2)]
+        getattr(loader, "close", lambda: None)()
+        return got
+
+    ours = run(DataLoader, 1)
+    for epoch in ours:
+        assert sorted(epoch) == list(range(40))  # each item once: every worker reads its shard
+    assert ours[0] != ours[1]  # a fresh shared seed each epoch
+    assert run(DataLoader, 1) == ours  # drawn from torch's generator: seeded, repeatable
+    assert run(DataLoader, 2) != ours
+    assert sorted(run(TorchDataLoader, 1)[0]) == list(range(40))
