@@ -75,7 +75,8 @@ class WorkerSetup:
         _worker.update(id=worker_id, num_workers=self.num_workers, seed=seed)
         torch.manual_seed(seed)
         random.seed(seed)
-        np.random.seed(torch_worker._generate_state(self.base_seed, worker_id))  # type: ignore[no-untyped-call]
+        generate = torch_worker._generate_state  # numpy's seed, as torch's workers derive it
+        np.random.seed(generate(self.base_seed, worker_id))  # type: ignore[no-untyped-call]
         _publish(self.dataset)
         if isinstance(self.dataset, IterDataPipe | MapDataPipe):  # each worker its shard, as torch
             world, rank = _world()
@@ -360,8 +361,8 @@ class ReadStream:
 
 
 class WorkerStreams:
-    """The plan of an IterableDataset read in `workers` processes: one key `(worker, epoch, n, seed)` per
-    batch, round robin over the workers whose stream has not ended, which is the order torch's
+    """The plan of an IterableDataset read in `workers` processes: one key `(worker, epoch, n,
+    seed)` per batch, round robin over the workers whose stream has not ended, which is the order torch's
     DataLoader takes batches from its workers in. `StreamExecutor` marks a worker ended when it
     answers `Exhausted`; keys asked of it after its end come back as gaps and are dropped."""
 
