@@ -110,7 +110,6 @@ class ByteBudget:
     def __init__(self, max_bytes: int | None, sizes: SampleSizes | None = None) -> None:
         self.max_bytes = max_bytes
         self.held = 0
-        self.peak = 0
         self.pending = 0  # launched, size not yet known
         self.sizes = SampleSizes() if sizes is None else sizes  # the loader's, kept across epochs
         self._warned = False
@@ -160,8 +159,6 @@ class ByteBudget:
 
     def add(self, n: int) -> None:
         self.held += n
-        if self.held > self.peak:
-            self.peak = self.held
 
     def over(self, batch_bytes: int) -> str | None:
         """A warning's text, once, when one batch alone holds more than the whole budget."""

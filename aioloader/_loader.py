@@ -592,12 +592,7 @@ class _Batches(Iterator[T]):
         return self
 
     def __next__(self) -> T:
-        batch = next(self._gen)
-        if type(batch) is BatchFailed:
-            error = batch.error
-            del batch
-            raise error
-        return batch  # type: ignore[no-any-return]
+        return _unbox(next(self._gen))  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self._gen.close()
@@ -615,15 +610,19 @@ class _AsyncBatches(AsyncIterator[T]):
         return self
 
     async def __anext__(self) -> T:
-        batch = await self._gen.__anext__()
-        if type(batch) is BatchFailed:
-            error = batch.error
-            del batch
-            raise error
-        return batch  # type: ignore[no-any-return]
+        return _unbox(await self._gen.__anext__())  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
         await self._gen.aclose()
+
+
+def _unbox(batch: Any) -> Any:
+    """`batch`, or the error of a batch that failed (`BatchFailed`) raised in its place."""
+    if type(batch) is BatchFailed:
+        error = batch.error
+        del batch
+        raise error
+    return batch
 
 
 def _timeout_error(message: str, run: Epoch | Feed) -> LoaderTimeout:

@@ -410,7 +410,7 @@ class Epoch:
         self._bytes.add(size)
         rec = self._rec
         rec.held_bytes += size
-        rec.peak_held_bytes = max(rec.peak_held_bytes, self._bytes.peak)
+        rec.peak_held_bytes = max(rec.peak_held_bytes, rec.held_bytes)
         rec.reserved_bytes = self._bytes.reserved
 
     async def _done(self, state: _GroupState) -> None:
@@ -478,13 +478,13 @@ class Epoch:
             rec.cancelled("collate", t0)
             raise
         except BaseException as exc:
-            self._active.pop(where, None)
             rec.stop("collate", t0, error=True)
             keys = [key for i, (_, key) in enumerate(group.items) if i not in state.skipped]
             if self._skip(exc, "collate", keys):
                 return self._deliver(group, SKIPPED, None, state.bytes)
             return self._deliver(group, None, _note(exc, "collate", keys), state.bytes)
-        self._active.pop(where, None)
+        finally:
+            self._active.pop(where, None)
         rec.stop("collate", t0, state.bytes, key=group.index)
         self._deliver(group, batch, None, state.bytes)
 

@@ -726,8 +726,12 @@ class Pool:
         for h in self._handles:
             if not h.ready or not h.open or h.killed or task.pin not in (None, h.index):
                 continue
-            if h.inflight and (task.isolated or any(t.isolated for t in h.inflight.values())):
-                continue  # a suspect runs alone (see `_reap`)
+            if (
+                self._restarts
+                and h.inflight
+                and (task.isolated or any(t.isolated for t in h.inflight.values()))
+            ):
+                continue  # a suspect (there are some only after a restart) runs alone: `_reap`
             if task.is_async:  # none to a loop that has not ended a timed-out task yet
                 room = h.async_n < self._async_room() and not h.expired_n
             else:  # a whole batch keeps a worker busy far longer than a round trip: one at a time

@@ -153,7 +153,8 @@ class TarShards:
         (missing, truncated, corrupt) raises FetchError naming it and the offset; with
         `keep_going` it yields `{"__error__": that error, ...}` in its place and the others go on
         (how a Loader skips it under `on_error="skip"`)."""
-        streams = [self._shard_samples(shard, keep_going) for shard in self.shards_for(epoch)]
+        read = self._shard_or_its_rest if keep_going else self._shard_samples
+        streams = [read(shard) for shard in self.shards_for(epoch)]
         merged = interleave(streams, self.parallel)
         rng = random.Random(f"{self.seed}/{epoch}/{self.slot}")
         return shuffled(merged, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else merged
@@ -161,17 +162,11 @@ class TarShards:
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self.samples(self._next_epoch())
 
-    async def _shard_samples(
-        self, shard: str, keep_going: bool = False
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        if not keep_going:
-            async with contextlib.aclosing(self._shard_members(shard)) as samples:
-                async for sample in samples:
-                    yield sample
-            return
+    async def _shard_or_its_rest(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+        """`_shard_samples`, then, if the shard breaks, one `{"__error__": ...}` for its rest."""
         done = 0
         try:
-            async with contextlib.aclosing(self._shard_members(shard)) as samples:
+            async with contextlib.aclosing(self._shard_samples(shard)) as samples:
                 async for sample in samples:
                     yield sample
                     done += 1
@@ -187,7 +182,7 @@ class TarShards:
                 "__key__": f"<rest of {redact_url(shard)}>",
             }
 
-    async def _shard_members(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+    async def _shard_samples(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
         label = redact_url(shard)
         current: dict[str, Any] | None = None
         members = tar_members(open_shard(shard, self._remotes, self._options), label)
