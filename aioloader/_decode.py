@@ -19,7 +19,14 @@ from ._procpool import ProcessExecutor
 from ._rng import call_seeded
 from ._threads import LazyThreadPool, default_workers
 
-__all__ = ["EXECUTORS", "Executor", "InlineExecutor", "ThreadExecutor", "make_executor"]
+__all__ = [
+    "EXECUTORS",
+    "Executor",
+    "InlineExecutor",
+    "KeyedDecode",
+    "ThreadExecutor",
+    "make_executor",
+]
 
 T = TypeVar("T")
 
@@ -47,6 +54,30 @@ def auto_executor(decode: Callable[[Any], Any] | None = None) -> str:
             )  # fmt: skip
             return "thread"
     return "process"
+
+
+class KeyedDecode:
+    """A decode that is given the key too: called with `(key, raw)`, it returns `fn(key, raw)`.
+
+    What `Loader(..., decode_with_key=True)` runs, so that a label in the key (a path such as
+    "cat/001.jpg") reaches decode in every executor. It pickles when `fn` does, and the pair
+    travels to a worker process as any other argument.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any, Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, pair: tuple[Any, Any]) -> Any:
+        key, raw = pair
+        return self.fn(key, raw)
+
+    def __reduce__(self) -> tuple[type[KeyedDecode], tuple[Callable[[Any, Any], Any]]]:
+        return KeyedDecode, (self.fn,)
+
+    def __repr__(self) -> str:
+        return f"{self.fn!r} (decode_with_key)"
 
 
 class Executor(Protocol):

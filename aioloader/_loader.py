@@ -26,7 +26,7 @@ import torch
 
 from ._autotune import resolve_concurrency, resolve_decoder
 from ._collate import BufferPool, make_collate
-from ._decode import EXECUTORS, Executor, ThreadExecutor, auto_executor
+from ._decode import EXECUTORS, Executor, KeyedDecode, ThreadExecutor, auto_executor
 from ._diagnose import Diagnosis, diagnose
 from ._distributed import resolve_rank
 from ._exceptions import LoaderClosedError, LoaderTimeout
@@ -75,6 +75,9 @@ class Loader(Resumable, Generic[T]):
             or a plain function (runs in up to `concurrency` threads, started as they block). Defaults
             to the source's fetch.
         decode: raw -> sample, run by `executor`; None keeps the raw sample.
+        decode_with_key: call decode as `decode(key, raw)`, so that what the key says (a label in
+            a path such as "cat/001.jpg") reaches it; in every executor, `fetch_in_workers` too.
+            With a process executor, decode must pickle (a module-level function); so must keys.
         collate: list of samples -> batch. The default matches torch's default_collate and stacks
             into recycled buffers; None yields the list itself; any other callable is used as given.
         batch_size: samples per batch; None yields samples one by one.
@@ -132,7 +135,8 @@ class Loader(Resumable, Generic[T]):
         keys: Source | Sequence[Any] | Iterable[Any] | AsyncIterable[Any],
         fetch: Callable[[Any], Any] | None = None,
         *,
-        decode: Callable[[Any], Any] | None = None,
+        decode: Callable[..., Any] | None = None,
+        decode_with_key: bool = False,
         collate: Callable[[list[Any]], Any] | None = DEFAULT_COLLATE,
         batch_size: int | None = None,
         drop_last: bool = False,
@@ -183,6 +187,7 @@ class Loader(Resumable, Generic[T]):
             key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last,
         )  # fmt: skip
+        decode = _keyed(decode, decode_with_key)
         owned = False
         if fetch_in_workers:
             fetch, decode, executor, owned = in_workers(
@@ -635,6 +640,18 @@ def _timeout_error(message: str, run: Epoch | Feed) -> LoaderTimeout:
         listed = ", ".join(f"{key!r} ({age:.1f} s)" for key, age in keys)
         where = f"; the oldest work is in stage {stage!r}, keys in flight there: {listed}"
     return LoaderTimeout(message + where, stage=stage, keys=[key for key, _ in keys])
+
+
+def _keyed(decode: Callable[..., Any] | None, with_key: bool) -> Callable[[Any], Any] | None:
+    """`decode`, or with `decode_with_key=True` the decode that is given `(key, raw)`."""
+    if not isinstance(with_key, bool):
+        raise TypeError(f"decode_with_key must be True or False, got {with_key!r}")
+    check_callable("decode", decode, optional=True)
+    if not with_key:
+        return decode
+    if decode is None:
+        raise ValueError("decode_with_key=True needs a decode, called as decode(key, raw)")
+    return KeyedDecode(decode)
 
 
 def _is_map_style(obj: object) -> bool:

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from ._decode import KeyedDecode
 from ._fetch import is_async_callable
 from ._procpool import ProcessExecutor
 from ._recycle import landing, task_output
@@ -68,7 +69,7 @@ class FetchDecode:
         threads: int = 1,
     ) -> None:
         self.fetch = fetch
-        self.decode = decode
+        self.decode = decode  # a `KeyedDecode` is given (key, raw)
         self.source = source  # whose `aclose()` closes the fetch's connections
         self.threads = threads  # a plain fetch: at most this many threads in each worker
         self.sync = not is_async_callable(fetch)
@@ -80,11 +81,15 @@ class FetchDecode:
         if self.decode is None:  # the body is the result: let it land in the output slot
             landing.set(task_output.get())
             return await self.fetch(key)
-        return self.decode(await self.fetch(key))
+        return self._decoded(key, await self.fetch(key))
 
     def _both(self, key: Any) -> Any:
         raw = self.fetch(key)
-        return raw if self.decode is None else self.decode(raw)
+        return raw if self.decode is None else self._decoded(key, raw)
+
+    def _decoded(self, key: Any, raw: Any) -> Any:
+        assert self.decode is not None
+        return self.decode((key, raw) if isinstance(self.decode, KeyedDecode) else raw)
 
     async def aclose(self) -> None:
         """Close the source's connections (a worker calls this as it stops). Idempotent."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._collate import RowPlan, stacks
-from ._decode import Executor
+from ._decode import Executor, KeyedDecode
 from ._exceptions import DecodeError, LoaderClosedError
 from ._fetch import Fetcher, is_async_callable
 from ._limits import (
@@ -99,10 +99,12 @@ class Stages:
     rows: RowPlan | None = None  # set when process workers may write batch rows in place
     batch_errors: bool = False  # an error ends its batch, not the epoch (see the module docstring)
     sizes: SampleSizes = field(default_factory=SampleSizes)  # what the byte budget estimates from
+    keyed: bool = False  # decode is given (key, raw) (`decode_with_key`)
 
     def __post_init__(self) -> None:
         if self.tuner is None:
             self.tuner = FixedConcurrency(self.concurrency)
+        self.keyed = isinstance(self.decode, KeyedDecode)
         if (
             self.decode is not None
             and stacks(self.collate)
@@ -370,7 +372,7 @@ class Epoch:
             self._active[where] = ("decode", key, time.monotonic())
             t0 = rec.start("decode")
             try:
-                raw = await self._decode(state, slot, raw, seed)
+                raw = await self._decode(state, slot, (key, raw) if stages.keyed else raw, seed)
             except asyncio.CancelledError:
                 rec.cancelled("decode", t0)
                 raise

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from fakes import AsyncFetch, FakeSource, Gate, Keys, SyncFetch, TickingFetch, Tracker
 
-from aioloader import Loader, LoaderTimeout
+from aioloader import Loader, LoaderTimeout, sources
 
 
 async def square(key: int) -> int:
@@ -97,6 +99,70 @@ def test_decode_is_applied_to_each_sample(executor: str) -> None:
         assert drain(loader) == ["<0>", "<1>", "<4>", "<9>", "<16>"]
     expected = "aioloader-loop" if executor == "inline" else "aioloader-decode"
     assert all(name.startswith(expected) for name in decoded_on), decoded_on
+
+
+def label_and_text(key: str, raw: bytes) -> tuple[str, str]:
+    """A decode that takes the label from the key's folder: "cat/001.txt" -> "cat"."""
+    return key.split("/")[0], bytes(raw).decode()
+
+
+def label_row(key: str, raw: bytes) -> torch.Tensor:
+    """One tensor per sample (so process workers write batch rows in place): label, then bytes."""
+    return torch.tensor([LABELS.index(key.split("/")[0]), *bytes(raw)], dtype=torch.float32)
+
+
+LABELS = ["cat", "dog"]
+
+
+@pytest.fixture
+def labelled(tmp_path: Path) -> Path:
+    """cat/000.txt ... dog/002.txt, each holding its own name's number ("c0", "d2", ...)."""
+    for label in LABELS:
+        (tmp_path / label).mkdir()
+        for i in range(3):
+            (tmp_path / label / f"{i:03d}.txt").write_bytes(f"{label[0]}{i}".encode())
+    return tmp_path
+
+
+EXPECTED_PAIRS = [(label, f"{label[0]}{i}") for label in LABELS for i in range(3)]
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_decode_with_key_gets_the_files_path(labelled: Path, executor: str) -> None:
+    source = sources.files(labelled)
+    with Loader(source, decode=label_and_text, decode_with_key=True, executor=executor,
+                workers=2, collate=None) as loader:  # fmt: skip
+        assert drain(loader) == EXPECTED_PAIRS
+        assert drain(loader) == EXPECTED_PAIRS  # and in the next epoch
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_decode_with_key_into_stacked_batches(labelled: Path, executor: str) -> None:
+    # with the default collate, process workers write each row of the batch in place
+    with Loader(sources.files(labelled), decode=label_row, decode_with_key=True,
+                executor=executor, workers=2, batch_size=3) as loader:  # fmt: skip
+        batches = drain(loader)
+    assert [b[:, 0].tolist() for b in batches] == [[0.0] * 3, [1.0] * 3]
+    assert bytes(batches[1][2, 1:].to(torch.uint8).tolist()) == b"d2"
+
+
+def test_decode_with_key_when_workers_fetch(labelled: Path) -> None:
+    with Loader(sources.files(labelled), decode=label_and_text, decode_with_key=True,
+                executor="process", workers=2, fetch_in_workers=True, collate=None,
+                concurrency=4) as loader:  # fmt: skip
+        assert drain(loader) == EXPECTED_PAIRS
+
+
+def test_decode_with_key_takes_a_partial_and_a_callable_object() -> None:
+    class Tag:
+        def __call__(self, key: int, raw: int) -> str:
+            return f"{key}:{raw}"
+
+    joined = functools.partial(lambda sep, key, raw: f"{key}{sep}{raw}", "=")
+    with Loader(range(3), square, decode=Tag(), decode_with_key=True, collate=None) as loader:
+        assert drain(loader) == ["0:0", "1:1", "2:4"]
+    with Loader(range(3), square, decode=joined, decode_with_key=True, collate=None) as loader:
+        assert drain(loader) == ["0=0", "1=1", "2=4"]
 
 
 def test_without_decode_the_raw_sample_is_kept() -> None:
@@ -251,6 +317,9 @@ def test_without_shuffle_every_epoch_is_in_key_order() -> None:
         ({"timeout": float("nan")}, ValueError, "timeout"),
         ({"timeout": "1"}, TypeError, "timeout"),
         ({"seed": -1}, ValueError, "seed"),
+        ({"decode_with_key": True}, ValueError, "decode_with_key"),
+        ({"decode_with_key": 1, "decode": str}, TypeError, "decode_with_key"),
+        ({"decode_with_key": True, "decode": "utf-8"}, TypeError, "decode"),
         ({"shuffle": True, "keys": iter(range(4))}, ValueError, "shuffle"),
     ],
 )
