@@ -175,6 +175,11 @@ class Loader(Resumable, Generic[T]):
             source = owner if isinstance(owner, Source) else None  # closed with the loader
         if fetch is None:
             raise TypeError("fetch: a fetch function is required unless keys is a Source")
+        if shuffle and source is not None and hasattr(source, "shuffle") and keys is source:
+            raise ValueError(
+                f"shuffle=True: {source!r} shuffles itself (its shard order every epoch unless "
+                "shuffle=False, its samples with shuffle_buffer=N); leave the Loader's shuffle unset"
+            )
         if batch_size is not None:
             check_int("batch_size", batch_size, minimum=1)
         check_int("seed", seed, minimum=0)
@@ -183,6 +188,7 @@ class Loader(Resumable, Generic[T]):
         if bind is not None:  # the source shards its own data
             bind(rank=rank, world_size=world_size)
             rank, world_size = 0, 1
+        self._origin = origin(keys, source, fetch)
         order = KeyOrder(
             key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last,
@@ -231,6 +237,7 @@ class Loader(Resumable, Generic[T]):
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
         check_int("prefetch", prefetch, minimum=1)
+        self._concurrency_arg = concurrency
         recorder = Recorder() if stats else NullRecorder()
         concurrency, tuner = resolve_concurrency(
             concurrency, is_async=is_async_callable(fetch), recorder=recorder, max_bytes=max_bytes,
@@ -295,6 +302,37 @@ class Loader(Resumable, Generic[T]):
         traced = env_trace_path()
         if traced is not None and stats:
             self.trace(traced)
+
+    def __repr__(self) -> str:
+        """The configuration: source (or keys and fetch), decode, batching, concurrency, executor."""
+        try:
+            parts = self._config()
+        except AttributeError:  # a loader whose construction failed
+            return f"<{type(self).__name__}, not set up>"
+        if self._closed:
+            parts.append("closed")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    def _config(self) -> list[str]:
+        """What `repr` shows, as "name=value" parts."""
+        parts = [self._origin]
+        decode = self._stages.decode
+        if decode is not None:
+            parts.append(f"decode={_name(decode)}")
+        plan = self._plan
+        parts.append(f"batch_size={getattr(plan, 'batch_size', plan.group_size)}")
+        order = getattr(plan, "order", None)
+        if order is not None:
+            parts.append(f"shuffle={order.shuffle}")
+        parts.append(f"concurrency={self._concurrency_arg!r}")
+        executor = self._executor
+        parts.append(
+            f"executor={executor if isinstance(executor, str) else type(executor).__name__!r}"
+        )
+        workers = getattr(self._stages.decoder, "workers", None)
+        if workers is not None and executor != "inline":
+            parts.append(f"workers={workers}")
+        return parts
 
     # -- epochs ------------------------------------------------------------------------------------
 
@@ -640,6 +678,27 @@ def _timeout_error(message: str, run: Epoch | Feed) -> LoaderTimeout:
         listed = ", ".join(f"{key!r} ({age:.1f} s)" for key, age in keys)
         where = f"; the oldest work is in stage {stage!r}, keys in flight there: {listed}"
     return LoaderTimeout(message + where, stage=stage, keys=[key for key, _ in keys])
+
+
+def origin(keys: object, source: Source | None = None, fetch: object = None) -> str:
+    """Where a loader's samples come from, for its repr: its source, or its keys and fetch."""
+    if source is not None and keys is source:
+        return f"source={source!r}"
+    what = repr(keys) if isinstance(keys, range) else f"<{type(keys).__name__}>"
+    with contextlib.suppress(TypeError):
+        if not isinstance(keys, range):
+            what = f"<{type(keys).__name__} of {len(keys)}>"  # type: ignore[arg-type]
+    if fetch is None:
+        return f"dataset={what}"
+    return f"keys={what}, fetch={_name(fetch)}"
+
+
+def _name(fn: object) -> str:
+    """A callable's qualified name (a decode given the key says so), else its repr."""
+    if isinstance(fn, KeyedDecode):
+        return f"{_name(fn.fn)} (with key)"
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else type(fn).__name__ if callable(fn) else repr(fn)
 
 
 def _keyed(decode: Callable[..., Any] | None, with_key: bool) -> Callable[[Any], Any] | None:

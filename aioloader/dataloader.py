@@ -52,7 +52,7 @@ from torch.utils.data import (
 from ._collate import BufferPool, default_collate, make_collate
 from ._exceptions import LoaderTimeout, StateError
 from ._limits import DEFAULT_MAX_BYTES
-from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, _timeout_error
+from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, _timeout_error, origin
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
 from ._procpool import ProcessExecutor
 from ._ranges import Ranges
@@ -446,6 +446,14 @@ class DataLoader(Loader[T]):
         )  # fmt: skip
         _warn_if_many_workers(num_workers)
         self._initialized = True
+
+    def _config(self) -> list[str]:
+        """What `repr` shows: the arguments that shape the batches and the work, as given."""
+        return [
+            origin(self.dataset), f"batch_size={self.batch_size}",
+            f"sampler={type(self.sampler).__name__}", f"num_workers={self.num_workers}",
+            f"concurrency={self._concurrency_arg!r}",
+        ]  # fmt: skip
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FIXED and self.__dict__.get("_initialized"):

@@ -332,6 +332,33 @@ def test_invalid_arguments_raise_at_construction_naming_the_argument(
     assert type(info.value) is error
 
 
+def test_repr_shows_the_configuration(labelled: Path) -> None:
+    with Loader(sources.files(labelled), decode=label_and_text, decode_with_key=True,
+                batch_size=3, shuffle=True, concurrency=8, executor="thread",
+                workers=2) as loader:  # fmt: skip
+        assert repr(loader) == (
+            f"Loader(source=files({str(labelled)!r}, pattern='**/*') [6 files], "
+            "decode=label_and_text (with key), batch_size=3, shuffle=True, concurrency=8, "
+            "executor='thread', workers=2)"
+        )
+    assert repr(loader).endswith(", closed)")
+    with Loader(range(4), square, concurrency="auto") as loader:
+        assert repr(loader) == (
+            "Loader(keys=range(0, 4), fetch=square, batch_size=None, shuffle=False, "
+            "concurrency='auto', executor='inline')"
+        )
+
+
+def test_repr_of_a_dataloader_shows_torchs_arguments() -> None:
+    from aioloader import DataLoader
+
+    with DataLoader(list(range(10)), batch_size=2, shuffle=True) as loader:
+        assert repr(loader) == (
+            "DataLoader(dataset=<list of 10>, batch_size=2, sampler=RandomSampler, "
+            "num_workers=0, concurrency=16)"
+        )
+
+
 def test_set_epoch_rejects_a_negative_epoch() -> None:
     with Loader(range(4), square) as loader, pytest.raises(ValueError, match="epoch"):
         loader.set_epoch(-1)

@@ -138,6 +138,45 @@ def test_loader_streams_samples_per_epoch(shards: list[str]) -> None:
     assert epochs[0] != epochs[1]
 
 
+def test_shards_are_shuffled_by_default_and_a_validation_set_keeps_its_order(
+    shards: list[str],
+) -> None:
+    train = tar_shards(shards)
+    assert train.shuffle is True
+    assert "shuffle=True" in repr(train)
+    assert train.shards_for(0) != shards
+    assert sorted(train.shards_for(0)) == sorted(shards)
+    val = tar_shards(shards, shuffle=False, parallel=1)
+    assert "shuffle=False" in repr(val)
+    with Loader(val, concurrency=4, collate=None) as loader:
+        epochs = [[s["__key__"] for s in loader] for _ in range(2)]
+    assert epochs[0] == epochs[1] == [s["__key__"] for s in reference(shards)]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "name"),
+    [
+        ({"shuffle": False, "shuffle_buffer": 10}, ValueError, "shuffle_buffer"),
+        ({"shuffle": "no"}, TypeError, "shuffle"),
+        ({"shufle": False}, TypeError, "shufle"),
+    ],
+)
+def test_bad_shuffle_options_name_the_argument(
+    shards: list[str], options: dict[str, Any], error: type[Exception], name: str
+) -> None:
+    with pytest.raises(error, match=name):
+        tar_shards(shards, **options)
+
+
+def test_loader_shuffle_over_shards_says_that_they_shuffle_themselves(shards: list[str]) -> None:
+    with pytest.raises(
+        ValueError, match=r"^shuffle=True: tar_shards\(.*\) shuffles itself"
+    ) as info:
+        Loader(tar_shards(shards), shuffle=True)
+    assert "_Epochs" not in str(info.value)
+    assert "shuffle_buffer" in str(info.value)
+
+
 @pytest.fixture
 def shard_bytes(shards: list[str]) -> bytes:
     return Path(shards[0]).read_bytes()

@@ -4,7 +4,8 @@ Members are grouped into samples the way the `webdataset` package does: consecut
 a key (the path up to the first "." of the file name) make one dict `{"__key__": key, "__url__": shard,
 "jpg": bytes, "cls": bytes, ...}` (extensions lower-cased; `__*__` metadata members skipped).
 
-Per epoch, the shard list is shuffled with (seed, epoch) and dealt out across `world_size * num_workers`
+Per epoch, the shard list is shuffled with (seed, epoch) (by default: `shuffle=False` keeps the given
+order, for validation and evaluation) and dealt out across `world_size * num_workers`
 readers without overlap; `parallel` shards are read at once and their samples interleaved round-robin
 (a fixed order, whatever the timing), then mixed by a bounded shuffle buffer.
 
@@ -73,6 +74,9 @@ class _Epochs:
 class TarShards:
     """Samples from WebDataset-style tar shards, as a source. See `tar_shards()` for the arguments.
 
+    The shard order is shuffled every epoch unless `shuffle=False`. The source shuffles itself: a
+    `Loader` over it keeps its own `shuffle=False`.
+
     Example:
         >>> shards = tar_shards(["/data/train-000.tar", "/data/train-001.tar"], shuffle_buffer=1000)
         >>> async def first_keys():
@@ -99,10 +103,17 @@ class TarShards:
         self.shards = [shards] if isinstance(shards, str) else list(shards)
         if not self.shards:
             raise ValueError("shards: no shards given")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
         for name, value, low in (("world_size", world_size, 1), ("num_workers", num_workers, 1),
                                  ("rank", rank, 0), ("worker", worker, 0), ("parallel", parallel, 1),
                                  ("shuffle_buffer", shuffle_buffer, 0), ("seed", seed, 0)):  # fmt: skip
             check_int(name, value, minimum=low)
+        if not shuffle and shuffle_buffer:
+            raise ValueError(
+                f"shuffle_buffer={shuffle_buffer} mixes samples, but shuffle=False asks for the "
+                "stored order: drop one of them"
+            )
         if rank >= world_size or worker >= num_workers:
             raise ValueError(
                 f"need rank < world_size and worker < num_workers, got {rank}, {worker}"
@@ -118,7 +129,11 @@ class TarShards:
         self._epoch = 0
 
     def __repr__(self) -> str:
-        return f"tar_shards([{len(self.shards)} shards], slot {self.slot} of {self.slots})"
+        mixing = f", shuffle_buffer={self.shuffle_buffer}" if self.shuffle_buffer else ""
+        return (
+            f"tar_shards([{len(self.shards)} shards], shuffle={self.shuffle}{mixing}, "
+            f"slot {self.slot} of {self.slots})"
+        )
 
     def bind(self, *, rank: int, world_size: int) -> None:
         """Take the loader's rank and world size, unless this source was given its own share.
@@ -237,17 +252,47 @@ class TarShards:
             await remote.aclose()
 
 
-def tar_shards(shards: str | Sequence[str], **options: Any) -> TarShards:
+def tar_shards(
+    shards: str | Sequence[str],
+    *,
+    shuffle: bool = True,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: int = 0,
+    num_workers: int = 1,
+    parallel: int = 2,
+    suffixes: Sequence[str] | None = None,
+    http_options: dict[str, Any] | None = None,
+    s3_options: dict[str, Any] | None = None,
+) -> TarShards:
     """A source of the samples in WebDataset tar shards.
+
+    Shuffled by default: every epoch reads the shards in a new order (seeded by `seed` and the
+    epoch), as training wants. For a validation or test set pass `shuffle=False`: the shards are
+    read in the order given and their samples come in the order stored (with `parallel=1`, one
+    shard after the other; with more, interleaved round-robin, the same every epoch). The source
+    shuffles itself, so a `Loader` over it takes no `shuffle=True`.
 
     Args:
         shards: paths, http(s) URLs or s3:// URLs of .tar files.
-        shuffle: shuffle the shard order per epoch (seeded by `seed` and the epoch).
-        shuffle_buffer: samples held to mix the stream (0: no sample shuffle).
+        shuffle: shuffle the shard order per epoch (True, the default) or keep it (False).
+        shuffle_buffer: samples held to mix the stream (0: no sample shuffle); needs `shuffle`.
+        seed: what every epoch's shard order and mixing derive from (with the epoch).
         rank, world_size, worker, num_workers: read only this reader's share of the shards.
         parallel: shards read at once (their samples interleaved round-robin).
         suffixes: keep only these extensions (others are dropped from the samples).
         http_options: passed to `http()` for http(s) shards (timeouts, retries, headers, ssl).
         s3_options: passed to `s3()` for s3:// shards (endpoint_url, credentials, region, ...).
+
+    Example:
+        >>> train = tar_shards([f"s3://bucket/train-{i:04d}.tar" for i in range(64)],
+        ...                    shuffle_buffer=1000)
+        >>> val = tar_shards(["s3://bucket/val-0000.tar"], shuffle=False)
     """
-    return TarShards(shards, **options)
+    return TarShards(
+        shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed, rank=rank,
+        world_size=world_size, worker=worker, num_workers=num_workers, parallel=parallel,
+        suffixes=suffixes, http_options=http_options, s3_options=s3_options,
+    )  # fmt: skip
