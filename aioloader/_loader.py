@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -163,12 +164,14 @@ class Loader(Resumable, Generic[T]):
     ) -> None:
         self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
         source: Source | None = None
+        described: str | None = None
         key_list: Sequence[Any] | Iterable[Any] | AsyncIterable[Any]
         if isinstance(keys, Source):
             source, key_list = keys, keys.keys()
             fetch = fetch or keys.fetch
         elif fetch is None and _is_map_style(keys):
             key_list, fetch = range(len(keys)), keys.__getitem__  # type: ignore[arg-type,index]
+            described = origin(keys)  # a dataset
         else:
             key_list = keys
             owner = getattr(fetch, "__self__", None)
@@ -188,7 +191,7 @@ class Loader(Resumable, Generic[T]):
         if bind is not None:  # the source shards its own data
             bind(rank=rank, world_size=world_size)
             rank, world_size = 0, 1
-        self._origin = origin(keys, source, fetch)
+        self._origin = described or origin(keys, source, fetch)
         order = KeyOrder(
             key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last,
@@ -697,6 +700,8 @@ def _name(fn: object) -> str:
     """A callable's qualified name (a decode given the key says so), else its repr."""
     if isinstance(fn, KeyedDecode):
         return f"{_name(fn.fn)} (with key)"
+    if isinstance(fn, functools.partial):
+        return f"partial({_name(fn.func)})"
     name = getattr(fn, "__qualname__", None)
     return name if isinstance(name, str) else type(fn).__name__ if callable(fn) else repr(fn)
 
