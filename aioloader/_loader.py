@@ -83,7 +83,9 @@ class Loader(Resumable, Generic[T]):
             into recycled buffers; None yields the list itself; any other callable is used as given.
         batch_size: samples per batch; None yields samples one by one.
         drop_last: drop a last batch smaller than `batch_size`.
-        shuffle, seed: permute the keys per epoch with a generator seeded from (seed, epoch).
+        shuffle, seed: permute the keys per epoch with a generator seeded from (seed, epoch). A
+            shard source (`sources.tar_shards`) shuffles itself (by default): with one,
+            `shuffle=True` raises ValueError.
         rank, world_size: this process's share of every epoch (default: from an initialised
             torch.distributed process group, else RANK / WORLD_SIZE, else 0 and 1). Every rank
             gets the same number of batches: the epoch is padded by wrapping around, or cut with
@@ -117,8 +119,9 @@ class Loader(Resumable, Generic[T]):
             so fetching scales past one core; order, batching and `concurrency` (in total) stay
             here. See `_multiloop.py`.
 
-    See inside: `stats()` (numbers per stage), `diagnose()` (the bottleneck, in words),
-    `trace(path)` (a Perfetto/Chrome trace; or set AIOLOADER_TRACE=path), `iter(progress=True)`.
+    `repr(loader)` shows what it was made with. See inside: `stats()` (numbers per stage),
+    `diagnose()` (the bottleneck, in words), `trace(path)` (a Perfetto/Chrome trace; or set
+    AIOLOADER_TRACE=path), `iter(progress=True)`.
 
     The loader's threads and connections live across epochs until `close()`/`aclose()` or the end of a
     `with`/`async with` block. Each full iteration is one epoch; `set_epoch(n)` picks the next one.

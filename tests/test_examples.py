@@ -4,6 +4,7 @@ a fresh interpreter on the script (the S3 one against the session's SeaweedFS se
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,13 @@ def test_webdataset_from_s3_trains_and_validates(seaweed: SeaweedServer) -> None
     assert "validation: 24 samples, the same order every epoch" in out
     status, _ = seaweed.request("GET", "examples/wds/shard-0003.tar")
     assert status == 200  # written by the example itself
+
+
+def test_the_readme_section_names_the_examples_run_here() -> None:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("\n## Coming from torch's DataLoader\n")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    named = set(re.findall(r"examples/(\w+\.py)", section))
+    assert named == {"from_torch.py", "labels_from_paths.py", "webdataset_s3.py"}
+    for heading in ("### Labels from paths", "### A WebDataset set from S3", "by hand"):
+        assert heading in section
