@@ -33,7 +33,7 @@ from ._distributed import resolve_rank
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._fetch import Fetcher, is_async_callable
 from ._limits import DEFAULT_MAX_BYTES, ErrorPolicy
-from ._multiloop import in_workers
+from ._multiloop import FetchDecode, in_workers
 from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._pipeline import END, SKIPPED, BatchFailed, Epoch, Stages
 from ._progress import with_progress
@@ -323,6 +323,9 @@ class Loader(Resumable, Generic[T]):
         """What `repr` shows, as "name=value" parts."""
         parts = [self._origin]
         decode = self._stages.decode
+        if isinstance(decode, FetchDecode):  # fetch_in_workers: the user's decode is inside
+            parts.append("fetch_in_workers=True")
+            decode = decode.decode
         if decode is not None:
             parts.append(f"decode={_name(decode)}")
         plan = self._plan

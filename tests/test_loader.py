@@ -151,6 +151,7 @@ def test_decode_with_key_when_workers_fetch(labelled: Path) -> None:
                 executor="process", workers=2, fetch_in_workers=True, collate=None,
                 concurrency=4) as loader:  # fmt: skip
         assert drain(loader) == EXPECTED_PAIRS
+        assert "fetch_in_workers=True, decode=label_and_text (with key)" in repr(loader)
 
 
 def test_decode_with_key_takes_a_partial_and_a_callable_object() -> None:

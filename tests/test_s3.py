@@ -67,6 +67,22 @@ def test_loader_reads_every_object(
     assert src.transport._session is None
 
 
+def key_and_body(key: str, raw: bytearray) -> tuple[str, bytes]:
+    return key, bytes(raw)
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_decode_with_key_gets_the_object_key(
+    executor: str, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    src = source(seaweed)
+    with Loader(src, decode=key_and_body, decode_with_key=True, executor=executor, workers=2,
+                shuffle=True, concurrency=8, collate=None) as loader:  # fmt: skip
+        got = list(loader)
+    assert dict(got) == stored  # every body with its own key, e.g. "s3test/dir a/ü+x=1.bin"
+    assert [key for key, _ in got] != sorted(stored, key=str.encode)  # shuffled, still paired
+
+
 def test_streamed_listing_feeds_the_loader(
     seaweed: SeaweedServer, stored: dict[str, bytes]
 ) -> None:
