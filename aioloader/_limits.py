@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +97,22 @@ class SampleSizes:
         self.count = 0
 
 
+def give_back_freed_memory() -> None:
+    """glibc's malloc_trim(0): free heap pages go back to the system (no-op elsewhere)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
+
+
 class ByteBudget:
     """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
 
@@ -114,6 +131,7 @@ class ByteBudget:
         self.sizes = SampleSizes() if sizes is None else sizes  # the loader's, kept across epochs
         self._warned = False
         self._changed = asyncio.Event()
+        self._released = 0  # bytes released since the allocator last gave back (`_give_back`)
 
     @property
     def reserved(self) -> int:
@@ -134,8 +152,20 @@ class ByteBudget:
         """Wait until one more sample fits, or until it belongs to the oldest batch (`oldest()`,
         asked again whenever the budget or the batches change: see `poke`)."""
         while self._full() and not oldest():
+            self._give_back()
             self._changed.clear()
             await self._changed.wait()
+
+    def _give_back(self) -> None:
+        """The budget binds: hand the allocator's slack back to the system, at most once per
+        quarter of the budget released. Samples freed by one thread go back to the heap arena of
+        the thread that allocated them, and a fetch on another thread allocates anew: each arena
+        keeps a sample or two that nothing uses, and the process outgrows the budget by them."""
+        assert self.max_bytes is not None
+        if self._released < self.max_bytes // 4:
+            return
+        self._released = 0
+        give_back_freed_memory()
 
     def poke(self) -> None:
         """The oldest batch changed: waiting launches look again."""
@@ -174,6 +204,7 @@ class ByteBudget:
 
     def release(self, n: int) -> None:
         self.held -= n
+        self._released += n
         self._changed.set()
 
 

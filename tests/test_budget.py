@@ -16,9 +16,10 @@ from aioloader._limits import ByteBudget
 
 SCRIPT = Path(__file__).parent / "scripts" / "budget_rss.py"
 BUDGET_MB = 200
-# Beyond the budget: the batch the consumer holds (40 MB) and allocator slack (freed 10 MB samples
-# that glibc keeps mapped for a while).
-OVERHEAD_MB = 250
+# Beyond the budget: the batch the consumer holds (4 x 10 MB), and one sample's worth of pages the
+# allocator has not handed back yet. (Before the budget gave freed memory back, glibc's per-thread
+# heaps kept 80-130 MB more than this.)
+OVERHEAD_MB = 40 + 10
 
 
 def peak(budget: str) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Peak RSS growth of a loader holding 10 MB samples behind a slow consumer.
 
-Usage: budget_rss.py BUDGET_MB|none   -> prints JSON {"peak_growth_mb": ..., "max_held_mb": ...}
+Usage: budget_rss.py BUDGET_MB|none [SAMPLE_MB BATCH_SIZE]
+  -> prints JSON {"peak_growth_mb": ..., "max_held_mb": ..., "batch_mb": ...}
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import psutil
 
 import aioloader
 
-SAMPLE_MB = 10
+SAMPLE_MB = 10  # (the defaults)
+BATCH_SIZE = 4
 # psutil is read at this period from a sampler thread (RSS is not something anything signals).
 SAMPLE_PERIOD_S = 0.01
 
 
 def fetch(key: int) -> np.ndarray:
-    out = np.empty(SAMPLE_MB * 2**20 // 8)
+    out = np.empty(SAMPLE_MB * 2**20 // 8)  # (SAMPLE_MB as given on the command line)
     out.fill(key)  # touch every page, as a decoder would
     return out
 
@@ -41,7 +43,7 @@ def main(budget: int | None) -> None:
     sampler.start()
     max_held = 0
     loader = aioloader.Loader(
-        list(range(48)), fetch, batch_size=4, prefetch=8, concurrency=16,
+        list(range(12 * BATCH_SIZE)), fetch, batch_size=BATCH_SIZE, prefetch=8, concurrency=16,
         max_bytes_in_flight=budget,
     )  # fmt: skip
     with loader:
@@ -51,9 +53,16 @@ def main(budget: int | None) -> None:
             del batch
     stop.set()
     sampler.join()
-    print(json.dumps({"peak_growth_mb": (peak[0] - base) / 2**20, "max_held_mb": max_held / 2**20}))
+    growth, held = (peak[0] - base) / 2**20, max_held / 2**20
+    print(
+        json.dumps(
+            {"peak_growth_mb": growth, "max_held_mb": held, "batch_mb": SAMPLE_MB * BATCH_SIZE}
+        )
+    )
 
 
 if __name__ == "__main__":
     arg = sys.argv[1]
+    if len(sys.argv) > 2:
+        SAMPLE_MB, BATCH_SIZE = int(sys.argv[2]), int(sys.argv[3])
     main(None if arg == "none" else int(arg) * 2**20)
