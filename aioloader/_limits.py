@@ -90,11 +90,18 @@ class SampleSizes:
     """The sizes of the samples a loader has fetched, for `ByteBudget`'s estimate; kept across
     epochs, so only a loader's very first samples wait for a first size."""
 
-    __slots__ = ("count", "total")
+    __slots__ = ("count", "fetched", "total")
 
     def __init__(self) -> None:
-        self.total = 0
+        self.total = 0  # bytes held per sample: as fetched, plus what decode added
         self.count = 0
+        self.fetched = 0  # bytes as fetched (`total` / `fetched`: how much decode grows a sample)
+
+    def expect(self, known: int) -> int:
+        """What a sample that a source says is `known` bytes will hold, decode's growth included."""
+        if not self.fetched:
+            return known
+        return max(known, int(known * self.total / self.fetched))
 
 
 def give_back_freed_memory() -> None:
@@ -116,9 +123,10 @@ _malloc_trim = _find_malloc_trim()
 class ByteBudget:
     """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
 
-    A sample's size is known only once fetched, so each launch reserves the mean size seen so far
-    (what it was fetched as, plus what decode added);
-    until a first size is known, samples are admitted one at a time (a first wave of `concurrency`
+    A launch reserves what its sample will hold: from the size its source knows before fetching it
+    (a file's or an object's size: `Source.size`), grown as decode has grown samples so far; else the
+    mean size seen so far (what samples were fetched as, plus what decode added). Until a first size
+    is measured, samples of unknown size are admitted one at a time (a first wave of `concurrency`
     samples of unknown size could hold many times the budget). The oldest batch still being
     assembled is never held back, so a batch larger than the whole budget still completes (the
     bound is then exceeded by that one batch, and a warning names the sizes once).
@@ -128,6 +136,7 @@ class ByteBudget:
         self.max_bytes = max_bytes
         self.held = 0
         self.pending = 0  # launched, size not yet known
+        self.pending_known = 0  # bytes reserved for launched samples whose size their source knew
         self.sizes = SampleSizes() if sizes is None else sizes  # the loader's, kept across epochs
         self._warned = False
         self._changed = asyncio.Event()
@@ -137,21 +146,28 @@ class ByteBudget:
     def reserved(self) -> int:
         """Bytes reserved for the samples launched whose size is not known yet."""
         sizes = self.sizes
-        return int(self.pending * sizes.total / sizes.count) if sizes.count else 0
+        unknown = int(self.pending * sizes.total / sizes.count) if sizes.count else 0
+        return self.pending_known + unknown
 
-    def _full(self) -> bool:
+    def expect(self, known: int | None) -> int | None:
+        """What to reserve for a sample its source says is `known` bytes (None: not known)."""
+        return None if known is None else self.sizes.expect(known)
+
+    def _full(self, expected: int | None) -> bool:
         if self.max_bytes is None:
             return False
         sizes = self.sizes
-        if not sizes.count:  # nothing measured yet: one sample at a time
-            return self.pending > 0
-        mean = sizes.total / sizes.count
-        return self.held + (self.pending + 1) * mean > self.max_bytes
+        if expected is None:
+            if not sizes.count:  # nothing measured yet: one sample at a time
+                return self.pending > 0
+            expected = int(sizes.total / sizes.count)
+        return self.held + self.reserved + expected > self.max_bytes
 
-    async def room(self, oldest: Callable[[], bool]) -> None:
-        """Wait until one more sample fits, or until it belongs to the oldest batch (`oldest()`,
-        asked again whenever the budget or the batches change: see `poke`)."""
-        while self._full() and not oldest():
+    async def room(self, oldest: Callable[[], bool], expected: int | None = None) -> None:
+        """Wait until one more sample fits (`expected` bytes: see `expect`; None: the mean), or
+        until it belongs to the oldest batch (`oldest()`, asked again whenever the budget or the
+        batches change: see `poke`)."""
+        while self._full(expected) and not oldest():
             self._give_back()
             self._changed.clear()
             await self._changed.wait()
@@ -171,14 +187,21 @@ class ByteBudget:
         """The oldest batch changed: waiting launches look again."""
         self._changed.set()
 
-    def launched(self) -> None:
-        self.pending += 1
+    def launched(self, expected: int | None = None) -> None:
+        if expected is None:
+            self.pending += 1
+        else:
+            self.pending_known += expected
 
-    def measured(self, n: int | None) -> None:
-        """A launched sample turned out to be `n` bytes (None: it failed)."""
-        self.pending -= 1
+    def measured(self, n: int | None, expected: int | None = None) -> None:
+        """A sample launched with `expected` turned out to be `n` bytes (None: it failed)."""
+        if expected is None:
+            self.pending -= 1
+        else:
+            self.pending_known -= expected
         if n is not None:
             self.sizes.total += n
+            self.sizes.fetched += n
             self.sizes.count += 1
         self._changed.set()
 

@@ -274,6 +274,7 @@ class Loader(Resumable, Generic[T]):
         self._device = device
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, fetch_initializer),
+            size_of=getattr(source, "size", None),
             decode=decode,
             decoder=resolve_decoder(executor, workers, loader_arena(max_bytes))
             if isinstance(executor, str)

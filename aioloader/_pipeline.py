@@ -99,6 +99,7 @@ class Stages:
     rows: RowPlan | None = None  # set when process workers may write batch rows in place
     batch_errors: bool = False  # an error ends its batch, not the epoch (see the module docstring)
     sizes: SampleSizes = field(default_factory=SampleSizes)  # what the byte budget estimates from
+    size_of: Callable[[Any], int | None] | None = None  # a source's `size`: bytes before fetching
     keyed: bool = False  # decode is given (key, raw) (`decode_with_key`)
 
     def __post_init__(self) -> None:
@@ -309,12 +310,23 @@ class Epoch:
                 state = _GroupState(group, self._stages.rows)
                 for slot, (_, key) in enumerate(group.items):
                     await self._held.acquire()
-                    await self._bytes.room(functools.partial(self._oldest, group.index))
+                    expected = self._bytes.expect(self._size_of(key))
+                    await self._bytes.room(functools.partial(self._oldest, group.index), expected)
                     await self._in_flight.acquire()
-                    self._bytes.launched()
+                    self._bytes.launched(expected)
                     self._rec.reserved_bytes = self._bytes.reserved
                     self._rec.held_samples += 1
-                    tasks.create_task(self._sample(state, slot, key))
+                    tasks.create_task(self._sample(state, slot, key, expected))
+
+    def _size_of(self, key: Any) -> int | None:
+        """The bytes `key` will be fetched as, where its source knows without asking (else None)."""
+        size_of = self._stages.size_of
+        if size_of is None or self._bytes.max_bytes is None:
+            return None
+        try:
+            return size_of(key)
+        except Exception:  # a hint only: the fetch reports what is wrong with the key
+            return None
 
     def stuck(self) -> tuple[str, list[tuple[Any, float]]]:
         """(the stage that holds the oldest work in flight, up to 5 of its keys with their ages in
@@ -332,17 +344,20 @@ class Epoch:
         the consumer): it is never held back for bytes, so a batch larger than the budget goes."""
         return self._launched[0] == group and self._out.empty()
 
-    async def _sample(self, state: _GroupState, slot: int, key: Any) -> None:
+    async def _sample(
+        self, state: _GroupState, slot: int, key: Any, expected: int | None = None
+    ) -> None:
         where = (state.group.index, slot)
         self._active[where] = ("fetch", key, time.monotonic())
         try:
-            await self._sample_at(state, slot, key, where)
+            await self._sample_at(state, slot, key, where, expected)
         finally:
             self._active.pop(where, None)
 
     async def _sample_at(
-        self, state: _GroupState, slot: int, key: Any, where: tuple[int, int]
-    ) -> None:
+        self, state: _GroupState, slot: int, key: Any, where: tuple[int, int],
+        expected: int | None,
+    ) -> None:  # fmt: skip
         stages, rec = self._stages, self._rec
         t0 = rec.start("fetch")
         try:
@@ -359,10 +374,10 @@ class Epoch:
             if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
                 assert stages.tuner is not None
                 stages.tuner.throttled()
-            self._bytes.measured(None)
+            self._bytes.measured(None, expected)
             return await self._failed(state, slot, key, "fetch", exc)
         size = nbytes(raw)
-        self._bytes.measured(size)
+        self._bytes.measured(size, expected)
         self._hold(state, size)
         rec.stop("fetch", t0, size, key=key)
         assert stages.tuner is not None

@@ -6,12 +6,14 @@ import asyncio
 import json
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from aioloader import Loader
+from aioloader import Loader, sources
 from aioloader._limits import ByteBudget
 
 SCRIPT = Path(__file__).parent / "scripts" / "budget_rss.py"
@@ -146,3 +148,54 @@ def test_a_launch_reserves_what_decode_adds_too() -> None:
         assert len(list(loader)) == 12
         peak = loader.stats().peak_held_bytes
     assert peak <= (4 << 20) + (2 << 20) + (2 << 20), peak  # samples' half + one batch + slack
+
+
+@pytest.mark.asyncio
+async def test_a_known_size_is_reserved_before_the_fetch() -> None:
+    budget = ByteBudget(100)
+    budget.launched()
+    budget.measured(10)  # the mean: 10
+    budget.add(10)
+    expected = budget.expect(70)
+    await budget.room(_no, expected)  # 10 held + 70 fits
+    budget.launched(expected)
+    assert budget.reserved == 70
+    big = asyncio.ensure_future(budget.room(_no, budget.expect(30)))
+    await asyncio.sleep(0)
+    assert not big.done()  # 10 + 70 + 30 > 100, though the mean (10) would fit
+    budget.measured(70, expected)
+    budget.add(70)
+    budget.release(80)
+    await asyncio.wait_for(big, 1)
+    budget.grew(80)  # decode made the 80 bytes fetched hold 80 more: samples grow 2x
+    assert budget.expect(30) == 60
+
+
+def test_a_files_source_reserves_each_files_size() -> None:
+    # Ten small files, then four of 3 MiB: after the small ones the mean is 1 KiB, so an estimate
+    # would let all four large ones start at once (12 MiB against a budget of 8); their listed sizes
+    # keep them within it.
+    with tempfile.TemporaryDirectory() as root:
+        for i in range(10):
+            Path(root, f"a{i:02}").write_bytes(bytes(1 << 10))
+        for i in range(4):
+            Path(root, f"b{i:02}").write_bytes(bytes(3 << 20))
+        source = sources.files(root)
+        assert source.size("b00") == 3 << 20
+        assert source.size("nope") is None
+
+        def slowly(raw: bytes) -> bytes:
+            return raw
+
+        loader = Loader(
+            source, decode=slowly, executor="inline", batch_size=1, collate=None,
+            concurrency=8, prefetch=8, max_bytes_in_flight=8 << 20,
+        )  # fmt: skip
+        with loader:
+            sizes = []
+            for sample in loader:
+                sizes += [len(raw) for raw in sample]  # (collate=None: a list of one)
+                time.sleep(0.05)  # a slow consumer: made samples wait, holding bytes
+            peak = loader.stats().peak_held_bytes
+    assert sorted(sizes) == [1 << 10] * 10 + [3 << 20] * 4
+    assert peak <= 8 << 20, peak

@@ -43,8 +43,11 @@ def test_keys_are_listed_sorted_across_pages(
 ) -> None:
     src = source(seaweed, page_size=7)
     expected = sorted(stored, key=str.encode)
+    assert src.size(expected[0]) is None  # not listed yet
     assert src.keys() == expected
     assert src.stats()["requests"] == 0  # the sync listing used a pool of its own
+    # what a byte budget reserves before each fetch: the sizes the listing gave
+    assert {key: src.size(key) for key in expected} == {k: len(stored[k]) for k in expected}
 
     async def streamed() -> list[str]:
         try:

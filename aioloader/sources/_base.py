@@ -18,7 +18,9 @@ class Source(Protocol):
 
     Optional hooks the loader calls when a source has them: `set_epoch(epoch)` before each epoch,
     and `bind(rank=, world_size=)` once at construction, for a source that shards its own data
-    (the loader then leaves the keys unsharded).
+    (the loader then leaves the keys unsharded); `size(key)`, the bytes `fetch(key)` will return
+    where the source knows them without I/O (from its listing; else None), which a byte budget
+    reserves before the fetch starts.
     """
 
     def keys(self) -> Sequence[Any] | Iterable[Any] | AsyncIterable[Any]: ...

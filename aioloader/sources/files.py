@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import threading
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -33,9 +34,9 @@ class Files:
         if not self.root.is_dir():
             raise ValueError(f"root: {str(root)!r} is not a directory")
         self.pattern = pattern
-        self._keys = sorted(
-            p.relative_to(self.root).as_posix() for p in self.root.glob(pattern) if p.is_file()
-        )
+        found = {p.relative_to(self.root).as_posix(): p for p in self.root.glob(pattern)}
+        self._sizes = {key: st.st_size for key, st in _stats(found).items()}
+        self._keys = sorted(self._sizes)
 
     def __repr__(self) -> str:
         return f"files({str(self.root)!r}, pattern={self.pattern!r}) [{len(self._keys)} files]"
@@ -43,6 +44,10 @@ class Files:
     def keys(self) -> list[str]:
         """The relative paths of the listed files, sorted."""
         return list(self._keys)
+
+    def size(self, key: str) -> int | None:
+        """The size of `key`'s file when it was listed (None for a key that was not listed)."""
+        return self._sizes.get(key)
 
     def path(self, key: str) -> Path:
         """The path of `key` under root; raises InvalidKeyError if it would leave root."""
@@ -67,6 +72,19 @@ class Files:
 
     async def aclose(self) -> None:
         """Nothing to release; present for the Source protocol."""
+
+
+def _stats(paths: dict[str, Path]) -> dict[str, os.stat_result]:
+    """The stat of each path that is a regular file (following links, as `is_file` does)."""
+    out: dict[str, os.stat_result] = {}
+    for key, path in paths.items():
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out[key] = st
+    return out
 
 
 class _Opening:

@@ -69,6 +69,7 @@ class S3:
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_s3_url(url)
         self._given = None if keys is None else list(keys)
+        self._sizes: dict[str, int] = {}  # from the listings (`size`)
         self.signer = Signer(credentials, profile=profile, region=region, anonymous=anonymous)
         self.base = bucket_base(self.bucket, endpoint_url, self.signer.region, addressing)
         self.page_size = min(page_size, 1000)
@@ -127,7 +128,8 @@ class S3:
             for key in self._given:
                 yield key
             return
-        async for key, _ in self.iter_objects():
+        async for key, size in self.iter_objects():
+            self._sizes[key] = size
             yield key
 
     def keys(self) -> list[str] | AsyncIterable[str]:
@@ -146,7 +148,9 @@ class S3:
         async def collect() -> None:
             transport = Transport(limit=4, **self._options)
             try:
-                found.extend([key async for key, _ in self._objects(transport)])
+                async for key, size in self._objects(transport):
+                    self._sizes[key] = size
+                    found.append(key)
             finally:
                 await transport.aclose()
 
@@ -162,6 +166,10 @@ class S3:
         if errors:
             raise errors[0]
         return found
+
+    def size(self, key: str) -> int | None:
+        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self._sizes.get(key)
 
     async def fetch(self, key: str) -> bytearray:
         """The whole object `key`."""
