@@ -33,7 +33,10 @@ def test_torchrun_two_ranks_disjoint_complete_equal_steps(tmp_path: Path) -> Non
         # loader's failure; anything earlier is.
         torn_down = all(p.exists() for p in written) and "exitcode: -6" in done.stderr
         assert torn_down, done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
-        warnings.warn(f"torchrun's teardown aborted after both ranks finished: {done.stderr[:200]}")
+        warnings.warn(
+            f"torchrun's teardown aborted after both ranks finished: {done.stderr[:200]}",
+            stacklevel=2,
+        )
     ranks = [json.loads(p.read_text()) for p in written]
     assert ranks[0]["steps"] == ranks[1]["steps"]  # same number of steps: nobody waits at the end
     for epoch in range(2):

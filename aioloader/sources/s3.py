@@ -20,7 +20,16 @@ from .._exceptions import FetchError, InvalidKeyError
 from .._validate import check_int
 from ._aimd import Aimd
 from ._redact import redact_url
-from ._retry import Retry, Timeouts
+from ._retry import (
+    ATTEMPTS,
+    BACKOFF,
+    CONNECT_TIMEOUT,
+    DEADLINE,
+    MAX_BACKOFF,
+    READ_TIMEOUT,
+    Retry,
+    Timeouts,
+)
 from ._s3auth import Signer, bucket_base, list_query, parse_listing, parse_s3_url
 from ._transport import Transport
 
@@ -56,12 +65,12 @@ class S3:
         min_concurrency: int = 1,
         page_size: int = 1000,
         stream_keys: bool = False,
-        connect_timeout: float | None = 10.0,
-        read_timeout: float | None = 30.0,
-        deadline: float | None = 300.0,
-        attempts: int = 8,
-        backoff: float = 0.1,
-        max_backoff: float = 10.0,
+        connect_timeout: float | None = CONNECT_TIMEOUT,
+        read_timeout: float | None = READ_TIMEOUT,
+        deadline: float | None = DEADLINE,
+        attempts: int = ATTEMPTS,
+        backoff: float = BACKOFF,
+        max_backoff: float = MAX_BACKOFF,
         ssl: _ssl.SSLContext | bool = True,
         engine: str = "aiohttp",
     ) -> None:
