@@ -444,8 +444,14 @@ class DataLoader(Loader[T]):
             ) if device is not None else None,
             own_executor=True, batch_errors=True,
         )  # fmt: skip
+        self._processes = processes
         _warn_if_many_workers(num_workers)
         self._initialized = True
+
+    _workers_argument = "num_workers"
+
+    def _executor_kind(self) -> str:
+        return "process" if self._processes else super()._executor_kind()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FIXED and self.__dict__.get("_initialized"):
