@@ -400,3 +400,25 @@ async def test_aimd_cancelled_waiter_gives_its_slot_on() -> None:
     assert limiter.in_flight == 1
     limiter.release(ticket)
     assert limiter.in_flight == 0
+
+
+def test_endpoint_precedence_among_the_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = (
+        "[default]\nservices = local\nendpoint_url = http://global.test:1\n\n"
+        "[services local]\ns3 =\n  endpoint_url = http://service.test:2\n\n"
+        "[profile plain]\nendpoint_url = http://plain.test:3\n"
+    )
+    write_aws_files(tmp_path, monkeypatch, config, "")
+
+    def base(**options: object) -> str:
+        return s3("s3://b/p/", credentials=("AK", "SK"), **options).base
+
+    assert base() == "http://service.test:2/b/"  # the services section's s3 endpoint first
+    assert base(profile="plain") == "http://plain.test:3/b/"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://env.test:4")
+    assert base() == "http://env.test:4/b/"
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    assert base() == "https://s3.us-east-1.amazonaws.com/b/"  # AWS
+    assert base(endpoint_url="http://arg.test:5") == "http://arg.test:5/b/"
