@@ -7,10 +7,16 @@ The reasoning, from a `LoaderStats` snapshot:
    worker taken: `StageStats.full_pct`) is the bottleneck, if it was full most of the time.
 4. Decode that runs inline and keeps the event loop busy, or no stage full while the consumer waits,
    points at the event loop itself.
+
+A tar-shard source's reads are its fetch stage (see `_stats.py`): when its readers are the limit, the
+advice is its `parallel=`. Latencies are shown split into the time at work and the time waiting for a
+worker or slot; the advice names the argument of the API in use (`workers` for `Loader`,
+`num_workers` for `DataLoader`) and never more workers than there are cores.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ._stats import LoaderStats, StageStats
@@ -43,11 +49,31 @@ def _ms(seconds: float | None) -> str:
     return "?" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _latency(s: StageStats) -> str:
+    """ "p50 X, p95 Y (Z at work and W waiting for a slot, on average)"."""
+    text = f"p50 {_ms(s.latency_p50_s)}, p95 {_ms(s.latency_p95_s)}"
+    if s.service_mean_s is None or s.queued_mean_s is None:
+        return text
+    return (
+        f"{text} ({_ms(s.service_mean_s)} at work and {_ms(s.queued_mean_s)} waiting for a "
+        "slot, on average)"
+    )
+
+
 class _View:
     """The snapshot seen from the consumer: its span of time, its waits, each stage's full share."""
 
-    def __init__(self, st: LoaderStats) -> None:
+    def __init__(self, st: LoaderStats, workers_argument: str, cores: int) -> None:
         self.st = st
+        self.workers_argument = workers_argument
+        self.cores = cores
+        self.shards = st.extra.get("shard_readers") is not None  # fetch: a tar-shard stream's reads
         since = st.consumer_wait_s * 100.0 / st.data_bound_pct if st.data_bound_pct > 0 else 0.0
         self.active = since if since > 0 else st.wall_s  # the time the consumer has been asking
         first = st.first_batch_s if st.batches >= 2 and st.first_batch_s is not None else 0.0
@@ -67,10 +93,11 @@ class _View:
         for name, s in st.stages.items():
             if s.items or s.errors or s.busy:
                 limit = "-" if s.limit is None else s.limit
+                what = "shard readers reading" if name == "fetch" and self.shards else "slots taken"
                 lines.append(
-                    f"{name}: all {limit} slots taken {100 * self.full(s):.0f}% of the time, "
-                    f"{s.busy_mean:.1f} in flight on average, p50 {_ms(s.latency_p50_s)}, "
-                    f"p95 {_ms(s.latency_p95_s)}, {s.items_per_s:.0f} items/s, "
+                    f"{name}: all {limit} {what} {100 * self.full(s):.0f}% of the time, "
+                    f"{s.busy_mean:.1f} in flight on average, {_latency(s)}, "
+                    f"{s.items_per_s:.0f} items/s, {s.bytes_per_s / 1e6:.1f} MB/s, "
                     f"{s.errors} errors, {s.retries} retries"
                 )
         lines.append(
@@ -94,6 +121,15 @@ def _fetch_text(v: _View) -> str:
             "waits out its backoff: check the store's health and request rate before raising "
             "concurrency."
         )
+    if v.shards:
+        readers = f.limit or 1
+        return (
+            f"Fetch is the bottleneck: the tar shards are read {readers} at a time and all "
+            f"{readers} readers were reading {100 * v.full(f):.0f}% of the time "
+            f"({f.bytes_per_s / 1e6:.1f} MB/s, {f.items_per_s:.0f} samples/s, "
+            f"{_ms(f.latency_p50_s)} per sample p50). Read more shards at once: "
+            f"tar_shards(..., parallel={2 * readers})."
+        )
     bound = f.limit or st.concurrency
     rate = bound / f.latency_p50_s if f.latency_p50_s else 0.0
     return (
@@ -113,17 +149,28 @@ def _decode_text(v: _View, executor: str) -> str:
             f"{100 * v.full(d):.0f}% of its time, so fetches wait for it. Run decode in a pool: "
             "executor='thread' (decoders that release the GIL) or executor='process'."
         )
-    more = (
-        "add processes (workers=...)"
-        if executor == "process"
-        else f"add workers (workers={2 * workers} or workers='auto') or, if the decoder holds the "
-        "GIL (pure-Python work), move it to processes with executor='process'"
-    )
+    arg, more = v.workers_argument, min(2 * workers, v.cores)
+    if more > workers:
+        advice = f"add workers ({arg}={more}, at most one per core: {v.cores})"
+        if executor != "process":
+            advice += (
+                " or, if the decoder holds the GIL (pure-Python work), move it to processes "
+                "with executor='process'"
+            )
+    else:
+        advice = (
+            f"make each decode cheaper (smaller images, a faster decoder, work moved to the "
+            f"device): {arg}={workers} already uses every one of the {v.cores} cores, and more "
+            "workers would only share them"
+        )
+        if executor != "process":
+            advice += "; if the decoder holds the GIL, executor='process' runs it on all of them"
+    waiting = max(0.0, d.busy_mean - workers)
     return (
         f"Decode is the bottleneck: all {workers} decode workers were busy "
-        f"{100 * v.full(d):.0f}% of the time and {max(0.0, d.busy_mean - workers):.1f} samples "
-        f"waited for one on average (a decode takes {_ms(d.latency_p50_s)} p50, waiting "
-        f"included). To go faster, {more}."
+        f"{100 * v.full(d):.0f}% of the time and {waiting:.1f} samples waited for one on "
+        f"average (a decode works {_ms(d.service_mean_s)} and waits {_ms(d.queued_mean_s)} for "
+        f"a worker, on average). To go faster, {advice}."
     )
 
 
@@ -153,9 +200,21 @@ def _text(name: str, v: _View, executor: str) -> str:
     )
 
 
-def diagnose(st: LoaderStats, *, executor: str = "inline") -> Diagnosis:
-    """The verdict for one snapshot. `executor`: where decode runs ("inline", "thread", "process")."""
-    v = _View(st)
+def diagnose(
+    st: LoaderStats,
+    *,
+    executor: str = "inline",
+    workers_argument: str = "workers",
+    cores: int | None = None,
+) -> Diagnosis:
+    """The verdict for one snapshot.
+
+    Args:
+        executor: where decode runs ("inline", "thread", "process").
+        workers_argument: the argument that sets the decode workers in the API in use.
+        cores: the cores to advise workers up to (None: those this process may use).
+    """
+    v = _View(st, workers_argument, usable_cores() if cores is None else cores)
     evidence = v.evidence()
     if v.data_bound < CONSUMER_BOUND_PCT and st.batches > 0:
         return Diagnosis("consumer", (

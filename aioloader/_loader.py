@@ -409,10 +409,18 @@ class Loader(Resumable, Generic[T]):
         `print(loader.diagnose())`; `loader.diagnose().bottleneck` is one of "fetch", "decode",
         "collate", "transfer", "consumer" (the model is slower than the loader) or "loop".
         """
+        return diagnose(
+            self.stats(), executor=self._executor_kind(), workers_argument=self._workers_argument
+        )
+
+    _workers_argument = "workers"  # the argument that sets decode's workers, for diagnose()
+
+    def _executor_kind(self) -> str:
+        """Where decode runs: "inline", "thread" or "process"."""
         executor = self._executor
-        if not isinstance(executor, str):
-            executor = "process" if hasattr(executor, "batch_buffer") else "thread"
-        return diagnose(self.stats(), executor=executor)
+        if isinstance(executor, str):
+            return executor
+        return "process" if hasattr(executor, "batch_buffer") else "thread"
 
     def trace(self, path: str | os.PathLike[str]) -> Trace:
         """Record every fetch, decode, collate, transfer and consumer wait into a trace at `path`.

@@ -6,9 +6,15 @@ added from the consumer's thread with single float additions. Cost: two `perf_co
 few additions per stage per sample (about 1 µs; `benchmarks/stats_overhead.py` measures it, and
 `Loader(stats=False)` swaps in a `NullRecorder` that does none of it).
 
-Occupancy without a clock per change: `area`, the integral of calls in flight over time, is the sum of
+Occupancy without a clock of its own: `area`, the integral of calls in flight over time, is the sum of
 the calls' durations; `full`, the time with `cap` or more in flight, is timed from the call that
-reached the cap to the one that left it.
+reached the cap to the one that left it; `queued`, the integral of the calls beyond `cap` (waiting
+for a worker, not being served), is added up at each start and stop from the clock they read anyway.
+A call's latency is its waiting plus its service: `queued / items` and `(area - queued) / items`
+are the two means.
+
+A tar-shard source reads its samples before the pipeline asks for them (the keys it streams carry
+them), so its own read counters (`shard_*` in its `stats()`) stand for the fetch stage.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class StageStats:
     busy_mean: float = 0.0  # in flight, averaged over the wall time
     limit: int | None = None  # the most that may be in flight (concurrency, workers)
     full_pct: float = 0.0  # share of the wall time with `limit` or more in flight (all slots taken)
+    service_mean_s: float | None = None  # mean time an item was worked on (holding a slot)
+    queued_mean_s: float | None = None  # mean time an item waited for a slot (latency = the two)
     errors: int = 0
     retries: int = 0
     skipped: int = 0
@@ -73,7 +81,10 @@ class LoaderStats:
         stages: "fetch", "decode", "collate" and "transfer" -> `StageStats`: items and bytes done,
             their rates, latency percentiles, `busy` (in flight now), `busy_mean` against `limit`
             (the stage's occupancy: `busy_mean / limit` near 1 means it runs flat out; above 1,
-            items queue for a worker), errors, retries (fetch: the source's) and skipped samples.
+            items queue for a worker), the mean latency split into `service_mean_s` (worked on)
+            and `queued_mean_s` (waiting for a worker or slot), errors, retries (fetch: the
+            source's) and skipped samples. For a tar-shard source, fetch counts the shard reads:
+            samples read, their bytes, the time reading them, against `parallel` readers.
         batches, samples: handed to the consumer.
         consumer_wait_s: time the consumer spent waiting for its next batch.
         data_bound_pct: that wait as a share of the consumer's time since it first asked (100: the
@@ -125,12 +136,14 @@ class _Stage:
         "busy",
         "bytes",
         "cap",
+        "changed",
         "errors",
         "full",
         "full_since",
         "items",
         "last",
         "latencies",
+        "queued",
         "retries",
         "skipped",
     )
@@ -142,14 +155,22 @@ class _Stage:
         self.full_since = -1.0  # when `busy` last reached `cap` (-1: below it now)
         self.cap = 0  # the stage's limit, as the pipeline last said (0: none)
         self.last = now  # when the last call ended
+        self.queued = 0.0  # the integral of the calls beyond `cap`, up to `changed`
+        self.changed = now  # when `busy` last changed
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
     def enter(self, now: float) -> None:
+        if self.busy > self.cap > 0:
+            self.queued += (now - self.changed) * (self.busy - self.cap)
+        self.changed = now
         self.busy += 1
         if self.full_since < 0 and self.busy >= self.cap > 0:
             self.full_since = now
 
     def leave(self, now: float, t0: float) -> None:
+        if self.busy > self.cap > 0:
+            self.queued += (now - self.changed) * (self.busy - self.cap)
+        self.changed = now
         self.busy -= 1
         self.area += now - t0
         self.last = now
@@ -181,7 +202,10 @@ class Recorder:
     def start(self, stage: str) -> float:
         now = _clock()
         s = self.stages[stage]
-        s.busy += 1  # `_Stage.enter`, inlined: this runs for every stage of every sample
+        if s.busy > s.cap > 0:  # `_Stage.enter`, inlined: this runs for every stage of every sample
+            s.queued += (now - s.changed) * (s.busy - s.cap)
+        s.changed = now
+        s.busy += 1
         if s.busy >= s.cap > 0 > s.full_since:
             s.full_since = now
         return now
@@ -191,7 +215,10 @@ class Recorder:
     ) -> None:
         now = _clock()
         s = self.stages[stage]
-        s.busy -= 1  # `_Stage.leave`, inlined
+        if s.busy > s.cap > 0:  # `_Stage.leave`, inlined
+            s.queued += (now - s.changed) * (s.busy - s.cap)
+        s.changed = now
+        s.busy -= 1
         s.area += now - t0
         s.last = now
         if s.full_since >= 0 and s.busy < s.cap:
@@ -235,16 +262,35 @@ class Recorder:
             since = s.full_since
             full = s.full + (now - since if since >= 0 else 0.0)
             lat = sorted(s.latencies)
+            ended = s.items + s.errors
+            queued = min(s.queued, s.area) / ended if ended else None
             out[name] = StageStats(
                 items=s.items, bytes=s.bytes, items_per_s=s.items / wall, bytes_per_s=s.bytes / wall,
                 latency_p50_s=_pct(lat, 0.50), latency_p95_s=_pct(lat, 0.95),
                 latency_p99_s=_pct(lat, 0.99),
                 busy=s.busy, busy_mean=s.area / wall, limit=limits.get(name),
-                full_pct=100.0 * full / wall, errors=s.errors, retries=s.retries,
-                skipped=s.skipped,
+                full_pct=100.0 * full / wall,
+                service_mean_s=None if queued is None else s.area / ended - queued,
+                queued_mean_s=queued, errors=s.errors, retries=s.retries, skipped=s.skipped,
             )  # fmt: skip
+        if "shard_readers" in extra:
+            out["fetch"] = _shard_reads(out["fetch"], extra, wall)
         out["fetch"].retries += int(extra.get("retries", 0))
         return out
+
+
+def _shard_reads(fetch: StageStats, extra: dict[str, Any], wall: float) -> StageStats:
+    """The fetch stage of a tar-shard source: its readers' counters (`TarShards.stats()`)."""
+    items, reading = int(extra["shard_samples"]), float(extra["shard_read_s"])
+    return StageStats(
+        items=items, bytes=int(extra["shard_bytes"]), items_per_s=items / wall,
+        bytes_per_s=extra["shard_bytes"] / wall, latency_p50_s=extra.get("shard_read_p50_s"),
+        latency_p95_s=extra.get("shard_read_p95_s"), latency_p99_s=extra.get("shard_read_p99_s"),
+        busy=int(extra["shard_reading"]), busy_mean=reading / wall,
+        limit=int(extra["shard_readers"]), full_pct=100.0 * extra["shard_all_reading_s"] / wall,
+        service_mean_s=reading / items if items else None, queued_mean_s=0.0 if items else None,
+        errors=fetch.errors, retries=fetch.retries, skipped=fetch.skipped,
+    )  # fmt: skip
 
 
 class NullRecorder(Recorder):

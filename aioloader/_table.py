@@ -24,15 +24,17 @@ def _size(n: float) -> str:
 
 def format_table(st: LoaderStats) -> str:
     """The table `LoaderStats.table()` returns."""
-    head = ("stage", "items", "items/s", "MB/s", "p50 ms", "p95 ms", "p99 ms", "busy/limit",
-            "full %", "errors", "retries", "skipped")  # fmt: skip
+    # "work ms" and "wait ms": the mean latency split into time at work and time waiting for a slot
+    head = ("stage", "items", "items/s", "MB/s", "p50 ms", "p95 ms", "p99 ms", "work ms",
+            "wait ms", "busy/limit", "full %", "errors", "retries", "skipped")  # fmt: skip
     rows = [head]
     for name, s in st.stages.items():
         limit = "-" if s.limit is None else str(s.limit)
         rows.append((
             name, str(s.items), f"{s.items_per_s:.1f}", f"{s.bytes_per_s / 1e6:.2f}",
             _ms(s.latency_p50_s), _ms(s.latency_p95_s), _ms(s.latency_p99_s),
-            f"{s.busy_mean:.1f}/{limit}", f"{s.full_pct:.0f}", str(s.errors), str(s.retries), str(s.skipped),
+            _ms(s.service_mean_s), _ms(s.queued_mean_s), f"{s.busy_mean:.1f}/{limit}",
+            f"{s.full_pct:.0f}", str(s.errors), str(s.retries), str(s.skipped),
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in

@@ -444,6 +444,7 @@ class DataLoader(Loader[T]):
             ) if device is not None else None,
             own_executor=True, batch_errors=True,
         )  # fmt: skip
+        self._processes = processes
         _warn_if_many_workers(num_workers)
         self._initialized = True
 
@@ -454,6 +455,11 @@ class DataLoader(Loader[T]):
             f"sampler={type(self.sampler).__name__}", f"num_workers={self.num_workers}",
             f"concurrency={self._concurrency_arg!r}",
         ]  # fmt: skip
+
+    _workers_argument = "num_workers"
+
+    def _executor_kind(self) -> str:
+        return "process" if self._processes else super()._executor_kind()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FIXED and self.__dict__.get("_initialized"):

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import tarfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from fakes import FakeSource
+from faultproxy import ServerThread
 
-from aioloader import Loader
+from aioloader import DataLoader, Loader, sources
 from aioloader._diagnose import BOTTLENECKS, Diagnosis, diagnose
 from aioloader._stats import STAGES, LoaderStats, StageStats
 
@@ -90,6 +95,68 @@ def test_a_retrying_source_is_named() -> None:
     assert "throttl" in d.text
 
 
+def write_shard(path: Path, shard: int, samples: int, size: int) -> bytes:
+    with tarfile.open(path, "w") as tar:
+        for i in range(samples):
+            member = tarfile.TarInfo(f"s{shard}-{i:04d}.bin")
+            member.size = size
+            tar.addfile(member, io.BytesIO(bytes([i % 251]) * size))
+    return path.read_bytes()
+
+
+def test_a_bandwidth_bound_shard_stream_is_fetch_and_advises_parallel(tmp_path: Path) -> None:
+    """Shards served over HTTP at about 2 MB/s each: the shard reads set the pace."""
+    shards = {f"shard-{s}.tar": write_shard(tmp_path / f"{s}.tar", s, 24, 8192) for s in range(3)}
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        data = shards[request.match_info["name"]]
+        resp = web.StreamResponse()
+        resp.content_length = len(data)
+        await resp.prepare(request)
+        for at in range(0, len(data), 16384):
+            await resp.write(data[at : at + 16384])
+            await asyncio.sleep(0.008)
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/{name}", trickle)
+    server = ServerThread(app, "test-trickle")
+    try:
+        src = sources.tar_shards([f"{server.url}/{name}" for name in shards], parallel=1)
+        with Loader(src, batch_size=8, collate=None) as loader:
+            assert sum(len(batch) for batch in loader) == 72
+            st, d = loader.stats(), loader.diagnose()
+    finally:
+        server.stop()
+    fetch = st.stages["fetch"]
+    assert (fetch.items, fetch.limit) == (72, 1)  # the shard reads, against one reader
+    assert fetch.bytes == 72 * 8192
+    assert fetch.service_mean_s is not None
+    assert fetch.service_mean_s > 0.001  # reading, not the 0.0 ms of handing a sample over
+    assert d.bottleneck == "fetch", d
+    assert "parallel=2" in d.text, d
+    assert any(line.startswith("fetch: all 1 shard readers reading") for line in d.evidence)
+
+
+class SlowItems:
+    """A map-style dataset whose items take 20 ms each to make."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.02)
+        return i
+
+
+def test_dataloader_advice_names_num_workers() -> None:
+    loader = DataLoader(SlowItems(), batch_size=4, num_workers=1, threads_per_worker=1)
+    d = verdict(loader)
+    assert d.bottleneck == "decode", d  # the workers' stage
+    assert "num_workers=" in d.text, d
+    assert " workers=" not in d.text.replace("num_workers=", ""), d
+
+
 def test_str_is_the_text_then_the_evidence() -> None:
     d = Diagnosis("fetch", "Fetch is slow.", ["a", "b"])
     assert str(d) == "Fetch is slow.\n  - a\n  - b"
@@ -141,3 +208,37 @@ def test_the_first_batch_wait_does_not_make_a_fast_loader_look_slow() -> None:
     st = snapshot({"fetch": 0.3}, data_bound=31.0, consumer_wait_s=3.1, first_batch_s=3.0)
     st.data_bound_pct = 31.0
     assert diagnose(st).bottleneck == "consumer"
+
+
+def decode_bound(workers: int) -> LoaderStats:
+    st = snapshot({"decode": 1.0})
+    d = st.stages["decode"]
+    d.limit, d.busy_mean = workers, 20.0 * workers
+    d.latency_p50_s, d.service_mean_s, d.queued_mean_s = 0.3196, 0.010, 0.3096
+    return st
+
+
+def test_latency_is_split_into_work_and_waiting() -> None:
+    d = diagnose(decode_bound(2), executor="thread", cores=8)
+    line = next(line for line in d.evidence if line.startswith("decode:"))
+    assert "p50 319.6 ms" in line
+    assert "10.0 ms at work and 309.6 ms waiting for a slot" in line
+    assert "a decode works 10.0 ms and waits 309.6 ms" in d.text
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "advised"), [(1, 8, 2), (3, 4, 4), (4, 4, None), (8, 4, None)]
+)
+def test_workers_are_advised_up_to_the_cores_by_the_apis_argument(
+    workers: int, cores: int, advised: int | None
+) -> None:
+    for argument in ("workers", "num_workers"):
+        d = diagnose(decode_bound(workers), executor="process", workers_argument=argument,
+                     cores=cores)  # fmt: skip
+        assert d.bottleneck == "decode"
+        if advised is None:
+            assert "cheaper" in d.text
+            assert f"every one of the {cores} cores" in d.text
+            assert f"{argument}={workers} already" in d.text
+        else:
+            assert f"add workers ({argument}={advised}, at most one per core: {cores})" in d.text

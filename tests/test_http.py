@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import time
 import zlib
@@ -296,3 +297,35 @@ def test_fast_engine_gives_way_to_aiohttp_without_content_length(
         assert "gives way to aiohttp" in caplog.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.asyncio
+async def test_a_dns_failure_of_a_host_that_resolved_before_is_retried(
+    engine: str, origin: Origin, objects: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only name resolution is stood in for: "flaky.test" resolves to 127.0.0.1, except on the
+    second lookup, which fails as a resolver that hiccups would."""
+    resolve = socket.getaddrinfo
+    lookups: list[str] = []
+
+    def flaky(host: object, *args: object, **kwargs: object) -> object:
+        if host == "flaky.test":
+            lookups.append(host)
+            if len(lookups) == 2:
+                raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+            host = "127.0.0.1"
+        return resolve(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", flaky)
+    port = origin.url.rsplit(":", 1)[1]
+    names = list(objects)[:2]
+    src = http(f"http://flaky.test:{port}/", names, engine=engine, **FAST)
+    try:
+        assert await src.fetch(names[0]) == objects[names[0]]
+        await src.aclose()  # the next fetch connects (and looks the name up) anew
+        assert await src.fetch(names[1]) == objects[names[1]]
+    finally:
+        await src.aclose()
+    assert len(lookups) == 3
+    assert src.stats()["retries"] == 1

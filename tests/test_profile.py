@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from profile_factory import make
 
 from aioloader import Loader
-from aioloader._profile import Sampler, draw, plot, series
+from aioloader._profile import SAMPLE_INTERVAL_S, Sampler, draw, figure, plot, series
 from aioloader._progress import live_line
 
 TESTS = Path(__file__).parent
@@ -120,3 +121,38 @@ def test_draw_stops_at_an_empty_epoch() -> None:
     loader: Loader[Any] = Loader([], fetch, batch_size=2)
     with loader:
         assert list(draw(loader, 5, progress=False)) == []
+
+
+def test_a_ten_second_run_is_drawn_with_20_points_a_series_on_its_own_panels(
+    tmp_path: Path,
+) -> None:
+    """A 1-second run sampled 10 times as often stands for a 10-second run at the default."""
+    pytest.importorskip("matplotlib")
+
+    async def fetch(key: int) -> bytes:
+        await asyncio.sleep(0.002)
+        return bytes(256)
+
+    def decode(raw: bytes) -> int:
+        time.sleep(0.005)
+        return len(raw)
+
+    scale = 10
+    loader = Loader(range(100_000), fetch, decode=decode, executor="thread", workers=2,
+                    batch_size=4, concurrency=8)  # fmt: skip
+    with loader, Sampler(loader, interval=SAMPLE_INTERVAL_S / scale) as sampler:
+        end = time.monotonic() + 10.0 / scale
+        for _ in draw(loader, 1_000_000, progress=False):
+            if time.monotonic() >= end:
+                break
+    fig = figure(sampler.samples)
+    panels = {line.get_label(): ax for ax in fig.axes for line in ax.get_lines()}
+    points = {line.get_label(): len(line.get_xdata()) for ax in fig.axes for line in ax.get_lines()}
+    wanted = {"consumer samples/s", "consumer batches/s", "data wait %", "fetch in flight",
+              "fetch limit (concurrency)", "decode running", "decode queued", "decode workers"}  # fmt: skip
+    assert wanted <= points.keys()
+    assert min(points.values()) >= 20, points
+    assert panels["consumer samples/s"] is not panels["consumer batches/s"]  # axes of their own
+    assert panels["decode running"] is panels["decode queued"] is panels["decode workers"]
+    assert panels["data wait %"] is not panels["consumer samples/s"]
+    assert plot(sampler.samples, tmp_path / "p.png") == tmp_path / "p.png"

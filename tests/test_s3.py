@@ -6,6 +6,7 @@ import asyncio
 import random
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from faultproxy import Fault, FaultProxy
@@ -18,6 +19,23 @@ from aioloader.sources.s3 import S3, s3
 
 PREFIX = "s3test/"
 FAST = {"backoff": 0.01, "max_backoff": 0.05}
+
+
+AWS_VARIABLES = [
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_REGION",
+    "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def no_aws_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each test sees no AWS variables and no ~/.aws files but the ones it writes itself."""
+    for name in AWS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "absent-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "absent-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +197,131 @@ def test_credentials_come_from_the_standard_chain(
     assert len(src.keys()) == len(stored)
 
 
+def use_env_credentials(monkeypatch: pytest.MonkeyPatch, server: SeaweedServer) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.credentials[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.credentials[1])
+
+
+def first_object(src: S3) -> bytes:
+    """The first object under the source's prefix, listed and read through a Loader."""
+    with Loader(src, collate=None) as loader:
+        return bytes(next(iter(loader)))
+
+
+def test_endpoint_comes_from_aws_endpoint_url(
+    seaweed: SeaweedServer, stored: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_env_credentials(monkeypatch, seaweed)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", seaweed.endpoint)
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}")
+    assert src.base == f"{seaweed.endpoint}/{seaweed.bucket}/"  # path-style off AWS
+    assert first_object(src) == stored[min(stored, key=str.encode)]
+    # the S3-specific variable comes first; the global one now names a host that does not exist
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://nonexistent.invalid:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", seaweed.endpoint)
+    assert (
+        first_object(s3(f"s3://{seaweed.bucket}/{PREFIX}")) == stored[min(stored, key=str.encode)]
+    )
+    # and an explicit argument beats both
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://nonexistent.invalid:9")
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", endpoint_url=seaweed.endpoint)
+    assert first_object(src) == stored[min(stored, key=str.encode)]
+
+
+def write_aws_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str, creds: str
+) -> None:
+    (tmp_path / "config").write_text(config)
+    (tmp_path / "credentials").write_text(creds)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+
+
+def test_profile_gives_endpoint_region_and_credentials(
+    seaweed: SeaweedServer,
+    stored: dict[str, bytes],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    key, secret = seaweed.credentials
+    config = (
+        "[default]\nregion = eu-west-1\nendpoint_url = http://nonexistent.invalid:9\n\n"
+        f"[profile train]\nregion = eu-central-1\ns3 =\n  endpoint_url = {seaweed.endpoint}\n"
+        "  addressing_style = path\n\n"
+        f"[profile flat]\nendpoint_url = {seaweed.endpoint}\n"
+    )
+    creds = f"[train]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n"
+    creds += f"[flat]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n"
+    write_aws_files(tmp_path, monkeypatch, config, creds)
+    first = stored[min(stored, key=str.encode)]
+    monkeypatch.setenv("AWS_PROFILE", "train")  # the nested s3 sub-section's endpoint_url
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}")
+    assert (src.base, src.signer.region) == (
+        f"{seaweed.endpoint}/{seaweed.bucket}/",
+        "eu-central-1",
+    )
+    assert first_object(src) == first
+    monkeypatch.delenv("AWS_PROFILE")  # the argument, and the profile's own endpoint_url
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", profile="flat")
+    assert src.signer.region == "us-east-1"
+    assert first_object(src) == first
+    assert s3("s3://b/p/", credentials=("AK", "SK")).base == "http://nonexistent.invalid:9/b/"
+
+
+def test_region_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    write_aws_files(tmp_path, monkeypatch, "[default]\nregion = ap-south-1\n", "")
+
+    def region(**options: object) -> str:
+        return s3("s3://b/p/", credentials=("AK", "SK"), **options).signer.region
+
+    assert region() == "ap-south-1"
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-north-1")
+    assert region() == "eu-north-1"
+    monkeypatch.setenv("AWS_REGION", "sa-east-1")
+    assert region() == "sa-east-1"
+    assert region(region="us-west-2") == "us-west-2"
+    src = s3("s3://my-bucket/p/", credentials=("AK", "SK"))
+    assert src.base == "https://my-bucket.s3.sa-east-1.amazonaws.com/"
+
+
+def test_bad_profile_and_endpoint_settings_name_themselves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    write_aws_files(tmp_path, monkeypatch, "[profile services-less]\nservices = gone\n", "")
+    with pytest.raises(ValueError, match=r"^profile: no profile 'nope' in .*config"):
+        s3("s3://b/p/", profile="nope", credentials=("AK", "SK"))
+    monkeypatch.setenv("AWS_PROFILE", "nope")
+    with pytest.raises(ValueError, match=r"^AWS_PROFILE: no profile 'nope'"):
+        s3("s3://b/p/", credentials=("AK", "SK"))
+    monkeypatch.delenv("AWS_PROFILE")
+    with pytest.raises(ValueError, match=r"services = 'gone'"):
+        s3("s3://b/p/", profile="services-less", credentials=("AK", "SK"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:9000")
+    with pytest.raises(ValueError, match=r"^AWS_ENDPOINT_URL must be an http\(s\) URL"):
+        s3("s3://b/p/", credentials=("AK", "SK"))
+    with pytest.raises(TypeError, match=r"^profile must be"):
+        s3("s3://b/p/", profile=3, credentials=("AK", "SK"))
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+def test_a_host_that_never_resolved_fails_at_once(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://nonexistent.invalid:9000")
+    src = s3("s3://b/p/", ["p/x.bin"], credentials=("AK", "SK"), engine=engine)
+    assert src.transport.retry.attempts > 1
+    with Loader(src) as loader, pytest.raises(FetchError) as info:
+        list(loader)
+    message = str(info.value)
+    assert "after 1 attempt(s)" in message, message
+    assert "'nonexistent.invalid' does not resolve" in message
+    assert "'nonexistent.invalid' has never resolved" in message
+    assert "from AWS_ENDPOINT_URL" in message
+    assert src.stats()["retries"] == 0
+    with pytest.raises(FetchError, match="after 1 attempt"):
+        s3("s3://b/p/", credentials=("AK", "SK"), engine=engine).keys()  # the listing, too
+
+
 @pytest.fixture
 def s3_proxy(seaweed: SeaweedServer) -> Iterator[FaultProxy]:
     server = FaultProxy(seaweed.endpoint)
@@ -276,3 +419,25 @@ async def test_aimd_cancelled_waiter_gives_its_slot_on() -> None:
     assert limiter.in_flight == 1
     limiter.release(ticket)
     assert limiter.in_flight == 0
+
+
+def test_endpoint_precedence_among_the_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = (
+        "[default]\nservices = local\nendpoint_url = http://global.test:1\n\n"
+        "[services local]\ns3 =\n  endpoint_url = http://service.test:2\n\n"
+        "[profile plain]\nendpoint_url = http://plain.test:3\n"
+    )
+    write_aws_files(tmp_path, monkeypatch, config, "")
+
+    def base(**options: object) -> str:
+        return s3("s3://b/p/", credentials=("AK", "SK"), **options).base
+
+    assert base() == "http://service.test:2/b/"  # the services section's s3 endpoint first
+    assert base(profile="plain") == "http://plain.test:3/b/"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://env.test:4")
+    assert base() == "http://env.test:4/b/"
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    assert base() == "https://s3.us-east-1.amazonaws.com/b/"  # AWS
+    assert base(endpoint_url="http://arg.test:5") == "http://arg.test:5/b/"

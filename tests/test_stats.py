@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -165,3 +166,31 @@ def test_a_recorder_traces_only_while_a_tracer_is_set() -> None:
     t0 = rec.start("decode")
     rec.stop("decode", t0, 3, key="a")
     assert [s[0] for s in spans] == ["decode"]
+
+
+def test_waiting_for_a_slot_is_split_from_the_time_at_work() -> None:
+    s = _Stage(0.0)
+    s.cap = 1
+    s.enter(0.0)
+    s.enter(1.0)  # the second waits for the one slot from t=1...
+    s.leave(3.0, 0.0)
+    s.leave(5.0, 1.0)  # ...until t=3, then works until t=5
+    assert s.area == pytest.approx(3.0 + 4.0)
+    assert s.queued == pytest.approx(2.0)  # the latency the second spent waiting
+
+
+def test_a_pooled_decode_reports_its_work_apart_from_its_queue() -> None:
+    def slow(raw: bytes) -> int:
+        time.sleep(0.01)
+        return len(raw)
+
+    with Loader(range(24), fetch, decode=slow, executor="thread", workers=1, batch_size=4,
+                collate=None, concurrency=8) as loader:  # fmt: skip
+        list(loader)
+        d = loader.stats().stages["decode"]
+    assert d.service_mean_s is not None
+    assert d.queued_mean_s is not None
+    assert d.service_mean_s >= 0.01  # one worker sleeping 10 ms a decode: at work >= 10 ms each
+    assert d.latency_p50_s is not None
+    assert d.latency_p50_s > d.service_mean_s
+    assert d.queued_mean_s > 0  # the rest of the latency was waiting for the worker

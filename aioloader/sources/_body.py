@@ -9,13 +9,23 @@ may help, with any URL in its text redacted.
 from __future__ import annotations
 
 import re
+import socket
 import ssl
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from ._redact import redact_text
 
-__all__ = ["Failure", "error_detail", "error_text", "failure_from", "read_body"]
+__all__ = [
+    "Failure",
+    "dns_failure",
+    "error_detail",
+    "error_text",
+    "failure_from",
+    "is_dns_error",
+    "read_body",
+]
 
 # The most bytes of an error response read to find its code and message.
 _ERROR_BODY_MAX = 16 * 1024
@@ -23,7 +33,8 @@ _XML_FIELD = re.compile(rb"<(Code|Message)>([^<]{0,300})</\1>")
 
 
 class Failure(Exception):
-    """Internal: one attempt failed. `retryable` says whether another attempt may succeed."""
+    """Internal: one attempt failed. `retryable` says whether another attempt may succeed; `dns`
+    that the host's name did not resolve."""
 
     def __init__(
         self,
@@ -32,12 +43,26 @@ class Failure(Exception):
         retryable: bool,
         status: int | None = None,
         retry_after: float | None = None,
+        dns: bool = False,
     ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retryable = retryable
         self.status = status
         self.retry_after = retry_after
+        self.dns = dns
+
+
+def is_dns_error(exc: BaseException) -> bool:
+    """Whether `exc` says a host name did not resolve (directly, or as aiohttp's connector error)."""
+    return isinstance(exc, socket.gaierror) or isinstance(
+        getattr(exc, "os_error", None), socket.gaierror
+    )
+
+
+def dns_failure(host: str | None, text: str) -> Failure:
+    """The failure of an attempt whose host did not resolve (retryable: DNS can fail for a moment)."""
+    return Failure(f"host {host!r} does not resolve: {text}", retryable=True, dns=True)
 
 
 async def read_body(resp: aiohttp.ClientResponse) -> bytearray:
@@ -94,6 +119,8 @@ def error_text(body: bytes | bytearray | memoryview, url: object) -> str:
 def failure_from(exc: BaseException, url: object) -> Failure:
     """What an exception raised while sending or reading says, as a `Failure`."""
     text = redact_text(f"{type(exc).__name__}: {exc}".rstrip(": "), url)
+    if is_dns_error(exc):
+        return dns_failure(getattr(exc, "host", None) or urlsplit(str(url)).hostname, text)
     if isinstance(exc, aiohttp.ClientConnectorCertificateError | ssl.SSLCertVerificationError):
         return Failure(f"TLS certificate verification failed: {text}", retryable=False)
     if isinstance(exc, aiohttp.ClientPayloadError):

@@ -19,7 +19,7 @@ import ssl as _ssl
 from urllib.parse import unquote, urlsplit
 
 from .._recycle import Bytearrays, landing
-from ._body import Failure
+from ._body import Failure, dns_failure, is_dns_error
 
 __all__ = ["FastPool", "Response", "Unsupported"]
 
@@ -224,9 +224,10 @@ class FastPool:
         except _ssl.SSLCertVerificationError as exc:
             raise Failure(f"TLS certificate verification failed: {exc}", retryable=False) from None
         except OSError as exc:
-            raise Failure(
-                f"connection failed: {type(exc).__name__}: {exc}", retryable=True
-            ) from None
+            text = f"{type(exc).__name__}: {exc}"
+            if is_dns_error(exc):
+                raise dns_failure(host, text) from None
+            raise Failure(f"connection failed: {text}", retryable=True) from None
         self._open.add(conn)
         return conn
 

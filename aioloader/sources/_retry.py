@@ -14,7 +14,27 @@ from dataclasses import dataclass, field
 
 from .._validate import check_int, check_timeout
 
-__all__ = ["RETRY_STATUSES", "Retry", "Timeouts", "parse_retry_after"]
+__all__ = [
+    "ATTEMPTS",
+    "BACKOFF",
+    "CONNECT_TIMEOUT",
+    "DEADLINE",
+    "MAX_BACKOFF",
+    "READ_TIMEOUT",
+    "RETRY_STATUSES",
+    "Retry",
+    "Timeouts",
+    "parse_retry_after",
+]
+
+# The defaults of every remote source (http, s3, tar shards), held here only; README's figures are
+# checked against them by tests/test_readme.py.
+CONNECT_TIMEOUT = 10.0  # seconds to open one connection, per attempt
+READ_TIMEOUT = 30.0  # seconds without a byte arriving, per attempt
+DEADLINE = 120.0  # seconds for one sample, retries and backoff included
+ATTEMPTS = 5  # attempts in all
+BACKOFF = 0.1  # the first backoff ceiling, seconds
+MAX_BACKOFF = 10.0  # the largest backoff ceiling, seconds
 
 # Statuses that say "not now" rather than "never": timeouts, throttling and transient server errors.
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -36,9 +56,9 @@ class Timeouts:
         deadline: seconds for the whole sample, retries and backoff included (None: no limit).
     """
 
-    connect: float | None = 10.0
-    read: float | None = 30.0
-    deadline: float | None = 120.0
+    connect: float | None = CONNECT_TIMEOUT
+    read: float | None = READ_TIMEOUT
+    deadline: float | None = DEADLINE
 
     def __post_init__(self) -> None:
         _check_seconds("connect_timeout", self.connect)
@@ -58,9 +78,9 @@ class Retry:
         statuses: HTTP statuses that are retried.
     """
 
-    attempts: int = 5
-    backoff: float = 0.1
-    max_backoff: float = 10.0
+    attempts: int = ATTEMPTS
+    backoff: float = BACKOFF
+    max_backoff: float = MAX_BACKOFF
     max_retry_after: float = 60.0
     statuses: frozenset[int] = RETRY_STATUSES
     rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)

@@ -3,6 +3,10 @@
 `open_shard` yields a shard's bytes in chunks from a local file, an http(s) URL or an s3:// URL. A
 remote stream that breaks part-way is resumed with a Range request from the byte it stopped at (up to
 the source's `attempts`), so a reset costs a reconnect, not a re-read of the whole shard.
+
+`ReadMeter` counts what the readers of `interleave` do as a pipeline stage: each sample read is an
+item, timed from when its reader asked for it to when it had it, so the time a reader waits for room
+ahead of the merge (the consumer is slower) is not reading time.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import random
+import time
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,11 +23,12 @@ from typing import Any, TypeVar
 import aiohttp
 
 from .._exceptions import FetchError
+from .._stats import _Stage, nbytes
 from ._redact import redact_url
 from ._transport import Transport
 from .files import _Opening
 
-__all__ = ["interleave", "open_shard", "shuffled"]
+__all__ = ["ReadMeter", "interleave", "open_shard", "shuffled"]
 
 log = logging.getLogger("aioloader")
 
@@ -98,6 +104,42 @@ async def _remote(transport: Transport, url: str, shard: str) -> AsyncGenerator[
             resp.close()
 
 
+class ReadMeter:
+    """Samples read by the shard readers, their bytes and the time spent reading them, as a stage
+    whose limit is the number of readers (`parallel`)."""
+
+    def __init__(self, readers: int) -> None:
+        self.stage = _Stage(time.perf_counter())
+        self.stage.cap = readers
+
+    def start(self) -> float:
+        now = time.perf_counter()
+        self.stage.enter(now)
+        return now
+
+    def stop(self, t0: float, item: Any = None) -> None:
+        """The read begun at `t0` ended: with `item` read, or (None) without one."""
+        now = time.perf_counter()
+        s = self.stage
+        s.leave(now, t0)
+        if item is not None:
+            s.items += 1
+            s.bytes += nbytes(item)
+            s.latencies.append(now - t0)
+
+    def stats(self) -> dict[str, float | None]:
+        """The counters as `TarShards.stats()` gives them (`shard_*`; seconds, bytes, samples)."""
+        s, now = self.stage, time.perf_counter()
+        lat = sorted(s.latencies)
+        at = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]) if lat else (lambda q: None)
+        return {
+            "shard_readers": s.cap, "shard_reading": s.busy, "shard_samples": s.items,
+            "shard_bytes": s.bytes, "shard_read_s": s.area,
+            "shard_all_reading_s": s.full + (now - s.full_since if s.full_since >= 0 else 0.0),
+            "shard_read_p50_s": at(0.50), "shard_read_p95_s": at(0.95), "shard_read_p99_s": at(0.99),
+        }  # fmt: skip
+
+
 class _End:
     pass
 
@@ -108,13 +150,14 @@ _END = _End()
 class _Reader:
     """Runs one stream ahead into a bounded queue, on its own task."""
 
-    def __init__(self, stream: AsyncGenerator[Any, None]) -> None:
+    def __init__(self, stream: AsyncGenerator[Any, None], meter: ReadMeter | None = None) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
+        self.meter = meter
         self.task = asyncio.get_running_loop().create_task(self._run(stream))
 
     async def _run(self, stream: AsyncGenerator[Any, None]) -> None:
         try:
-            async for item in stream:
+            while (item := await self._read(stream)) is not _END:
                 await self.queue.put(item)
         except Exception as exc:
             await self.queue.put(exc)
@@ -122,6 +165,17 @@ class _Reader:
         finally:
             await stream.aclose()
         await self.queue.put(_END)
+
+    async def _read(self, stream: AsyncGenerator[Any, None]) -> Any:
+        """The stream's next item (`_END` after its last), timed by the meter."""
+        t0 = self.meter.start() if self.meter is not None else 0.0
+        item: Any = None
+        try:
+            item = await anext(stream, _END)
+            return item
+        finally:
+            if self.meter is not None:
+                self.meter.stop(t0, None if item is _END else item)
 
     async def get(self) -> Any:
         item = await self.queue.get()
@@ -135,11 +189,12 @@ class _Reader:
 
 
 async def interleave(
-    streams: list[AsyncGenerator[T, None]], parallel: int
+    streams: list[AsyncGenerator[T, None]], parallel: int, meter: ReadMeter | None = None
 ) -> AsyncGenerator[T, None]:
-    """Items of `streams`, `parallel` read at once, taken round-robin (a fixed order)."""
+    """Items of `streams`, `parallel` read at once, taken round-robin (a fixed order); `meter`
+    counts the reads."""
     pending = iter(streams)
-    readers = [_Reader(s) for s in itertools.islice(pending, parallel)]
+    readers = [_Reader(s, meter) for s in itertools.islice(pending, parallel)]
     try:
         turn = 0
         while readers:
@@ -150,7 +205,7 @@ async def interleave(
                 if nxt is None:
                     readers.pop(turn)
                 else:
-                    readers[turn] = _Reader(nxt)
+                    readers[turn] = _Reader(nxt, meter)
                 continue
             yield item
             turn += 1

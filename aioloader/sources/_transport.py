@@ -4,8 +4,10 @@ The session is made lazily, inside the first request, on the event loop that run
 a keep-alive pool of `limit` connections; `aclose()` closes it there. Every attempt has its own connect
 and read timeouts; the whole read of one sample (all attempts and the waits between them) has a
 deadline. Failures that may pass (connection errors, resets, timeouts, short bodies and the statuses in
-`Retry.statuses`) are retried with full-jitter backoff; anything else ends the read at once. What
-finally fails is a `FetchError` naming the redacted URL, the last status and the attempts made.
+`Retry.statuses`) are retried with full-jitter backoff; anything else ends the read at once, and so
+does a host name that does not resolve and never has for this transport (a typo or a wrong endpoint
+is not worth minutes of retries; a name that resolved before may fail for a moment, and is retried).
+What finally fails is a `FetchError` naming the redacted URL, the last status and the attempts made.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import ssl as _ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
@@ -48,6 +51,7 @@ class Transport:
         sign: called per attempt to add authentication headers (S3's SigV4).
         limiter: an `Aimd` limit on requests in flight that 429/503 answers shrink.
         redirects: follow redirects (never for signed requests).
+        dns_hint: added to the error when a host that never resolved does not (where it came from).
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class Transport:
         limiter: Aimd | None = None,
         redirects: bool = True,
         engine: str = "aiohttp",
+        dns_hint: str = "",
     ) -> None:
         if engine not in ("aiohttp", "fast"):
             raise ValueError(f"engine must be 'aiohttp' or 'fast', got {engine!r}")
@@ -77,6 +82,8 @@ class Transport:
         self.redirects = redirects
         self.counts = {"requests": 0, "retries": 0, "failures": 0, "bytes": 0}
         self.engine = engine
+        self.dns_hint = dns_hint
+        self._resolved: set[str] = set()  # hosts that answered once: a DNS failure may pass
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fast: FastPool | None = None
@@ -178,6 +185,8 @@ class Transport:
                         return await (self._limited(attempt) if limited else attempt())
                     except Failure as exc:
                         failure = exc
+                    if failure.dns and urlsplit(url).hostname not in self._resolved:
+                        failure = self._never_resolved(url, failure)
                     if not failure.retryable or made >= self.retry.attempts:
                         break
                     delay = self.retry.delay(made, failure.retry_after)
@@ -199,6 +208,12 @@ class Transport:
         )
         log.warning("%s", message)
         raise FetchError(message, key=key, stage="fetch") from None
+
+    def _never_resolved(self, url: str, failure: Failure) -> Failure:
+        host = urlsplit(url).hostname
+        hint = f" ({self.dns_hint})" if self.dns_hint else ""
+        reason = f"{failure.reason}; not retried: {host!r} has never resolved{hint}"
+        return Failure(reason, retryable=False)
 
     async def _limited(self, attempt: Callable[[], Awaitable[T]]) -> T:
         if self.limiter is None:
@@ -226,6 +241,7 @@ class Transport:
             )
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise failure_from(exc, url) from None
+        self._resolved.add(urlsplit(url).hostname or "")
         if resp.status == (200 if offset is None else 206):
             if offset is not None and not _range_ok(resp.headers.get("Content-Range"), offset):
                 resp.close()
@@ -251,6 +267,7 @@ class Transport:
             resp = await self._fast.get(url, headers)
         except ValueError as exc:
             raise failure_from(exc, url) from None
+        self._resolved.add(urlsplit(url).hostname or "")
         if resp.status == (200 if offset is None else 206):
             if offset is not None and not _range_ok(resp.headers.get("content-range"), offset):
                 raise Failure(f"bad Content-Range for offset {offset}", retryable=False)

@@ -18,7 +18,16 @@ from urllib.parse import quote, urlsplit
 from .._exceptions import InvalidKeyError
 from .._validate import check_int
 from ._redact import redact_url
-from ._retry import Retry, Timeouts
+from ._retry import (
+    ATTEMPTS,
+    BACKOFF,
+    CONNECT_TIMEOUT,
+    DEADLINE,
+    MAX_BACKOFF,
+    READ_TIMEOUT,
+    Retry,
+    Timeouts,
+)
 from ._transport import Transport
 
 __all__ = ["Http", "http"]
@@ -50,12 +59,12 @@ class Http:
         keys: Iterable[str] | None = None,
         *,
         concurrency: int = 64,
-        connect_timeout: float | None = 10.0,
-        read_timeout: float | None = 30.0,
-        deadline: float | None = 120.0,
-        attempts: int = 5,
-        backoff: float = 0.1,
-        max_backoff: float = 10.0,
+        connect_timeout: float | None = CONNECT_TIMEOUT,
+        read_timeout: float | None = READ_TIMEOUT,
+        deadline: float | None = DEADLINE,
+        attempts: int = ATTEMPTS,
+        backoff: float = BACKOFF,
+        max_backoff: float = MAX_BACKOFF,
         ssl: _ssl.SSLContext | bool = True,
         headers: Mapping[str, str] | None = None,
         engine: str = "aiohttp",

@@ -20,8 +20,17 @@ from .._exceptions import FetchError, InvalidKeyError
 from .._validate import check_int
 from ._aimd import Aimd
 from ._redact import redact_url
-from ._retry import Retry, Timeouts
-from ._s3auth import Signer, bucket_base, list_query, parse_listing, parse_s3_url
+from ._retry import (
+    ATTEMPTS,
+    BACKOFF,
+    CONNECT_TIMEOUT,
+    DEADLINE,
+    MAX_BACKOFF,
+    READ_TIMEOUT,
+    Retry,
+    Timeouts,
+)
+from ._s3auth import AwsConfig, Signer, bucket_base, list_query, parse_listing, parse_s3_url
 from ._transport import Transport
 
 __all__ = ["S3", "s3"]
@@ -56,12 +65,12 @@ class S3:
         min_concurrency: int = 1,
         page_size: int = 1000,
         stream_keys: bool = False,
-        connect_timeout: float | None = 10.0,
-        read_timeout: float | None = 30.0,
-        deadline: float | None = 300.0,
-        attempts: int = 8,
-        backoff: float = 0.1,
-        max_backoff: float = 10.0,
+        connect_timeout: float | None = CONNECT_TIMEOUT,
+        read_timeout: float | None = READ_TIMEOUT,
+        deadline: float | None = DEADLINE,
+        attempts: int = ATTEMPTS,
+        backoff: float = BACKOFF,
+        max_backoff: float = MAX_BACKOFF,
         ssl: _ssl.SSLContext | bool = True,
         engine: str = "aiohttp",
     ) -> None:
@@ -70,8 +79,14 @@ class S3:
         self.bucket, self.prefix = parse_s3_url(url)
         self._given = None if keys is None else list(keys)
         self._sizes: dict[str, int] = {}  # from the listings (`size`)
-        self.signer = Signer(credentials, profile=profile, region=region, anonymous=anonymous)
-        self.base = bucket_base(self.bucket, endpoint_url, self.signer.region, addressing)
+        config = AwsConfig(profile)
+        self.signer = Signer(credentials, region=region, anonymous=anonymous, config=config)
+        endpoint_from = "endpoint_url"
+        if endpoint_url is None:
+            endpoint_url, endpoint_from = config.endpoint_url()
+        self.base = bucket_base(
+            self.bucket, endpoint_url, self.signer.region, addressing, endpoint_from
+        )
         self.page_size = min(page_size, 1000)
         self.stream_keys = stream_keys
         self._options: dict[str, Any] = {
@@ -81,6 +96,7 @@ class S3:
             "sign": self.signer,
             "redirects": False,
             "engine": engine,
+            "dns_hint": _endpoint_hint(endpoint_url, endpoint_from),
         }
         self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
         self.transport = Transport(limit=concurrency, limiter=self.limiter, **self._options)
@@ -188,6 +204,16 @@ class S3:
         await self.transport.aclose()
 
 
+def _endpoint_hint(endpoint_url: str | None, endpoint_from: str) -> str:
+    """Where the endpoint came from, for the error a host that never resolves raises."""
+    if endpoint_url is None:
+        return (
+            "no endpoint_url, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL or profile endpoint_url is "
+            "set, so this is AWS's endpoint"
+        )
+    return f"the endpoint is {redact_url(endpoint_url)!r}, from {endpoint_from}"
+
+
 class _Listing:
     """Re-iterable streamed listing: each `async for` lists the prefix again."""
 
@@ -204,11 +230,14 @@ def s3(url: str, keys: Sequence[str] | None = None, **options: Any) -> S3:
     Args:
         url: "s3://bucket/prefix"; keys are full object keys starting with the prefix.
         keys: the keys to read, when known (a manifest); None lists the prefix.
-        endpoint_url: e.g. "http://127.0.0.1:8333" for MinIO/SeaweedFS (None: AWS).
-        region: signing region (None: from the profile, else "us-east-1").
+        endpoint_url: e.g. "http://127.0.0.1:8333" for MinIO/SeaweedFS; None: AWS_ENDPOINT_URL_S3,
+            AWS_ENDPOINT_URL, the profile's `endpoint_url` (see `AwsConfig`), else AWS.
+        region: signing region; None: AWS_REGION, AWS_DEFAULT_REGION, the profile's, else
+            "us-east-1".
         credentials: (access_key, secret_key[, session_token]) or a botocore Credentials; None uses
             botocore's standard chain (environment, ~/.aws files, profile, container/instance role).
-        profile, anonymous: the profile for the chain; unsigned requests for public buckets.
+        profile, anonymous: the profile to read (None: AWS_PROFILE, else "default"); unsigned
+            requests for public buckets.
         addressing: "virtual" (bucket.host), "path" (host/bucket) or "auto" (virtual on AWS).
         concurrency, min_concurrency: the largest and smallest number of requests in flight.
         page_size: keys per ListObjectsV2 page (at most 1000).

@@ -27,7 +27,7 @@ from typing import Any
 from .._exceptions import FetchError
 from .._validate import check_int
 from ._redact import redact_url
-from ._shards import interleave, open_shard, shuffled
+from ._shards import ReadMeter, interleave, open_shard, shuffled
 from ._tarstream import tar_members
 
 __all__ = ["SampleRef", "TarShards", "tar_shards"]
@@ -127,6 +127,7 @@ class TarShards:
         self._s3_options = dict(s3_options or {})
         self._remotes: dict[str, Any] = {}
         self._epoch = 0
+        self._reads = ReadMeter(parallel)
 
     def __repr__(self) -> str:
         mixing = f", shuffle_buffer={self.shuffle_buffer}" if self.shuffle_buffer else ""
@@ -170,7 +171,7 @@ class TarShards:
         (how a Loader skips it under `on_error="skip"`)."""
         read = self._shard_or_its_rest if keep_going else self._shard_samples
         streams = [read(shard) for shard in self.shards_for(epoch)]
-        merged = interleave(streams, self.parallel)
+        merged = interleave(streams, self.parallel, self._reads)
         rng = random.Random(f"{self.seed}/{epoch}/{self.slot}")
         return shuffled(merged, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else merged
 
@@ -244,6 +245,16 @@ class TarShards:
         if error is not None:  # the rest of a shard that could not be read
             raise error
         return sample
+
+    def stats(self) -> dict[str, float | None]:
+        """What the shard readers did: samples and bytes read, seconds spent reading (summed over
+        readers; `shard_all_reading_s`: every one of the `shard_readers` reading at once), read
+        time percentiles per sample, and the retries of the remote shards' sources.
+
+        A loader reading this source counts these as its fetch stage (`loader.stats()`)."""
+        counts: dict[str, float | None] = dict(self._reads.stats())
+        counts["retries"] = sum(r.transport.counts["retries"] for r in self._remotes.values())
+        return counts
 
     async def aclose(self) -> None:
         """Close the connection pools of the remote shards. Idempotent."""
