@@ -43,6 +43,19 @@ def test_budget_bounds_peak_rss_growth() -> None:
     assert unbounded["peak_growth_mb"] > BUDGET_MB + OVERHEAD_MB, unbounded
 
 
+def test_budget_bounds_the_memory_of_a_process_pool() -> None:
+    # Decoded in worker processes, samples land in the pool's shared memory, which the same budget
+    # bounds (its arena is max_bytes_in_flight at most, and the samples in it are counted as held).
+    script = Path(__file__).parent / "scripts" / "budget_pss.py"
+    budget_mb, sample_mb, batch = 100, 10, 4
+    done = subprocess.run(
+        [sys.executable, str(script), str(budget_mb), str(sample_mb), str(batch)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    growth = json.loads(done.stdout.splitlines()[-1])["peak_growth_mb"]
+    assert growth <= budget_mb + sample_mb * batch, growth
+
+
 def _no() -> bool:
     return False
 
