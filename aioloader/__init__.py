@@ -22,12 +22,12 @@ from ._exceptions import WorkerTimeout as WorkerTimeout
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
 from ._procpool import ProcessExecutor as ProcessExecutor
-from ._rng import sample_generator as sample_generator
-from ._rng import sample_np_generator as sample_np_generator
-from ._rng import sample_seed as sample_seed
 from ._stats import LoaderStats as LoaderStats
 from ._stats import StageStats as StageStats
 from ._trace import Trace as Trace
+from ._util.rng import sample_generator as sample_generator
+from ._util.rng import sample_np_generator as sample_np_generator
+from ._util.rng import sample_seed as sample_seed
 from .dataloader import DataLoader as DataLoader
 
 __version__ = "0.1.0"

@@ -28,8 +28,8 @@ from ._climber import Climber
 from ._decode import Executor, ThreadExecutor, make_executor
 from ._limits import Tuner
 from ._stats import NullRecorder, Recorder
-from ._threads import default_workers
-from ._validate import check_int
+from ._util.threads import default_workers
+from ._util.validate import check_int
 from .sources._aimd import Slots
 
 __all__ = ["AutoConcurrency", "AutoWorkers", "Climber", "resolve_concurrency", "resolve_decoder"]

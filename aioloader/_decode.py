@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from ._procpool import ProcessExecutor
-from ._rng import call_seeded
-from ._threads import LazyThreadPool, default_workers
+from ._util.rng import call_seeded
+from ._util.threads import LazyThreadPool, default_workers
 
 __all__ = [
     "EXECUTORS",
@@ -84,7 +84,7 @@ class Executor(Protocol):
     """Where decode (and collate) calls run."""
 
     async def run(self, fn: Callable[[Any], T], arg: Any, seed: int | None = None) -> T:
-        """Run `fn(arg)` with `seed` as the sample's seed (see `_rng.py`); safe to cancel."""
+        """Run `fn(arg)` with `seed` as the sample's seed (see `_util/rng.py`); safe to cancel."""
         ...
 
     def close(self) -> None:

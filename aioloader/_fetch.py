@@ -2,26 +2,19 @@
 
 Coroutine functions run on the pipeline's event loop; plain functions run in a pool of up to
 `concurrency` threads named "aioloader-fetch", which grows only while its threads are blocked
-(`_threads.py`). The bound itself is kept by the pipeline (`_pipeline.py`), which
+(`_util/threads.py`). The bound itself is kept by the pipeline (`_pipeline.py`), which
 acquires a slot before it calls the fetcher.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ._threads import LazyThreadPool
+from ._util.loops import is_async_callable
+from ._util.threads import LazyThreadPool
 
-__all__ = ["Fetcher", "is_async_callable"]
-
-
-def is_async_callable(fn: object) -> bool:
-    """True for coroutine functions and for objects whose `__call__` is one."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004
-    )
+__all__ = ["Fetcher"]
 
 
 class Fetcher:

@@ -29,9 +29,8 @@ from ._autotune import resolve_concurrency, resolve_decoder
 from ._collate import BufferPool, make_collate
 from ._decode import EXECUTORS, Executor, KeyedDecode, ThreadExecutor, auto_executor
 from ._diagnose import Diagnosis, diagnose
-from ._distributed import resolve_rank
 from ._exceptions import LoaderClosedError, LoaderTimeout
-from ._fetch import Fetcher, is_async_callable
+from ._fetch import Fetcher
 from ._limits import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._multiloop import FetchDecode, in_workers
 from ._order import Group, KeyOrder, KeyPlan, Plan
@@ -44,7 +43,9 @@ from ._stats import LoaderStats, NullRecorder, Recorder
 from ._sync import STOP_TIMEOUT_S, LoopThread
 from ._trace import Trace, env_trace_path
 from ._transfer import DeviceStage, Feed, make_device_stage
-from ._validate import check_callable, check_int, check_timeout
+from ._util.loops import is_async_callable
+from ._util.ranks import resolve_rank
+from ._util.validate import check_callable, check_int, check_timeout
 from .sources import Source
 
 __all__ = ["DEFAULT_COLLATE", "Loader"]

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from ._exceptions import StateError
-from ._ranges import Ranges
+from ._util.ranges import Ranges
 
 __all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "achunk", "chunk", "shard"]
 

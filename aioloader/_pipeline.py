@@ -31,7 +31,7 @@ from typing import Any
 from ._collate import RowPlan, stacks
 from ._decode import Executor, KeyedDecode
 from ._exceptions import DecodeError, LoaderClosedError
-from ._fetch import Fetcher, is_async_callable
+from ._fetch import Fetcher
 from ._limits import (
     ByteBudget,
     ErrorPolicy,
@@ -42,8 +42,9 @@ from ._limits import (
     Tuner,
 )
 from ._order import Group
-from ._rng import derive_seed
 from ._stats import LoaderStats, Recorder, nbytes
+from ._util.loops import is_async_callable
+from ._util.rng import derive_seed
 
 __all__ = ["END", "ROWS_AHEAD_PER_WORKER", "SKIPPED", "BatchFailed", "Epoch", "Gap", "Stages"]
 

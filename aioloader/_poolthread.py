@@ -31,7 +31,6 @@ import torch
 
 from . import _worker as wire
 from ._exceptions import LoaderClosedError, WorkerDied, WorkerTimeout
-from ._fetch import is_async_callable
 from ._poolparts import (
     BatchBuffer,
     Handle,
@@ -44,9 +43,10 @@ from ._poolparts import (
     encode_arg,
     settle_future,
 )
-from ._recycle import Bytearrays
 from ._shm import Arena, Slot
-from ._validate import check_int
+from ._util.bytearrays import Bytearrays
+from ._util.loops import is_async_callable
+from ._util.validate import check_int
 from ._worker import GIVEN, Unpacker, load_placed, rebuild_error, serve
 from ._zygote import Zygote, ZygoteProcess, zygote_allowed
 
@@ -142,7 +142,7 @@ class Pool:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._arena: Arena | None = None
-        # bytearray results are copied out of their slot into these (see `_recycle.py`)
+        # bytearray results are copied out of their slot into these (see `_util/bytearrays.py`)
         self._copies = Bytearrays(COPIES_BYTES)
         self._wake_r = self._wake_w = -1
         self._wake_pending = False  # a byte is in the wake pipe (see `_wake_locked`)

@@ -74,8 +74,8 @@ from ._exceptions import LoaderClosedError
 from ._poolparts import INLINE_MAX, BatchBuffer, RowTarget
 from ._poolthread import ASYNC_DEPTH, Config, Pool, pick_start_method
 from ._shm import arena_budget
-from ._threads import default_workers
-from ._validate import check_callable, check_int, check_timeout
+from ._util.threads import default_workers
+from ._util.validate import check_callable, check_int, check_timeout
 
 __all__ = ["INLINE_MAX", "BatchBuffer", "ProcessExecutor", "RowTarget"]
 
@@ -183,7 +183,7 @@ class ProcessExecutor:
         into: RowTarget | None = None,
         worker: int | None = None,
     ) -> concurrent.futures.Future[T]:
-        """Queue `fn(arg)` with `seed` as the sample's seed (see `_rng.py`); never blocks.
+        """Queue `fn(arg)` with `seed` as the sample's seed (see `_util/rng.py`); never blocks.
 
         `worker=i` runs it on worker i alone (or its replacement), after the tasks sent there before
         it: per-worker state (an iterator) then sees its tasks in order.

@@ -8,7 +8,6 @@ from typing import Any
 
 from ._exceptions import StateError
 from ._order import Group, KeyPlan, Plan
-from ._ranges import Ranges
 from ._state import (
     STATE_VERSION,
     Progress,
@@ -18,6 +17,7 @@ from ._state import (
     keys_digest,
     pick_own,
 )
+from ._util.ranges import Ranges
 
 __all__ = ["Resumable"]
 

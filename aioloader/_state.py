@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._exceptions import StateError
-from ._ranges import Ranges
+from ._util.ranges import Ranges
 
 __all__ = ["STATE_VERSION", "Progress", "Resume", "check_config", "keys_digest", "pick_own"]
 

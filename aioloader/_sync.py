@@ -17,23 +17,15 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ._exceptions import LoaderClosedError, LoaderTimeout
+from ._util.loops import new_event_loop
 
-__all__ = ["LoopThread", "new_event_loop"]
+__all__ = ["LoopThread"]
 
 T = TypeVar("T")
 
 STOP_TIMEOUT_S = 2.0
 
 _live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop loop when uvloop is installed, else asyncio's default."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 class LoopThread:

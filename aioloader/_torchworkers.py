@@ -35,8 +35,8 @@ from ._exceptions import StateError, WorkerDied
 from ._order import Group
 from ._pipeline import Gap
 from ._procpool import ProcessExecutor
-from ._ranges import Ranges
-from ._threads import (
+from ._util.ranges import Ranges
+from ._util.threads import (
     GROW_AFTER_S,
     IDLE_TO_GROW,
     SLOW_CALL_S,

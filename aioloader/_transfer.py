@@ -38,8 +38,8 @@ from ._device import CudaBackend, DeviceBackend, Event, Pinning, register_host_m
 from ._pinned import PinnedPool, Slab, round_up, slab_size
 from ._pipeline import END
 from ._stats import Recorder
-from ._threads import LazyThreadPool
-from ._validate import check_int
+from ._util.threads import LazyThreadPool
+from ._util.validate import check_int
 
 __all__ = [
     "CudaBackend",

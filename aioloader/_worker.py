@@ -72,9 +72,9 @@ import torch
 from . import _carve
 from ._carve import Carver, align
 from ._exceptions import DecodeError
-from ._recycle import Bytearrays
-from ._rng import call_seeded
 from ._shm import Arena, Slot
+from ._util.bytearrays import Bytearrays
+from ._util.rng import call_seeded
 from ._workerloop import WorkerLoop
 
 __all__ = [

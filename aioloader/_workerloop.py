@@ -9,9 +9,9 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ._recycle import task_output
-from ._rng import call_seeded
-from ._sync import new_event_loop
+from ._util.bytearrays import task_output
+from ._util.loops import new_event_loop
+from ._util.rng import call_seeded
 
 __all__ = ["WorkerLoop"]
 

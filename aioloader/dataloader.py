@@ -55,7 +55,6 @@ from ._limits import DEFAULT_MAX_BYTES
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, _timeout_error, origin
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
 from ._procpool import ProcessExecutor
-from ._ranges import Ranges
 from ._shm import loader_arena
 from ._torchworkers import (
     ReadItem,
@@ -68,6 +67,7 @@ from ._torchworkers import (
     check_threads,
 )  # fmt: skip
 from ._transfer import make_device_stage
+from ._util.ranges import Ranges
 
 __all__ = ["DataLoader"]
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioloader
-from aioloader._distributed import resolve_rank
 from aioloader._order import KeyOrder, KeyPlan
-from aioloader._ranges import Ranges
+from aioloader._util.ranges import Ranges
+from aioloader._util.ranks import resolve_rank
 
 
 def plan(

@@ -32,8 +32,8 @@ import aioloader
 from aioloader import DecodeError, LoaderClosedError, WorkerDied, WorkerTimeout
 from aioloader._poolthread import Pool
 from aioloader._procpool import ProcessExecutor
-from aioloader._rng import call_seeded
 from aioloader._shm import NAME_PREFIX, SHM_DIR
+from aioloader._util.rng import call_seeded
 
 # How soon a dead worker must be reported (the design's promise), and a bound for everything else.
 NOTICE_S = 1.0
@@ -292,7 +292,7 @@ def test_an_unpicklable_callable_is_refused_up_front(pool: ProcessExecutor) -> N
 
 
 def test_samples_draw_the_same_numbers_as_in_threads(pool: ProcessExecutor) -> None:
-    seeds = [aioloader._rng.derive_seed(7, 2, i) for i in range(6)]
+    seeds = [aioloader._util.rng.derive_seed(7, 2, i) for i in range(6)]
     remote = [pool.submit(draw, None, seed).result(WAIT_S) for seed in seeds]
     local = [call_seeded(draw, None, seed) for seed in seeds]
     assert all(torch.equal(a, b) for a, b in zip(remote, local, strict=True))
@@ -509,13 +509,14 @@ def test_async_tasks_run_many_at_once_on_the_workers_loop(make: Any) -> None:
     (pid,) = executor.pids
     start = time.monotonic()
     futures = [
-        executor.submit(snooze, (0.3, i), aioloader._rng.derive_seed(0, 0, i)) for i in range(20)
+        executor.submit(snooze, (0.3, i), aioloader._util.rng.derive_seed(0, 0, i))
+        for i in range(20)
     ]
     answers = [f.result(WAIT_S) for f in futures]
     assert time.monotonic() - start < 3.0  # one at a time: 6 s
     assert [(p, v) for p, v, _ in answers] == [(pid, i) for i in range(20)]
     for i, (_, _, drawn) in enumerate(answers):  # each task saw its own seed
-        local = call_seeded(draw, None, aioloader._rng.derive_seed(0, 0, i))
+        local = call_seeded(draw, None, aioloader._util.rng.derive_seed(0, 0, i))
         assert torch.equal(drawn, local[:2])
     assert executor.stats()["async_tasks"] == 20
 

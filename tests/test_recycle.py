@@ -17,7 +17,7 @@ from faultproxy import Origin
 
 import aioloader
 from aioloader import Loader
-from aioloader._recycle import Bytearrays, landing
+from aioloader._util.bytearrays import Bytearrays, landing
 from aioloader._worker import _lies_at_start, place_single
 from aioloader.sources.http import http
 

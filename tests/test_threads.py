@@ -9,7 +9,7 @@ import time
 import pytest
 
 from aioloader import Loader
-from aioloader._threads import LazyThreadPool
+from aioloader._util.threads import LazyThreadPool
 
 
 def test_quick_calls_keep_one_thread_even_when_the_gil_stretches_some() -> None:
@@ -172,7 +172,7 @@ def test_spare_cores_grows_only_while_the_machine_has_cores_idle(
 ) -> None:
     """Sleeping calls grow a `spare_cores` pool while cores sit idle, not while every core is busy
     (the idle counter is held still: as if other processes used every core)."""
-    from aioloader import _threads
+    from aioloader._util import threads as _threads
 
     if not idle:
         monkeypatch.setattr(_threads, "idle_ticks", lambda: 0)

@@ -18,7 +18,7 @@ import collections
 import ssl as _ssl
 from urllib.parse import unquote, urlsplit
 
-from .._recycle import Bytearrays, landing
+from .._util.bytearrays import Bytearrays, landing
 from ._body import Failure, dns_failure, is_dns_error
 
 __all__ = ["FastPool", "Response", "Unsupported"]

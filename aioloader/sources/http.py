@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from .._exceptions import InvalidKeyError
-from .._validate import check_int
+from .._util.validate import check_int
 from ._redact import redact_url
 from ._retry import (
     ATTEMPTS,

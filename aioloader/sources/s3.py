@@ -17,7 +17,7 @@ from urllib.parse import quote
 from botocore.credentials import Credentials
 
 from .._exceptions import FetchError, InvalidKeyError
-from .._validate import check_int
+from .._util.validate import check_int
 from ._aimd import Aimd
 from ._redact import redact_url
 from ._retry import (

@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from .._exceptions import FetchError
-from .._validate import check_int
+from .._util.validate import check_int
 from ._redact import redact_url
 from ._shards import ReadMeter, interleave, open_shard, shuffled
 from ._tarstream import tar_members

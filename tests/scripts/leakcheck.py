@@ -32,7 +32,7 @@ STOP_DEADLINE_S = 2.0  # what close() promises: every thread and process gone wi
 
 def warm_up() -> None:
     """Make the once-per-process state an event loop creates (see the module docstring)."""
-    from aioloader._sync import new_event_loop
+    from aioloader._util.loops import new_event_loop
 
     new_event_loop().close()
 

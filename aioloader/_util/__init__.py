@@ -1,0 +1,1 @@
+"""Small tools every stage uses: thread pools, recycled bytearrays, seeds, ranges, checks, loops."""
