@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ._loader import Loader
-from ._profile import MATPLOTLIB_MISSING, SAMPLE_INTERVAL_S, Sampler, draw, plot
+from ._observe.profile import MATPLOTLIB_MISSING, SAMPLE_INTERVAL_S, Sampler, draw, plot
 
 
 def _factory(spec: str) -> Callable[[], Any]:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from ._climber import Climber
 from ._decode import Executor, ThreadExecutor, make_executor
 from ._limits import Tuner
-from ._stats import NullRecorder, Recorder
+from ._observe.stats import NullRecorder, Recorder
 from ._util.threads import default_workers
 from ._util.validate import check_int
 from .sources._aimd import Slots

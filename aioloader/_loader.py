@@ -28,20 +28,20 @@ import torch
 from ._autotune import resolve_concurrency, resolve_decoder
 from ._collate import BufferPool, make_collate
 from ._decode import EXECUTORS, Executor, KeyedDecode, ThreadExecutor, auto_executor
-from ._diagnose import Diagnosis, diagnose
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._fetch import Fetcher
 from ._limits import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._multiloop import FetchDecode, in_workers
+from ._observe.diagnose import Diagnosis, diagnose
+from ._observe.progress import with_progress
+from ._observe.stats import LoaderStats, NullRecorder, Recorder
+from ._observe.trace import Trace, env_trace_path
 from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._pipeline import END, SKIPPED, BatchFailed, Epoch, Stages
-from ._progress import with_progress
 from ._resume import Resumable
 from ._shm import loader_arena
 from ._state import Progress
-from ._stats import LoaderStats, NullRecorder, Recorder
 from ._sync import STOP_TIMEOUT_S, LoopThread
-from ._trace import Trace, env_trace_path
 from ._transfer import DeviceStage, Feed, make_device_stage
 from ._util.loops import is_async_callable
 from ._util.ranks import resolve_rank

@@ -41,8 +41,8 @@ from ._limits import (
     SampleSizes,
     Tuner,
 )
+from ._observe.stats import LoaderStats, Recorder, nbytes
 from ._order import Group
-from ._stats import LoaderStats, Recorder, nbytes
 from ._util.loops import is_async_callable
 from ._util.rng import derive_seed
 

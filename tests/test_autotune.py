@@ -19,7 +19,7 @@ from aioloader._autotune import (
     Climber,
     resolve_concurrency,
 )
-from aioloader._stats import NullRecorder, Recorder
+from aioloader._observe.stats import NullRecorder, Recorder
 
 # -- the climber, driven by a simulated source (no clock, no threads) ----------------------------
 

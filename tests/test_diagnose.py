@@ -15,8 +15,8 @@ from fakes import FakeSource
 from faultproxy import ServerThread
 
 from aioloader import DataLoader, Loader, sources
-from aioloader._diagnose import BOTTLENECKS, Diagnosis, diagnose
-from aioloader._stats import STAGES, LoaderStats, StageStats
+from aioloader._observe.diagnose import BOTTLENECKS, Diagnosis, diagnose
+from aioloader._observe.stats import STAGES, LoaderStats, StageStats
 
 
 async def quick(key: int) -> bytes:

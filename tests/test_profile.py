@@ -13,8 +13,8 @@ import pytest
 from profile_factory import make
 
 from aioloader import Loader
-from aioloader._profile import SAMPLE_INTERVAL_S, Sampler, draw, figure, plot, series
-from aioloader._progress import live_line
+from aioloader._observe.profile import SAMPLE_INTERVAL_S, Sampler, draw, figure, plot, series
+from aioloader._observe.progress import live_line
 
 TESTS = Path(__file__).parent
 

@@ -11,7 +11,7 @@ from fakes import FakeSource
 from test_transfer import FakeBackend
 
 from aioloader import Loader
-from aioloader._stats import STAGES, LoaderStats, NullRecorder, Recorder, _Stage
+from aioloader._observe.stats import STAGES, LoaderStats, NullRecorder, Recorder, _Stage
 from aioloader._transfer import DeviceStage
 
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-import aioloader._trace as trace_module
+import aioloader._observe.trace as trace_module
 from aioloader import Loader
-from aioloader._trace import Tracer, _tracks, chrome_events
+from aioloader._observe.trace import Tracer, _tracks, chrome_events
 
 BATCH = 4
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from .._exceptions import FetchError
-from .._stats import _Stage, nbytes
+from .._observe.stats import _Stage, nbytes
 from ._redact import redact_url
 from ._transport import Transport
 from .files import _Opening

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar
 
-from ._stats import LoaderStats
+from .stats import LoaderStats
 
 __all__ = ["REFRESH_S", "live_line", "with_progress"]
 

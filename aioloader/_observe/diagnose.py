@@ -8,7 +8,7 @@ The reasoning, from a `LoaderStats` snapshot:
 4. Decode that runs inline and keeps the event loop busy, or no stage full while the consumer waits,
    points at the event loop itself.
 
-A tar-shard source's reads are its fetch stage (see `_stats.py`): when its readers are the limit, the
+A tar-shard source's reads are its fetch stage (see `_observe/stats.py`): when its readers are the limit, the
 advice is its `parallel=`. Latencies are shown split into the time at work and the time waiting for a
 worker or slot; the advice names the argument of the API in use (`workers` for `Loader`,
 `num_workers` for `DataLoader`) and never more workers than there are cores.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ._stats import LoaderStats, StageStats
+from .stats import LoaderStats, StageStats
 
 __all__ = ["BOTTLENECKS", "Diagnosis", "diagnose"]
 

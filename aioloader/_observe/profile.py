@@ -15,11 +15,13 @@ import itertools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._loader import Loader
-from ._progress import with_progress
-from ._stats import STAGES, LoaderStats
+from .progress import with_progress
+from .stats import STAGES, LoaderStats
+
+if TYPE_CHECKING:
+    from .._loader import Loader
 
 __all__ = ["PANELS", "SAMPLE_INTERVAL_S", "Sampler", "draw", "figure", "plot", "series"]
 

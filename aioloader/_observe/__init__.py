@@ -1,0 +1,1 @@
+"""Seeing inside a running loader: stats and their table, traces, the diagnosis, progress, profiles."""
