@@ -25,12 +25,10 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ._autotune import resolve_concurrency, resolve_decoder
 from ._collate import BufferPool, make_collate
 from ._decode import EXECUTORS, Executor, KeyedDecode, ThreadExecutor, auto_executor
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._fetch import Fetcher
-from ._limits import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._multiloop import FetchDecode, in_workers
 from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
@@ -43,6 +41,8 @@ from ._shm import loader_arena
 from ._state import Progress
 from ._sync import STOP_TIMEOUT_S, LoopThread
 from ._transfer import DeviceStage, Feed, make_device_stage
+from ._tuning.auto import resolve_concurrency, resolve_decoder
+from ._tuning.bounds import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._util.loops import is_async_callable
 from ._util.ranks import resolve_rank
 from ._util.validate import check_callable, check_int, check_timeout
@@ -92,7 +92,7 @@ class Loader(Resumable, Generic[T]):
             gets the same number of batches: the epoch is padded by wrapping around, or cut with
             `drop_last`.
         concurrency: fetches in flight at most; "auto" moves it while running, on measured
-            throughput, within the byte budget (see `_autotune.py`; `stats().concurrency` shows it).
+            throughput, within the byte budget (see `_tuning/auto.py`; `stats().concurrency` shows it).
         prefetch: batches made ready ahead of the consumer. Samples held at most:
             `prefetch * batch_size + concurrency`.
         in_order: deliver batches in key order (True) or whole batches as they complete (False).

@@ -32,7 +32,9 @@ from ._collate import RowPlan, stacks
 from ._decode import Executor, KeyedDecode
 from ._exceptions import DecodeError, LoaderClosedError
 from ._fetch import Fetcher
-from ._limits import (
+from ._observe.stats import LoaderStats, Recorder, nbytes
+from ._order import Group
+from ._tuning.bounds import (
     ByteBudget,
     ErrorPolicy,
     FixedConcurrency,
@@ -41,8 +43,6 @@ from ._limits import (
     SampleSizes,
     Tuner,
 )
-from ._observe.stats import LoaderStats, Recorder, nbytes
-from ._order import Group
 from ._util.loops import is_async_callable
 from ._util.rng import derive_seed
 

@@ -51,7 +51,6 @@ from torch.utils.data import (
 
 from ._collate import BufferPool, default_collate, make_collate
 from ._exceptions import LoaderTimeout, StateError
-from ._limits import DEFAULT_MAX_BYTES
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, _timeout_error, origin
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
 from ._procpool import ProcessExecutor
@@ -67,6 +66,7 @@ from ._torchworkers import (
     check_threads,
 )  # fmt: skip
 from ._transfer import make_device_stage
+from ._tuning.bounds import DEFAULT_MAX_BYTES
 from ._util.ranges import Ranges
 
 __all__ = ["DataLoader"]

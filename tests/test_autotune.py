@@ -12,14 +12,14 @@ import pytest
 from fakes import Tracker
 
 from aioloader import Loader
-from aioloader._autotune import (
+from aioloader._observe.stats import NullRecorder, Recorder
+from aioloader._tuning.auto import (
     AUTO_INITIAL,
     AutoConcurrency,
     AutoWorkers,
     Climber,
     resolve_concurrency,
 )
-from aioloader._observe.stats import NullRecorder, Recorder
 
 # -- the climber, driven by a simulated source (no clock, no threads) ----------------------------
 
@@ -177,7 +177,7 @@ def test_throttling_halves_the_limit_once_per_round() -> None:
 def test_the_source_throttle_count_counts_as_throttling(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = {"n": 0}
     tuner = AutoConcurrency(Recorder(), initial=32, throttles=lambda: seen["n"])
-    monkeypatch.setattr("aioloader._autotune.THROTTLE_CHECK_S", 0.0)
+    monkeypatch.setattr("aioloader._tuning.auto.THROTTLE_CHECK_S", 0.0)
     tuner.completed(0.0)
     assert tuner.limit == 32
     seen["n"] = 3

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from aioloader import Loader, sources
-from aioloader._limits import ByteBudget
+from aioloader._tuning.bounds import ByteBudget
 
 SCRIPT = Path(__file__).parent / "scripts" / "budget_rss.py"
 BUDGET_MB = 200

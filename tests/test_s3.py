@@ -13,7 +13,7 @@ from faultproxy import Fault, FaultProxy
 from s3server import DOMAIN, SeaweedServer
 
 from aioloader import FetchError, Loader
-from aioloader.sources._aimd import Aimd
+from aioloader._tuning.aimd import Aimd
 from aioloader.sources._s3auth import bucket_base, list_query, parse_listing
 from aioloader.sources.s3 import S3, s3
 

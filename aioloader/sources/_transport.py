@@ -23,7 +23,7 @@ import aiohttp
 from yarl import URL
 
 from .._exceptions import FetchError
-from ._aimd import Aimd
+from .._tuning.aimd import Aimd
 from ._body import Failure, error_detail, error_text, failure_from, read_body
 from ._fasthttp import FastPool, Unsupported
 from ._redact import redact_url

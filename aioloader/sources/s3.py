@@ -17,8 +17,8 @@ from urllib.parse import quote
 from botocore.credentials import Credentials
 
 from .._exceptions import FetchError, InvalidKeyError
+from .._tuning.aimd import Aimd
 from .._util.validate import check_int
-from ._aimd import Aimd
 from ._redact import redact_url
 from ._retry import (
     ATTEMPTS,

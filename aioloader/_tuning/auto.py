@@ -1,6 +1,6 @@
 """`concurrency="auto"` and `workers="auto"`: limits that follow the measured throughput.
 
-`AutoConcurrency` is the fetch stage's `Tuner`: a `Climber` (see `_climber.py`: slow start doubling
+`AutoConcurrency` is the fetch stage's `Tuner`: a `Climber` (see `_tuning/climber.py`: slow start doubling
 while throughput follows, then additive increase while it improves; a step that costs throughput is
 undone; a queue beyond what the store needs is drained to rate x least latency plus headroom, Little's
 law; a slower store gets its limit multiplied by the latency ratio) fed by every finished fetch, whose
@@ -24,13 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._climber import Climber
-from ._decode import Executor, ThreadExecutor, make_executor
-from ._limits import Tuner
-from ._observe.stats import NullRecorder, Recorder
-from ._util.threads import default_workers
-from ._util.validate import check_int
-from .sources._aimd import Slots
+from .._decode import Executor, ThreadExecutor, make_executor
+from .._observe.stats import NullRecorder, Recorder
+from .._util.threads import default_workers
+from .._util.validate import check_int
+from .aimd import Slots
+from .bounds import Tuner
+from .climber import Climber
 
 __all__ = ["AutoConcurrency", "AutoWorkers", "Climber", "resolve_concurrency", "resolve_decoder"]
 
