@@ -36,9 +36,9 @@ from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
 from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._pipeline import END, SKIPPED, BatchFailed, Epoch, Stages
-from ._resume import Resumable
+from ._resume.resume import Resumable
+from ._resume.state import Progress
 from ._shm import loader_arena
-from ._state import Progress
 from ._sync import STOP_TIMEOUT_S, LoopThread
 from ._transfer import DeviceStage, Feed, make_device_stage
 from ._tuning.auto import resolve_concurrency, resolve_decoder

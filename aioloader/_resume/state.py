@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._exceptions import StateError
-from ._util.ranges import Ranges
+from .._exceptions import StateError
+from .._util.ranges import Ranges
 
 __all__ = ["STATE_VERSION", "Progress", "Resume", "check_config", "keys_digest", "pick_own"]
 

@@ -6,9 +6,10 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
-from ._exceptions import StateError
-from ._order import Group, KeyPlan, Plan
-from ._state import (
+from .._exceptions import StateError
+from .._order import Group, KeyPlan, Plan
+from .._util.ranges import Ranges
+from .state import (
     STATE_VERSION,
     Progress,
     Resume,
@@ -17,7 +18,6 @@ from ._state import (
     keys_digest,
     pick_own,
 )
-from ._util.ranges import Ranges
 
 __all__ = ["Resumable"]
 
@@ -69,7 +69,7 @@ class Resumable:
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: the epoch and what of it was delivered (small, JSON-ready).
 
-        Safe to call at any step, from the consumer's thread or task; see `_state.py` for the rule.
+        Safe to call at any step, from the consumer's thread or task; see `_resume/state.py` for the rule.
         """
         progress = self._progress or Progress(self._epoch)
         rank, world_size = self._plan.rank_and_world()
