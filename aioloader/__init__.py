@@ -18,13 +18,13 @@ from ._exceptions import SampleError as SampleError
 from ._exceptions import StateError as StateError
 from ._exceptions import WorkerDied as WorkerDied
 from ._exceptions import WorkerTimeout as WorkerTimeout
+from ._executors.process.executor import ProcessExecutor as ProcessExecutor
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
 from ._observe.diagnose import Diagnosis as Diagnosis
 from ._observe.stats import LoaderStats as LoaderStats
 from ._observe.stats import StageStats as StageStats
 from ._observe.trace import Trace as Trace
-from ._procpool import ProcessExecutor as ProcessExecutor
 from ._util.rng import sample_generator as sample_generator
 from ._util.rng import sample_np_generator as sample_np_generator
 from ._util.rng import sample_seed as sample_seed

@@ -26,10 +26,12 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ._collate import BufferPool, make_collate
-from ._decode import EXECUTORS, Executor, KeyedDecode, ThreadExecutor, auto_executor
 from ._exceptions import LoaderClosedError, LoaderTimeout
+from ._executors.base import Executor, KeyedDecode, ThreadExecutor
+from ._executors.choose import EXECUTORS, auto_executor
+from ._executors.fetch_in_workers import FetchDecode, in_workers
+from ._executors.process.arena import loader_arena
 from ._fetch import Fetcher
-from ._multiloop import FetchDecode, in_workers
 from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
@@ -38,7 +40,6 @@ from ._order import Group, KeyOrder, KeyPlan, Plan
 from ._pipeline import END, SKIPPED, BatchFailed, Epoch, Stages
 from ._resume.resume import Resumable
 from ._resume.state import Progress
-from ._shm import loader_arena
 from ._sync import STOP_TIMEOUT_S, LoopThread
 from ._transfer import DeviceStage, Feed, make_device_stage
 from ._tuning.auto import resolve_concurrency, resolve_decoder
@@ -118,7 +119,7 @@ class Loader(Resumable, Generic[T]):
         fetch_in_workers: with executor="process" (or a ProcessExecutor) and an async fetch, each
             worker process fetches its share of the keys on its own event loop and decodes them,
             so fetching scales past one core; order, batching and `concurrency` (in total) stay
-            here. See `_multiloop.py`.
+            here. See `_executors/fetch_in_workers.py`.
 
     `repr(loader)` shows what it was made with. See inside: `stats()` (numbers per stage),
     `diagnose()` (the bottleneck, in words), `trace(path)` (a Perfetto/Chrome trace; or set

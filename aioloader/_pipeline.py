@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._collate import RowPlan, stacks
-from ._decode import Executor, KeyedDecode
 from ._exceptions import DecodeError, LoaderClosedError
+from ._executors.base import Executor, KeyedDecode
 from ._fetch import Fetcher
 from ._observe.stats import LoaderStats, Recorder, nbytes
 from ._order import Group

@@ -29,12 +29,12 @@ import torch
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 
-from . import _carve
 from ._collate import make_collate
 from ._exceptions import StateError, WorkerDied
+from ._executors.process import carve as _carve
+from ._executors.process.executor import ProcessExecutor
 from ._order import Group
 from ._pipeline import Gap
-from ._procpool import ProcessExecutor
 from ._util.ranges import Ranges
 from ._util.threads import (
     GROW_AFTER_S,

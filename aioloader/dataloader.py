@@ -51,10 +51,10 @@ from torch.utils.data import (
 
 from ._collate import BufferPool, default_collate, make_collate
 from ._exceptions import LoaderTimeout, StateError
+from ._executors.process.arena import loader_arena
+from ._executors.process.executor import ProcessExecutor
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, _timeout_error, origin
 from ._order import Group, KeyOrder, KeyPlan, Plan, shard
-from ._procpool import ProcessExecutor
-from ._shm import loader_arena
 from ._torchworkers import (
     ReadItem,
     ReadSamples,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from aioloader._carve import ALIGN, Carver
-from aioloader._worker import Unpacker, measure, pack
+from aioloader._executors.process.carve import ALIGN, Carver
+from aioloader._executors.process.worker import Unpacker, measure, pack
 
 
 def test_a_carved_tensor_is_memory_of_the_slot() -> None:

@@ -22,7 +22,7 @@ from faultproxy import Origin, ServerThread
 
 import aioloader
 from aioloader import FetchError, Loader, ProcessExecutor, WorkerDied
-from aioloader._shm import NAME_PREFIX, SHM_DIR
+from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR
 from aioloader.sources import http
 
 BODY = bytes(range(256)) * 128  # 32 KiB: in shared memory, not in the pipe

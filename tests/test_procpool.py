@@ -30,9 +30,9 @@ import torch
 
 import aioloader
 from aioloader import DecodeError, LoaderClosedError, WorkerDied, WorkerTimeout
-from aioloader._poolthread import Pool
-from aioloader._procpool import ProcessExecutor
-from aioloader._shm import NAME_PREFIX, SHM_DIR
+from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR
+from aioloader._executors.process.dispatcher import Pool
+from aioloader._executors.process.executor import ProcessExecutor
 from aioloader._util.rng import call_seeded
 
 # How soon a dead worker must be reported (the design's promise), and a bound for everything else.
@@ -660,7 +660,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     import psutil
-    from aioloader._procpool import ProcessExecutor
+    from aioloader._executors.process.executor import ProcessExecutor
 
     executor = ProcessExecutor(2, start_method=sys.argv[2])
     assert executor.start_method == sys.argv[2]

@@ -17,8 +17,8 @@ from faultproxy import Origin
 
 import aioloader
 from aioloader import Loader
+from aioloader._executors.process.worker import _lies_at_start, place_single
 from aioloader._util.bytearrays import Bytearrays, landing
-from aioloader._worker import _lies_at_start, place_single
 from aioloader.sources.http import http
 
 SIZE = 128 * 1024  # above MIN_BYTES: recycled

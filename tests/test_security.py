@@ -35,7 +35,7 @@ from faultproxy import Fault, FaultProxy, Origin, ServerThread
 from scripts.tarcraft import END, member
 
 from aioloader import FetchError, Loader, ProcessExecutor
-from aioloader._shm import Arena
+from aioloader._executors.process.arena import Arena
 from aioloader.sources import http, tar_shards
 from aioloader.sources._redact import redact_url
 

@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from aioloader import _shm
-from aioloader._shm import NAME_PREFIX, SHM_DIR, Arena, arena_budget, check_room, size_class
+from aioloader._executors.process import arena as _shm
+from aioloader._executors.process.arena import (
+    NAME_PREFIX,
+    SHM_DIR,
+    Arena,
+    arena_budget,
+    check_room,
+    size_class,
+)
 
 
 def our_entries() -> list[str]:
@@ -240,7 +247,7 @@ def test_a_retired_slab_is_unmapped_and_refuses_access_rather_than_faulting() ->
 
 def test_a_loaders_own_pool_gets_an_arena_as_large_as_its_memory_budget() -> None:
     from aioloader import Loader
-    from aioloader._shm import MIN_ARENA_BYTES, loader_arena
+    from aioloader._executors.process.arena import MIN_ARENA_BYTES, loader_arena
 
     st = os.statvfs("/dev/shm")
     half_free = st.f_bavail * st.f_frsize // 2

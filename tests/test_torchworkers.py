@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from aioloader import DataLoader, LoaderTimeout, WorkerDied
-from aioloader._shm import NAME_PREFIX, SHM_DIR
+from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 

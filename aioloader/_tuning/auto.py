@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._decode import Executor, ThreadExecutor, make_executor
+from .._executors.base import Executor, ThreadExecutor
+from .._executors.choose import make_executor
 from .._observe.stats import NullRecorder, Recorder
 from .._util.threads import default_workers
 from .._util.validate import check_int

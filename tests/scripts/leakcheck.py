@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 SHM_DIR = "/dev/shm"
-SHM_PREFIX = "aioloader-"  # aioloader._shm.NAME_PREFIX; slabs are named PREFIX<pid>-<random>
+SHM_PREFIX = "aioloader-"  # arena.NAME_PREFIX; slabs are named PREFIX<pid>-<random>
 _STDLIB_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 STOP_DEADLINE_S = 2.0  # what close() promises: every thread and process gone within 2 s
 

@@ -65,7 +65,7 @@ _parent_only_lock = threading.Lock()
 
 
 def parent_only(fd: int, keep: bool = True) -> None:
-    """Mark `fd` as one that a process forked later from this one must close (see `_zygote.py`).
+    """Mark `fd` as one that a process forked later from this one must close (see `zygote.py`).
 
     keep=False forgets it (call it before closing `fd`). Slab descriptors, workers' sockets and
     lifelines are marked, so that a zygote never keeps another pool's memory or pipes alive.

@@ -1,5 +1,5 @@
-"""A worker process's own event loop, on its own thread: how `fetch_in_workers` (`_multiloop.py`)
-runs many fetch-then-decode coroutines at once in each process worker (`_worker.py`)."""
+"""A worker process's own event loop, on its own thread: how `fetch_in_workers` (`../fetch_in_workers.py`)
+runs many fetch-then-decode coroutines at once in each process worker (`worker.py`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ._util.bytearrays import task_output
-from ._util.loops import new_event_loop
-from ._util.rng import call_seeded
+from ..._util.bytearrays import task_output
+from ..._util.loops import new_event_loop
+from ..._util.rng import call_seeded
 
 __all__ = ["WorkerLoop"]
 

@@ -1,7 +1,7 @@
 """The process executor's engine: one thread ("aioloader-procpool") that starts the workers,
 dispatches tasks, reads answers, watches every worker's socket and sentinel, and enforces timeouts.
 
-See `_procpool.py` for the design (start methods, async tasks, faults); this module is its
+See `executor.py` for the design (start methods, async tasks, faults); this module is its
 implementation, used through `ProcessExecutor` only.
 """
 
@@ -29,9 +29,13 @@ from typing import Any
 
 import torch
 
-from . import _worker as wire
-from ._exceptions import LoaderClosedError, WorkerDied, WorkerTimeout
-from ._poolparts import (
+from ..._exceptions import LoaderClosedError, WorkerDied, WorkerTimeout
+from ..._util.bytearrays import Bytearrays
+from ..._util.loops import is_async_callable
+from ..._util.validate import check_int
+from . import worker as wire
+from .arena import Arena, Slot
+from .tasks import (
     BatchBuffer,
     Handle,
     Mailbox,
@@ -43,12 +47,8 @@ from ._poolparts import (
     encode_arg,
     settle_future,
 )
-from ._shm import Arena, Slot
-from ._util.bytearrays import Bytearrays
-from ._util.loops import is_async_callable
-from ._util.validate import check_int
-from ._worker import GIVEN, Unpacker, load_placed, rebuild_error, serve
-from ._zygote import Zygote, ZygoteProcess, zygote_allowed
+from .worker import GIVEN, Unpacker, load_placed, rebuild_error, serve
+from .zygote import Zygote, ZygoteProcess, zygote_allowed
 
 __all__ = ["ASYNC_DEPTH", "Config", "Pool", "factory", "pick_start_method"]
 
@@ -69,7 +69,9 @@ START_TIMEOUT_S = 60.0  # a worker not ready by then (hung worker_init_fn) fails
 STOP_GRACE_S = 0.5  # close(): how long workers get to exit before SIGKILL
 JOIN_TIMEOUT_S = 2.0
 _FORKED = ("zygote", "fork")  # start methods whose workers inherit what they are given
-_PRELOAD = ("aioloader._worker",)  # imports torch, numpy and aioloader once, in the forkserver
+_PRELOAD = (
+    "aioloader._executors.process.worker",
+)  # imports torch, numpy and aioloader once, in the forkserver
 
 
 def pick_start_method(

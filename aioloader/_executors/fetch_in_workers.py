@@ -38,12 +38,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._decode import KeyedDecode
-from ._procpool import ProcessExecutor
-from ._util.bytearrays import landing, task_output
-from ._util.loops import is_async_callable
-from ._util.threads import LazyThreadPool, default_workers
-from ._util.validate import check_int
+from .._util.bytearrays import landing, task_output
+from .._util.loops import is_async_callable
+from .._util.threads import LazyThreadPool, default_workers
+from .._util.validate import check_int
+from .base import KeyedDecode
+from .process.executor import ProcessExecutor
 
 __all__ = ["FetchDecode", "Wiring", "in_workers", "pass_key"]
 

@@ -69,13 +69,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _carve
-from ._carve import Carver, align
-from ._exceptions import DecodeError
-from ._shm import Arena, Slot
-from ._util.bytearrays import Bytearrays
-from ._util.rng import call_seeded
-from ._workerloop import WorkerLoop
+from ..._exceptions import DecodeError
+from ..._util.bytearrays import Bytearrays
+from ..._util.rng import call_seeded
+from . import carve as _carve
+from .arena import Arena, Slot
+from .carve import Carver, align
+from .worker_loop import WorkerLoop
 
 __all__ = [
     "RemoteTraceback",

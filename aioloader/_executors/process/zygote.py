@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from ._shm import parent_only, parent_only_fds
-from ._worker import die_with_parent
+from .arena import parent_only, parent_only_fds
+from .worker import die_with_parent
 
 __all__ = ["Zygote", "ZygoteProcess", "zygote_allowed"]
 

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _worker as wire
-from ._shm import Arena, Slot, parent_only
+from . import worker as wire
+from .arena import Arena, Slot, parent_only
 
 __all__ = [
     "INLINE_MAX",

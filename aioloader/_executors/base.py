@@ -1,59 +1,23 @@
-"""Decode stage: raw sample -> sample, inline on the loop or in a pool of threads.
+"""The executor contract, and the executors that need no process: inline on the loop, or threads.
 
 One interface, `Executor.run(fn, arg)`, whatever runs the call. "inline" calls the function on the
 event loop (right for cheap decodes: no hand-off cost); "thread" runs it in `workers` threads, which
 pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or the GIL is off.
 "process" runs it in `workers` persistent processes and returns arrays in shared memory
-(`_procpool.py`): the choice where decode holds the GIL.
+(`_executors/process/executor.py`): the choice where decode holds the GIL.
 """
 
 from __future__ import annotations
 
-import logging
-import pickle
-import sys
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from ._procpool import ProcessExecutor
-from ._util.rng import call_seeded
-from ._util.threads import LazyThreadPool, default_workers
+from .._util.rng import call_seeded
+from .._util.threads import LazyThreadPool
 
-__all__ = [
-    "EXECUTORS",
-    "Executor",
-    "InlineExecutor",
-    "KeyedDecode",
-    "ThreadExecutor",
-    "make_executor",
-]
+__all__ = ["Executor", "InlineExecutor", "KeyedDecode", "ThreadExecutor"]
 
 T = TypeVar("T")
-
-EXECUTORS = ("inline", "thread", "process", "auto")
-
-
-def auto_executor(decode: Callable[[Any], Any] | None = None) -> str:
-    """What executor="auto" (the default when there is a decode) picks: threads where the GIL is off
-    (free-threaded Python, e.g. 3.13t); where it is on, processes, unless `decode` cannot be sent to
-    a process (a lambda, a closure, a bound method of an object that does not pickle): then threads,
-    and the "aioloader" logger says why. A decoder that releases the GIL (numpy, Pillow, most codecs)
-    does well in threads either way: name executor="thread" for it; executor="inline" runs a cheap
-    decode on the event loop itself."""
-    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
-    if not gil:
-        return "thread"
-    if decode is not None:
-        try:
-            pickle.dumps(decode, protocol=5)
-        except Exception as exc:
-            logging.getLogger("aioloader").info(
-                'executor="auto" runs decode %r in threads: it cannot be sent to a worker '
-                "process (%s); make it a module-level function to decode in processes",
-                decode, exc,
-            )  # fmt: skip
-            return "thread"
-    return "process"
 
 
 class KeyedDecode:
@@ -114,17 +78,3 @@ class ThreadExecutor:
 
     def close(self) -> None:
         self._threads.close()
-
-
-def make_executor(name: str, workers: int | None, arena_bytes: int | None = None) -> Executor:
-    """Build the executor called `name` ("inline", "thread" or "process"; `arena_bytes` is the
-    process pool's shared-memory budget, None its default)."""
-    if name == "auto":
-        name = auto_executor()
-    if name == "inline":
-        return InlineExecutor()
-    if name == "thread":
-        return ThreadExecutor(workers or default_workers())
-    if name == "process":
-        return ProcessExecutor(workers or default_workers(), arena_bytes=arena_bytes)
-    raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")

@@ -4,13 +4,13 @@
 them across epochs until `close()`. Each decode callable is pickled once and sent once to each worker;
 a task then carries only its argument (in the pipe up to `inline_max` bytes, in a shared-memory slot
 above) and its seed. Arrays in the result come back in place in slots of the parent's `Arena`
-(`_shm.py`): the parent views them without a copy, and a slot is reused only once nothing views it.
+(`arena.py`): the parent views them without a copy, and a slot is reused only once nothing views it.
 
 Start method. Workers are never forked from a process in which CUDA is initialised: the child
 inherits a CUDA context it cannot use. Nor from a process running other threads: a lock one of them
 holds at the fork (the event loop's, a fetch thread's, an allocator's) stays locked forever in the
 child. So the default is:
-- "zygote" (`_zygote.py`) when this process has one thread and no CUDA when the executor is made
+- "zygote" (`zygote.py`) when this process has one thread and no CUDA when the executor is made
   (a Loader makes it in its constructor, before its own threads start): a fork server forked from
   this process then, which forks the workers. They share this process's imported modules
   copy-on-write: ready in ~0.05 s, and no second copy of torch (~150 MB) in memory.
@@ -34,7 +34,7 @@ the caller's loop under `use_caller_loop`, a new loop per `asyncio.run`) and mus
 between epochs and be closable from any thread.
 
 Async tasks. A coroutine function (or an object whose `__call__` is one) runs on the worker's own
-event loop (`_workerloop.py`), up to `async_depth` of them at once per worker: this is how
+event loop (`worker_loop.py`), up to `async_depth` of them at once per worker: this is how
 `fetch_in_workers` fetches in every worker. Each answers when it ends, in any order, and its result
 comes back in its output slot like any other. Cancelling `run` cancels the coroutine in the worker.
 
@@ -53,10 +53,10 @@ Faults:
 - decode raises: the parent re-raises the same exception type (when it pickles both ways), else
   `DecodeError`; always with a note naming the worker pid and the remote traceback as `__cause__`.
 
-Where the code is: this module holds the public `ProcessExecutor`; `_poolthread.py` the thread that
-runs the pool; `_poolparts.py` what that thread works with (tasks, workers' handles, batch buffers,
-the hand-over of results to event loops); `_worker.py` the worker process and the wire format;
-`_shm.py` the arena; `_zygote.py` the fork server.
+Where the code is: this module holds the public `ProcessExecutor`; `dispatcher.py` the thread that
+runs the pool; `tasks.py` what that thread works with (tasks, workers' handles, batch buffers,
+the hand-over of results to event loops); `worker.py` the worker process and the wire format;
+`arena.py` the arena; `zygote.py` the fork server.
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._exceptions import LoaderClosedError
-from ._poolparts import INLINE_MAX, BatchBuffer, RowTarget
-from ._poolthread import ASYNC_DEPTH, Config, Pool, pick_start_method
-from ._shm import arena_budget
-from ._util.threads import default_workers
-from ._util.validate import check_callable, check_int, check_timeout
+from ..._exceptions import LoaderClosedError
+from ..._util.threads import default_workers
+from ..._util.validate import check_callable, check_int, check_timeout
+from .arena import arena_budget
+from .dispatcher import ASYNC_DEPTH, Config, Pool, pick_start_method
+from .tasks import INLINE_MAX, BatchBuffer, RowTarget
 
 __all__ = ["INLINE_MAX", "BatchBuffer", "ProcessExecutor", "RowTarget"]
 

@@ -1,0 +1,1 @@
+"""Where decode (and collate) calls run: the executor contract, inline and threads, and process workers."""

@@ -1,0 +1,54 @@
+"""Which executor runs decode: the names `executor=` accepts, what "auto" picks, and building one."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .._util.threads import default_workers
+from .base import Executor, InlineExecutor, ThreadExecutor
+from .process.executor import ProcessExecutor
+
+__all__ = ["EXECUTORS", "auto_executor", "make_executor"]
+
+EXECUTORS = ("inline", "thread", "process", "auto")
+
+
+def auto_executor(decode: Callable[[Any], Any] | None = None) -> str:
+    """What executor="auto" (the default when there is a decode) picks: threads where the GIL is off
+    (free-threaded Python, e.g. 3.13t); where it is on, processes, unless `decode` cannot be sent to
+    a process (a lambda, a closure, a bound method of an object that does not pickle): then threads,
+    and the "aioloader" logger says why. A decoder that releases the GIL (numpy, Pillow, most codecs)
+    does well in threads either way: name executor="thread" for it; executor="inline" runs a cheap
+    decode on the event loop itself."""
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    if not gil:
+        return "thread"
+    if decode is not None:
+        try:
+            pickle.dumps(decode, protocol=5)
+        except Exception as exc:
+            logging.getLogger("aioloader").info(
+                'executor="auto" runs decode %r in threads: it cannot be sent to a worker '
+                "process (%s); make it a module-level function to decode in processes",
+                decode, exc,
+            )  # fmt: skip
+            return "thread"
+    return "process"
+
+
+def make_executor(name: str, workers: int | None, arena_bytes: int | None = None) -> Executor:
+    """Build the executor called `name` ("inline", "thread" or "process"; `arena_bytes` is the
+    process pool's shared-memory budget, None its default)."""
+    if name == "auto":
+        name = auto_executor()
+    if name == "inline":
+        return InlineExecutor()
+    if name == "thread":
+        return ThreadExecutor(workers or default_workers())
+    if name == "process":
+        return ProcessExecutor(workers or default_workers(), arena_bytes=arena_bytes)
+    raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
