@@ -5,8 +5,6 @@ buffers and handed to `for batch in loader` or `async for batch in loader`.
 """
 
 from . import sources as sources
-from ._collate import BufferPool as BufferPool
-from ._collate import default_collate as default_collate
 from ._exceptions import AioloaderError as AioloaderError
 from ._exceptions import CollateError as CollateError
 from ._exceptions import DecodeError as DecodeError
@@ -25,6 +23,8 @@ from ._observe.diagnose import Diagnosis as Diagnosis
 from ._observe.stats import LoaderStats as LoaderStats
 from ._observe.stats import StageStats as StageStats
 from ._observe.trace import Trace as Trace
+from ._pipeline.collate import BufferPool as BufferPool
+from ._pipeline.collate import default_collate as default_collate
 from ._util.rng import sample_generator as sample_generator
 from ._util.rng import sample_np_generator as sample_np_generator
 from ._util.rng import sample_seed as sample_seed

@@ -25,23 +25,23 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ._collate import BufferPool, make_collate
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._executors.base import Executor, KeyedDecode, ThreadExecutor
 from ._executors.choose import EXECUTORS, auto_executor
 from ._executors.fetch_in_workers import FetchDecode, in_workers
 from ._executors.process.arena import loader_arena
-from ._fetch import Fetcher
 from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
-from ._order import Group, KeyOrder, KeyPlan, Plan
-from ._pipeline import END, SKIPPED, BatchFailed, Epoch, Stages
+from ._pipeline.collate import BufferPool, make_collate
+from ._pipeline.epoch import END, SKIPPED, BatchFailed, Epoch, Stages
+from ._pipeline.fetch import Fetcher
+from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
+from ._pipeline.order import Group, KeyOrder, KeyPlan, Plan
+from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
 from ._resume.resume import Resumable
 from ._resume.state import Progress
-from ._sync import STOP_TIMEOUT_S, LoopThread
-from ._transfer import DeviceStage, Feed, make_device_stage
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._util.loops import is_async_callable

@@ -8,8 +8,9 @@ worker's torch and `random` generators are seeded from the loader's base seed pl
 The unit of work is torch's: a whole batch. Batch i goes to worker i % N (`RoundRobin`), which reads
 its samples (`ReadSamples`: in up to `threads_per_worker` threads when the reads block, in the
 sampler's order whatever the completion order), runs the collate_fn itself, and answers with one
-small message: the default collate stacks straight into the task's output slot (`_carve`), and the
-arrays of what a user collate_fn returns are copied there, so the parent only maps views.
+small message: the default collate stacks straight into the task's output slot
+(`_executors/process/carve.py`), and the arrays of what a user collate_fn returns are copied there,
+so the parent only maps views.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ import torch
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 
-from ._collate import make_collate
 from ._exceptions import StateError, WorkerDied
 from ._executors.process import carve as _carve
 from ._executors.process.executor import ProcessExecutor
-from ._order import Group
-from ._pipeline import Gap
+from ._pipeline.collate import make_collate
+from ._pipeline.epoch import Gap
+from ._pipeline.order import Group
 from ._util.ranges import Ranges
 from ._util.threads import (
     GROW_AFTER_S,
@@ -131,7 +132,7 @@ def check_threads(threads_per_worker: int | str, workers: int) -> tuple[int, boo
 
 def collate_here(collate: Callable[[Any], Any] | None, samples: Any) -> Any:
     """`collate(samples)` in a worker; None is the default collate, which stacks each batch tensor
-    straight into the task's output slot (`_carve.current`) when it has one."""
+    straight into the task's output slot (`carve.current`) when it has one."""
     if collate is None:
         collate = make_collate(_carve.current.get())
     return collate(samples)

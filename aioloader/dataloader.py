@@ -49,12 +49,13 @@ from torch.utils.data import (
     graph_settings,
 )
 
-from ._collate import BufferPool, default_collate, make_collate
 from ._exceptions import LoaderTimeout, StateError
 from ._executors.process.arena import loader_arena
 from ._executors.process.executor import ProcessExecutor
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, _timeout_error, origin
-from ._order import Group, KeyOrder, KeyPlan, Plan, shard
+from ._pipeline.collate import BufferPool, default_collate, make_collate
+from ._pipeline.order import Group, KeyOrder, KeyPlan, Plan, shard
+from ._pipeline.transfer import make_device_stage
 from ._torchworkers import (
     ReadItem,
     ReadSamples,
@@ -65,7 +66,6 @@ from ._torchworkers import (
     WorkerStreams,
     check_threads,
 )  # fmt: skip
-from ._transfer import make_device_stage
 from ._tuning.bounds import DEFAULT_MAX_BYTES
 from ._util.ranges import Ranges
 

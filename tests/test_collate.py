@@ -18,8 +18,8 @@ from torch.utils.data import default_collate as torch_collate
 
 import aioloader
 from aioloader import BufferPool, CollateError, Loader
-from aioloader._collate import make_collate
-from aioloader._pipeline import ROWS_AHEAD_PER_WORKER
+from aioloader._pipeline.collate import make_collate
+from aioloader._pipeline.epoch import ROWS_AHEAD_PER_WORKER
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -447,7 +447,7 @@ def test_a_skipped_sample_leaves_its_batch_collated_from_the_rest() -> None:
 
 
 def test_row_plan_learns_one_shape_and_turns_off_for_good() -> None:
-    from aioloader._collate import RowPlan
+    from aioloader._pipeline.collate import RowPlan
 
     made: list[tuple[int, ...]] = []
 

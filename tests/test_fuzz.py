@@ -32,7 +32,7 @@ from torch.utils.data import default_collate as torch_collate
 
 import aioloader
 from aioloader import BufferPool, FetchError
-from aioloader._collate import make_collate
+from aioloader._pipeline.collate import make_collate
 from aioloader.sources import tar_shards
 
 FUZZ = settings(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioloader
-from aioloader._order import KeyOrder, KeyPlan
+from aioloader._pipeline.order import KeyOrder, KeyPlan
 from aioloader._util.ranges import Ranges
 from aioloader._util.ranks import resolve_rank
 

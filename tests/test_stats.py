@@ -12,7 +12,7 @@ from test_transfer import FakeBackend
 
 from aioloader import Loader
 from aioloader._observe.stats import STAGES, LoaderStats, NullRecorder, Recorder, _Stage
-from aioloader._transfer import DeviceStage
+from aioloader._pipeline.transfer import DeviceStage
 
 
 async def fetch(key: int) -> bytes:

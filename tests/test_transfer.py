@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from aioloader._pipeline import END
-from aioloader._sync import LoopThread
-from aioloader._transfer import (
+from aioloader._pipeline.epoch import END
+from aioloader._pipeline.handover import LoopThread
+from aioloader._pipeline.transfer import (
     CudaBackend,
     DeviceStage,
     Staged,
@@ -664,7 +664,7 @@ def profile(frame, event, arg):
 threading.setprofile(profile)
 sys.setprofile(profile)
 import aioloader
-from aioloader._transfer import make_device_stage
+from aioloader._pipeline.transfer import make_device_stage
 
 stages = [make_device_stage(d, pin_memory=p) for d in (None, "cpu", torch.device("cpu"))
           for p in (None, False)]

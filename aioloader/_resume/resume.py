@@ -7,7 +7,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Seq
 from typing import Any
 
 from .._exceptions import StateError
-from .._order import Group, KeyPlan, Plan
+from .._pipeline.order import Group, KeyPlan, Plan
 from .._util.ranges import Ranges
 from .state import (
     STATE_VERSION,

@@ -272,7 +272,7 @@ class Transport:
             if offset is not None and not _range_ok(resp.headers.get("content-range"), offset):
                 raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
             self.counts["bytes"] += len(resp.body)
-            # a memoryview only where `_recycle.landing` is set: by `FetchDecode` without a decode,
+            # a memoryview only where `_util/bytearrays.landing` is set: by `FetchDecode` without a decode,
             # which hands the body to no user code, only to the worker's answer
             return cast(bytearray, resp.body)
         detail = error_text(resp.body, url)

@@ -1,7 +1,7 @@
 """S3 and S3-compatible stores: keys are object keys under s3://bucket/prefix, listed with ListObjectsV2.
 
 Requests are signed with botocore's SigV4 signer and sent over aiohttp. Throttling (429, or 503
-SlowDown) shrinks the number of requests in flight for the whole source (AIMD, see `_aimd.py`) rather
+SlowDown) shrinks the number of requests in flight for the whole source (AIMD, see `_tuning/aimd.py`) rather
 than having every request retry at full concurrency; `stats()["concurrency_limit"]` shows the limit.
 """
 

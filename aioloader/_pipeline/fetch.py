@@ -2,7 +2,7 @@
 
 Coroutine functions run on the pipeline's event loop; plain functions run in a pool of up to
 `concurrency` threads named "aioloader-fetch", which grows only while its threads are blocked
-(`_util/threads.py`). The bound itself is kept by the pipeline (`_pipeline.py`), which
+(`_util/threads.py`). The bound itself is kept by the pipeline (`_pipeline/epoch.py`), which
 acquires a slot before it calls the fetcher.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._util.loops import is_async_callable
-from ._util.threads import LazyThreadPool
+from .._util.loops import is_async_callable
+from .._util.threads import LazyThreadPool
 
 __all__ = ["Fetcher"]
 

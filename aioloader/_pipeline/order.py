@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ._exceptions import StateError
-from ._util.ranges import Ranges
+from .._exceptions import StateError
+from .._util.ranges import Ranges
 
 __all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "achunk", "chunk", "shard"]
 

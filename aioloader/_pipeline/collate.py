@@ -24,7 +24,7 @@ import torch
 from torch.utils.data._utils.collate import collate as _torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map as _torch_fn_map
 
-from ._exceptions import CollateError
+from .._exceptions import CollateError
 
 __all__ = ["BufferPool", "Buffers", "RowPlan", "default_collate", "make_collate", "stacks"]
 

@@ -8,7 +8,7 @@ Bounds (all counted in samples or bytes, never in time):
 - while process workers write batch rows in place (`RowPlan`), at most `ROWS_AHEAD_PER_WORKER` decodes
   per worker sent ahead, so that only the batches being decoded hold a buffer in shared memory.
 
-Groups (see `_order.py`) are delivered whole, in group order (`in_order=True`) or as they complete.
+Groups (see `_pipeline/order.py`) are delivered whole, in group order (`in_order=True`) or as they complete.
 With `on_error="raise"`, an error in a user callable ends the epoch: batches before it (in delivery
 order) are delivered, then the error is raised to the consumer with a note naming the stage and the
 key. With `on_error="skip"` the sample is dropped from its batch and counted, until `max_skipped`.
@@ -28,13 +28,10 @@ from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._collate import RowPlan, stacks
-from ._exceptions import DecodeError, LoaderClosedError
-from ._executors.base import Executor, KeyedDecode
-from ._fetch import Fetcher
-from ._observe.stats import LoaderStats, Recorder, nbytes
-from ._order import Group
-from ._tuning.bounds import (
+from .._exceptions import DecodeError, LoaderClosedError
+from .._executors.base import Executor, KeyedDecode
+from .._observe.stats import LoaderStats, Recorder, nbytes
+from .._tuning.bounds import (
     ByteBudget,
     ErrorPolicy,
     FixedConcurrency,
@@ -43,8 +40,11 @@ from ._tuning.bounds import (
     SampleSizes,
     Tuner,
 )
-from ._util.loops import is_async_callable
-from ._util.rng import derive_seed
+from .._util.loops import is_async_callable
+from .._util.rng import derive_seed
+from .collate import RowPlan, stacks
+from .fetch import Fetcher
+from .order import Group
 
 __all__ = ["END", "ROWS_AHEAD_PER_WORKER", "SKIPPED", "BatchFailed", "Epoch", "Gap", "Stages"]
 

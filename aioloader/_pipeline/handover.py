@@ -16,8 +16,8 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from ._exceptions import LoaderClosedError, LoaderTimeout
-from ._util.loops import new_event_loop
+from .._exceptions import LoaderClosedError, LoaderTimeout
+from .._util.loops import new_event_loop
 
 __all__ = ["LoopThread"]
 

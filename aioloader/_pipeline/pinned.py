@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._device import DeviceBackend, Event
+from .cuda import DeviceBackend, Event
 
 __all__ = ["PinnedPool", "Slab", "round_up", "slab_size"]
 

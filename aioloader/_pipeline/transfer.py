@@ -34,12 +34,12 @@ from typing import Any, Protocol
 
 import torch
 
-from ._device import CudaBackend, DeviceBackend, Event, Pinning, register_host_memory
-from ._observe.stats import Recorder
-from ._pinned import PinnedPool, Slab, round_up, slab_size
-from ._pipeline import END
-from ._util.threads import LazyThreadPool
-from ._util.validate import check_int
+from .._observe.stats import Recorder
+from .._util.threads import LazyThreadPool
+from .._util.validate import check_int
+from .cuda import CudaBackend, DeviceBackend, Event, Pinning, register_host_memory
+from .epoch import END
+from .pinned import PinnedPool, Slab, round_up, slab_size
 
 __all__ = [
     "CudaBackend",

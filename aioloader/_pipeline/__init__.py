@@ -1,0 +1,1 @@
+"""The stages in the order data flows: order, fetch, epoch (decode, reorder, collate), transfer, hand-over."""
