@@ -1,0 +1,187 @@
+"""The package's imports follow the flow of data: no circle between modules, no import against the table.
+
+Every module of `aioloader/` is read (not imported) and each of its imports resolved to a module. A
+module belongs to a *layer*: its folder (`_pipeline`, `_executors/process`, ...), or, for the files
+directly in `aioloader/`, the front door (`aioloader`) and the errors (`_exceptions`). `LAYERS` lists
+them from the ground up; a module may import its own layer and any layer below it, never one above.
+Imports under `if TYPE_CHECKING:` name types only and never run, so they are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "aioloader"
+
+# From the ground up: a layer may import itself and those before it.
+LAYERS = (
+    "_exceptions",  # the errors everything raises
+    "_util",  # thread pools, bytearrays, seeds, ranges, checks, event loops
+    "_observe",  # stats, traces, diagnosis, progress: read by every stage, reading none
+    "_executors.process",  # worker processes and their arena: know nothing of the pipeline
+    "_executors",  # the executor contract, inline and threads, the choice among them
+    "_tuning",  # bounds and the controllers that move them (they build executors)
+    "sources",  # where samples come from (they share the tuning's AIMD controller)
+    "_pipeline",  # the stages, in the order data flows
+    "_resume",  # exact resume: reads the order stage's plan
+    "aioloader",  # the front door: Loader, DataLoader, the CLI, the package's face
+)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    """The layer of a module: the longest entry of `LAYERS` its folder path starts with."""
+    parts = module.split(".")[1:]
+    for depth in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:depth])
+        if candidate in LAYERS:
+            return candidate
+    return "aioloader"
+
+
+def runtime_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, except those under `if TYPE_CHECKING:`."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The package's modules that `module` (read from `path`) imports at run time."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in runtime_imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+            continue
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            target = ".".join([*base, node.module] if node.module else base)
+        else:
+            target = node.module or ""
+        for alias in node.names:
+            sub = f"{target}.{alias.name}"
+            if sub in modules:
+                found.add(sub)
+            elif target in modules:
+                found.add(target)
+    found.discard(module)
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    paths = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    modules = set(paths)
+    return {m: imports_of(p, m, modules) for m, p in paths.items()}
+
+
+def against_the_flow(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        rank = LAYERS.index(layer_of(module))
+        for target in sorted(targets):
+            if LAYERS.index(layer_of(target)) > rank:
+                bad.append(f"{module} ({layer_of(module)}) imports {target} ({layer_of(target)})")
+    return bad
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_circle_between_modules() -> None:
+    assert circles(import_graph(PACKAGE)) == []
+
+
+def test_no_import_against_the_flow() -> None:
+    assert against_the_flow(import_graph(PACKAGE)) == []
+
+
+def test_every_folder_has_a_layer() -> None:
+    folders = {
+        ".".join(p.parent.relative_to(PACKAGE).parts)
+        for p in PACKAGE.rglob("__init__.py")
+        if p.parent != PACKAGE
+    }
+    assert folders <= set(LAYERS)
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "aioloader" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "aioloader"
+
+
+@pytest.mark.parametrize(
+    ("files", "complaint"),
+    [
+        (
+            {"_util/__init__.py": "", "_util/a.py": "from .._pipeline import b\n",
+             "_pipeline/__init__.py": "", "_pipeline/b.py": ""},
+            "against",
+        ),
+        (
+            {"_util/__init__.py": "", "_util/a.py": "from . import b\n",
+             "_util/b.py": "def f():\n    from .a import x\n"},
+            "circle",
+        ),
+        (
+            {"_util/__init__.py": "", "_util/a.py": "if TYPE_CHECKING:\n    from .._loader import L\n",
+             "_loader.py": "from ._util import a\n"},
+            None,
+        ),
+    ],
+)  # fmt: skip
+def test_the_checks_catch_what_they_name(
+    tmp_path: Path, files: dict[str, str], complaint: str | None
+) -> None:
+    graph = import_graph(write(tmp_path, {"__init__.py": "", **files}))
+    assert bool(against_the_flow(graph)) == (complaint == "against")
+    assert bool(circles(graph)) == (complaint == "circle")
