@@ -54,7 +54,8 @@ Faults:
   `DecodeError`; always with a note naming the worker pid and the remote traceback as `__cause__`.
 
 Where the code is: this module holds the public `ProcessExecutor`; `dispatcher.py` the thread that
-runs the pool; `tasks.py` what that thread works with (tasks, workers' handles, batch buffers,
+runs the pool (its parts in `core.py`, `workers.py`, `sending.py`, `results.py`, `faults.py`, its
+settings in `config.py`); `tasks.py` what that thread works with (tasks, workers' handles, batch buffers,
 the hand-over of results to event loops); `worker.py` the worker process and the wire format;
 `arena.py` the arena; `zygote.py` the fork server.
 """
@@ -74,7 +75,8 @@ from ..._exceptions import LoaderClosedError
 from ..._util.threads import default_workers
 from ..._util.validate import check_callable, check_int, check_timeout
 from .arena import arena_budget
-from .dispatcher import ASYNC_DEPTH, Config, Pool, pick_start_method
+from .config import ASYNC_DEPTH, Config, pick_start_method
+from .dispatcher import Pool
 from .tasks import INLINE_MAX, BatchBuffer, RowTarget
 
 __all__ = ["INLINE_MAX", "BatchBuffer", "ProcessExecutor", "RowTarget"]

@@ -1,0 +1,113 @@
+"""The process pool's results: reading the workers' answers and settling their tasks."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from . import worker as wire
+from .sending import Sending
+from .tasks import Handle, Task, cancelled
+from .worker import Unpacker, load_placed, rebuild_error
+
+__all__ = ["Results"]
+
+
+class Results(Sending):
+    """Reads what the workers answer and settles their tasks (on the pool's thread)."""
+
+    def _read(self, h: Handle) -> None:
+        if not h.open:
+            return
+        try:
+            msgs = h.receive()
+        except OSError:
+            h.open = False  # it is exiting; its sentinel says when it is gone
+            return
+        for msg in msgs:
+            kind = msg[0]
+            if kind == wire.DONE:
+                self._done(h, *msg[1:])
+            elif kind == wire.NEED:
+                self._grow(h, *msg[1:])
+            elif kind == wire.FAILED:
+                self._failed(h, *msg[1:])
+            elif kind == wire.READY:
+                h.ready = True
+                if all(x.ready for x in self._handles):
+                    self._ready.set()
+            elif kind == wire.INIT_FAILED:  # the user's own error, raised anew each time
+                self._fail_pool(functools.partial(rebuild_error, msg[1], h.pid, "worker_init_fn"))
+
+    def _finish(self, h: Handle, task_id: int, needed: int | None = None) -> Task | None:
+        task = h.inflight.pop(task_id, None)
+        if task is None:
+            return None  # it timed out meanwhile and was answered already
+        if task.is_async:
+            h.async_n -= 1
+            h.expired_n -= task.expired
+        else:
+            h.head_since = time.monotonic()
+        if needed is not None and (needed or not self._out_known):  # a result tells its size
+            self._out_bytes = needed if not self._out_known else max(self._out_bytes, needed)
+            self._out_known = True
+        self._free(task.in_slot)
+        self._free(task.spare)
+        task.in_slot = task.spare = None
+        return task
+
+    def _grow(self, h: Handle, task_id: int, needed: int) -> None:
+        """A result did not fit its output slot (the first of a `size_first` pool): learn the size,
+        and give the worker a slot that holds it (or none: it then pickles the result)."""
+        self._out_bytes, self._out_known = max(self._out_bytes, needed), True
+        task = h.inflight.get(task_id)
+        if task is None or self._arena is None:
+            return  # it timed out meanwhile: the worker is being replaced
+        task.spare, task.out_slot = task.out_slot, self._out_slot(h, needed)
+        ref = None
+        if task.out_slot is not None:
+            h.share(self._arena, task.out_slot.slab_id)
+            ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
+        h.send((wire.GROWN, task_id, ref))
+
+    def _done(self, h: Handle, task_id: int, data: Any, how: str, needed: int) -> None:
+        task = self._finish(h, task_id, needed)
+        if task is None:
+            return
+        slot, task.out_slot = task.out_slot, None
+        if task.abandoned:
+            self._free(slot)
+            self._settle(task, error=cancelled())
+            return
+        try:
+            if how == wire.ROW and task.row is not None:
+                result = task.row.batch.tensor[task.row.row]
+                self.counts["results_in_rows"] += 1
+            elif how == wire.SINGLE and slot is not None and self._arena is not None:
+                result = load_placed(self._arena, slot, data, self._copies)
+                self.counts["results_in_shm"] += 1
+            elif how == wire.SHM and slot is not None and self._arena is not None:
+                result = Unpacker(data, self._arena, slot, self._copies).load()
+                self.counts["results_in_shm"] += 1
+            else:
+                result = Unpacker(data, None, None).load()  # arrays in band (`_in_band`)
+                self.counts["results_pickled"] += 1
+        except Exception as exc:
+            exc.add_note(f"aioloader: while reading the result of decode worker pid {h.pid}")
+            self._settle(task, error=exc)
+        else:
+            self._settle(task, result)
+        finally:
+            self._free(slot)
+
+    def _failed(self, h: Handle, task_id: int, error: Any) -> None:
+        task = self._finish(h, task_id)
+        if task is not None:
+            self._free(task.out_slot)
+            task.out_slot = None
+            if task.abandoned:
+                self._settle(task, error=cancelled())
+                return
+            where = "an async task" if task.is_async else "decode"
+            self._settle(task, error=rebuild_error(error, h.pid, where))

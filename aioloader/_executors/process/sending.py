@@ -1,0 +1,155 @@
+"""The process pool's sending: which task goes to which worker, with which shared-memory slots."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+from . import worker as wire
+from .arena import Slot
+from .config import QUEUE_DEPTH, SLABS_PER_WORKER
+from .tasks import Handle, Task, cancelled
+from .workers import WorkerProcesses
+
+__all__ = ["Sending"]
+
+
+class Sending(WorkerProcesses):
+    """Sends queued tasks to the workers that have room (on the pool's thread)."""
+
+    def _dispatch(self) -> None:
+        """Send what the workers have room for, in order; a task pinned to a busy worker waits
+        without holding back the tasks behind it that may go elsewhere (only those pinned to the
+        same worker wait behind it: a worker runs its tasks in the order they were submitted)."""
+        passed: collections.deque[Task] = collections.deque()  # not sent yet, in order
+        held: set[int] = set()  # workers whose next task waits
+        while self._pending:
+            task = self._pending.popleft()
+            if not task.started:
+                future = task.future
+                if task.loop is None and not future.set_running_or_notify_cancel():  # type: ignore[union-attr]
+                    continue  # cancelled while queued
+                task.started = True
+            if task.abandoned:
+                self._settle(task, error=cancelled())
+                continue
+            h = None if task.pin in held else self._pick(task)
+            try:
+                if h is not None and self._send(h, task):
+                    continue
+            except OSError:  # it is dying; its sentinel will tell, and the task stays queued
+                assert h is not None
+                h.open = False
+                for slot in task.take_slots():
+                    self._free(slot)
+                self._pending.appendleft(task)
+                continue
+            except BaseException:  # a bug: keep every task where `_shutdown` fails it
+                self._pending.extendleft([task, *reversed(passed)])
+                raise
+            passed.append(task)
+            if task.pin is None:
+                break  # no worker has room for it: nor for those behind it
+            held.add(task.pin)
+        self._pending.extendleft(reversed(passed))
+        if self._arena is not None:
+            for slab_id in self._arena.take_dropped():
+                for h in self._handles:
+                    if slab_id in h.slabs and h.open:
+                        h.slabs.discard(slab_id)
+                        with contextlib.suppress(OSError):
+                            h.send((wire.DROP, slab_id))
+
+    def _pick(self, task: Task) -> Handle | None:
+        """The ready worker with the fewest tasks in flight that has room for `task`, if any."""
+        best: Handle | None = None
+        for h in self._handles:
+            if not h.ready or not h.open or h.killed or task.pin not in (None, h.index):
+                continue
+            if (
+                self._restarts
+                and h.inflight
+                and (task.isolated or any(t.isolated for t in h.inflight.values()))
+            ):
+                continue  # a suspect (there are some only after a restart) runs alone: `_reap`
+            if task.is_async:  # none to a loop that has not ended a timed-out task yet
+                room = h.async_n < self._async_room() and not h.expired_n
+            else:  # a whole batch keeps a worker busy far longer than a round trip: one at a time
+                room = h.sync_n < (1 if self.cfg.size_first else QUEUE_DEPTH)
+            if room and (best is None or len(h.inflight) < len(best.inflight)):
+                best = h
+        return best
+
+    def _out_slot(self, h: Handle, nbytes: int | None = None) -> Slot | None:
+        """An output slot for a task sent to `h`. For whole batches (`size_first`), one of the
+        slabs `h` has mapped, or a new one while it has fewer than `SLABS_PER_WORKER`; past that,
+        it waits for its own while other tasks run, else takes any (never a deadlock)."""
+        arena, nbytes = self._arena, nbytes or self._out_bytes
+        assert arena is not None
+        if not self.cfg.size_first:
+            return arena.acquire(nbytes, h.slabs)
+        room = arena.whole_slabs(h.slabs, nbytes) < SLABS_PER_WORKER
+        slot = arena.acquire(nbytes, h.slabs, only=True, new=room)
+        if slot is None and not self._busy():
+            slot = arena.acquire(nbytes)
+        return slot
+
+    def _busy(self) -> bool:
+        """Whether any worker has a task in flight (whose result will free, or fill, a slot)."""
+        return any(h.inflight for h in self._handles)
+
+    def _async_room(self) -> int:
+        """Async tasks one worker may hold now. Until the first result tells how large results are,
+        one: a first wave of `async_depth` tasks per worker would either fill the arena with slots of
+        a guessed size or, without slots, send every result of that wave through the pipe."""
+        return self.cfg.async_depth if self._out_known else 1
+
+    def _send(self, h: Handle, task: Task) -> bool:
+        """Send `task` to `h`; False when it must wait (a large message, and `h` is busy)."""
+        arena, inline_max = self._arena, self.cfg.inline_max
+        assert arena is not None
+        if task.fn_id not in h.fns:
+            blob = self._fn_blobs[task.fn_id]
+            if isinstance(blob, bytes) and len(blob) > inline_max and h.inflight:
+                return False
+            h.send((wire.FN, task.fn_id, blob, task.is_async))
+            h.fns.add(task.fn_id)
+        inline: bytes | None = task.arg
+        in_ref = out_ref = None
+        if len(task.arg) > inline_max:
+            if task.in_slot is None:
+                task.in_slot = arena.acquire(len(task.arg))
+                if task.in_slot is not None:
+                    task.in_slot.write(task.arg)
+            if task.in_slot is not None:
+                h.share(arena, task.in_slot.slab_id)
+                inline, in_ref = None, (task.in_slot.slab_id, task.in_slot.offset, len(task.arg))
+                self.counts["inputs_in_shm"] += 1
+            elif h.inflight:
+                return False  # no slot free: send it inline, but only to an idle worker
+        row = None if task.row is None else task.row.batch.wire(task.row.row)
+        if self._out_bytes and task.out_slot is None and row is None:
+            self._slot_waits = self.cfg.size_first  # before: a slot freed meanwhile wakes us
+            task.out_slot = self._out_slot(h)
+            if task.out_slot is None and self.cfg.size_first and self._busy():
+                return False  # no slot for it: wait for one (a result, or the consumer, frees it)
+            self._slot_waits = False
+        if task.out_slot is not None:
+            h.share(arena, task.out_slot.slab_id)
+            out_ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
+        if task.row is not None:
+            h.share(arena, task.row.batch.slot.slab_id)
+        now = time.monotonic()
+        if not task.is_async and not h.sync_n:
+            h.head_since = now
+        grow = self.cfg.size_first and not task.is_async and row is None
+        h.send((
+            wire.TASK, task.id, task.fn_id, task.seed, task.kind, inline, in_ref, out_ref, row, grow,
+        ))  # fmt: skip
+        h.inflight[task.id] = task
+        task.worker, task.sent_at = h, now
+        h.async_n += task.is_async
+        self.counts["tasks"] += 1
+        self.counts["async_tasks"] += task.is_async
+        return True
