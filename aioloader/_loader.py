@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
 import threading
-import time
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterable,
-    AsyncIterator,
-    Awaitable,
     Callable,
-    Generator,
     Iterable,
     Iterator,
     Sequence,
 )
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from ._exceptions import LoaderClosedError, LoaderTimeout
+from ._epochs import Epochs
 from ._executors.base import Executor, KeyedDecode, ThreadExecutor
 from ._executors.choose import EXECUTORS, auto_executor
 from ._executors.fetch_in_workers import FetchDecode, in_workers
@@ -35,13 +28,11 @@ from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
 from ._pipeline.collate import BufferPool, make_collate
-from ._pipeline.epoch import END, SKIPPED, BatchFailed, Epoch, Stages
+from ._pipeline.epoch import Epoch, Stages
 from ._pipeline.fetch import Fetcher
-from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
-from ._pipeline.order import Group, KeyOrder, KeyPlan, Plan
+from ._pipeline.handover import LoopThread
+from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
-from ._resume.resume import Resumable
-from ._resume.state import Progress
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import DEFAULT_MAX_BYTES, ErrorPolicy
 from ._util.loops import is_async_callable
@@ -67,7 +58,7 @@ DEFAULT_COLLATE: Any = _DefaultCollate()
 _SPARE_BUFFERS = 3
 
 
-class Loader(Resumable, Generic[T]):
+class Loader(Epochs[T]):
     """Fetch, decode and batch samples concurrently; iterate with `for` or `async for`.
 
     Args:
@@ -357,44 +348,6 @@ class Loader(Resumable, Generic[T]):
         check_int("epoch", epoch, minimum=0)
         self._epoch = epoch
 
-    def _start(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
-        if self._closed:
-            raise LoaderClosedError("this loader was closed; create a new one")
-        progress, groups = self._begin()
-        set_source_epoch = getattr(self._source, "set_epoch", None)
-        if set_source_epoch is not None:
-            set_source_epoch(progress.epoch)
-        return progress, groups
-
-    async def _open(
-        self, groups: Iterable[Group] | AsyncIterable[Group], epoch: int
-    ) -> Epoch | Feed:
-        run: Epoch | Feed = Epoch(self._stages, groups, epoch, self._epoch_samples())
-        if self._device is not None:
-            # staged on the device ahead of the consumer
-            run = self._device.feed(run, self._stages.recorder)
-        self._live.add(run)
-        return run
-
-    def _epoch_samples(self) -> int | None:
-        try:
-            return len(self) * self._stages.group_size
-        except TypeError:
-            return None
-
-    def _timed_out(self, run: Epoch | Feed) -> LoaderTimeout:
-        return _timeout_error(f"no batch within timeout={self._timeout} s", run)
-
-    def _hand_over(self, batch: Any) -> Any:
-        """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""
-        if self._device is None or type(batch) is BatchFailed:
-            return batch
-        return self._device.hand_over(batch)
-
-    async def _close_epoch(self, run: Epoch | Feed) -> None:
-        self._live.discard(run)
-        await run.aclose()
-
     # -- what it is doing ---------------------------------------------------------------------------
 
     def stats(self) -> LoaderStats:
@@ -460,245 +413,6 @@ class Loader(Resumable, Generic[T]):
             extra["transfer"] = self._device.stats()
         return extra
 
-    def _runner(self) -> LoopThread:
-        with self._lock:
-            if self._loop_thread is None:
-                self._loop_thread = LoopThread()
-            return self._loop_thread
-
-    # -- sync iteration ----------------------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[T]:
-        return _Batches(self._iter())
-
-    def _iter(self) -> Generator[Any, None, None]:
-        progress, groups = self._start()
-        runner = self._runner()
-        run = runner.run(self._open(groups, progress.epoch))
-        wait = self._stages.recorder.waited
-        try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    index, batch = runner.run(run.get(), self._timeout)
-                except LoaderTimeout:
-                    raise self._timed_out(run) from None
-                except concurrent.futures.CancelledError:
-                    if self._closed:  # close() from elsewhere won the race with this wait
-                        raise LoaderClosedError("the loader was closed") from None
-                    raise
-                wait(t0, time.perf_counter())
-                if batch is END:
-                    return self._finished(progress)
-                progress.delivered.add(index)
-                handed = [] if batch is SKIPPED else [self._hand_over(batch)]
-                del batch  # not held here while the consumer has it: its buffers can be reused
-                if handed:
-                    yield handed.pop()  # a BatchFailed is raised by `_Batches`
-        finally:
-            if runner.alive and not runner.in_loop_thread():
-                with contextlib.suppress(TimeoutError, LoaderClosedError):  # closed meanwhile
-                    runner.run(self._close_epoch(run), STOP_TIMEOUT_S)
-            else:
-                self._live.discard(run)
-                runner.call_soon(run.cancel)
-
-    # -- async iteration ---------------------------------------------------------------------------
-
-    def __aiter__(self) -> AsyncIterator[T]:
-        return _AsyncBatches(self._aiter())
-
-    async def _aiter(self) -> AsyncGenerator[Any, None]:
-        progress, groups = self._start()
-        if self._use_caller_loop:
-            run = await self._open(groups, progress.epoch)
-            try:
-                async for batch in self._batches(lambda: _boxed(run.get), progress, run):
-                    handed = [batch]
-                    del batch  # not held here while the consumer has it (nor after an error)
-                    yield handed.pop()
-            finally:
-                await self._close_epoch(run)
-            return
-        runner = self._runner()
-        run = await asyncio.wrap_future(runner.submit(self._open(groups, progress.epoch)))
-        try:
-            get = lambda: asyncio.wrap_future(runner.submit(_boxed(run.get)))  # noqa: E731
-            async for batch in self._batches(get, progress, run):
-                handed = [batch]
-                del batch  # not held here while the consumer has it (nor after an error)
-                yield handed.pop()
-        finally:
-            if runner.alive:
-                with contextlib.suppress(LoaderClosedError):  # the loader was closed meanwhile
-                    await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
-
-    async def _batches(
-        self, get: Callable[[], Awaitable[list[Any]]], progress: Progress, run: Epoch | Feed
-    ) -> AsyncIterator[T]:
-        """The epoch's batches; `get()` gives the next `(index, batch)` in a list (see `_boxed`)."""
-        wait = self._stages.recorder.waited
-        while True:
-            t0 = time.perf_counter()
-            try:
-                async with asyncio.timeout(self._timeout) as deadline:
-                    index, batch = (await get()).pop()
-            except TimeoutError:
-                if not deadline.expired():
-                    raise  # the pipeline's own, from a user callable
-                raise self._timed_out(run) from None
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self._closed and task is not None and not task.cancelling():
-                    raise LoaderClosedError("the loader was closed") from None
-                raise
-            wait(t0, time.perf_counter())
-            if batch is END:
-                self._finished(progress)
-                return
-            progress.delivered.add(index)
-            handed = [] if batch is SKIPPED else [self._hand_over(batch)]
-            del batch  # not held here while the consumer has it: its buffers can be reused
-            if handed:
-                yield handed.pop()
-
-    # -- lifecycle ---------------------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Stop every epoch, thread and connection of this loader. Idempotent; blocks up to ~2 s."""
-        if self._closed:
-            return
-        self._closed = True
-        runner, self._loop_thread = self._loop_thread, None
-        for run in list(self._live):
-            run.loop.call_soon_threadsafe(run.cancel)
-        self._live.clear()
-        if runner is not None and runner.alive and not runner.in_loop_thread():
-            if self._source is not None:
-                with contextlib.suppress(Exception):
-                    runner.run(self._source.aclose(), STOP_TIMEOUT_S)
-            runner.stop()
-        elif self._source is not None and not _loop_running():
-            with contextlib.suppress(Exception):
-                asyncio.run(self._source.aclose())
-        self._stages.fetch.close()
-        if self._owns_decoder:  # an Executor the user passed is theirs to close
-            self._stages.decoder.close()
-        self._stages.collator.close()
-        if self._device is not None:
-            self._device.close()
-        if self._pool is not None:
-            self._pool.clear()
-        if self._trace is not None:
-            try:
-                self._trace.close()
-            except OSError:
-                logger.exception("aioloader: could not write the trace %s", self._trace.path)
-
-    async def aclose(self) -> None:
-        """`close()` without blocking the caller's event loop. Idempotent."""
-        if self._closed:
-            return
-        here = asyncio.get_running_loop()
-        for run in [r for r in self._live if r.loop is here]:
-            await self._close_epoch(run)
-        if self._use_caller_loop and self._source is not None and self._loop_thread is None:
-            await self._source.aclose()
-            self._source = None
-        done: asyncio.Future[None] = here.create_future()
-
-        def close_then_wake() -> None:
-            try:
-                self.close()
-            finally:
-                with contextlib.suppress(RuntimeError):
-                    here.call_soon_threadsafe(_wake, done)
-
-        threading.Thread(target=close_then_wake, name="aioloader-close").start()
-        await done
-
-    def __enter__(self) -> Loader[T]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Loader[T]:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:  # noqa: SIM105 - at interpreter exit `contextlib` may already be gone
-                self.close()
-            except Exception:  # a finalizer must not raise
-                pass
-
-
-class _Batches(Iterator[T]):
-    """`iter(loader)`: the epoch's batches; a batch that failed (`BatchFailed`, torch's DataLoader's
-    semantics) raises its error from `next()`, and the next `next()` goes on with the next batch.
-    Dropping it (or `close()`) ends the epoch, as for a generator."""
-
-    __slots__ = ("_gen",)
-
-    def __init__(self, gen: Generator[Any, None, None]) -> None:
-        self._gen = gen
-
-    def __iter__(self) -> _Batches[T]:
-        return self
-
-    def __next__(self) -> T:
-        return _unbox(next(self._gen))  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        self._gen.close()
-
-
-class _AsyncBatches(AsyncIterator[T]):
-    """`aiter(loader)`: as `_Batches`, for `async for`."""
-
-    __slots__ = ("_gen",)
-
-    def __init__(self, gen: AsyncGenerator[Any, None]) -> None:
-        self._gen = gen
-
-    def __aiter__(self) -> _AsyncBatches[T]:
-        return self
-
-    async def __anext__(self) -> T:
-        return _unbox(await self._gen.__anext__())  # type: ignore[no-any-return]
-
-    async def aclose(self) -> None:
-        await self._gen.aclose()
-
-
-def _unbox(batch: Any) -> Any:
-    """`batch`, or the error of a batch that failed (`BatchFailed`) raised in its place."""
-    if type(batch) is BatchFailed:
-        error = batch.error
-        del batch
-        raise error
-    return batch
-
-
-def _timeout_error(message: str, run: Epoch | Feed) -> LoaderTimeout:
-    """`LoaderTimeout(message)`, naming the stage that holds the epoch's oldest work and up to five
-    of its keys with their ages (`stage`, `keys`); else saying that nothing is in flight."""
-    stage, keys = run.stuck()
-    if not stage:
-        where = "; no sample is in flight: the keys are not coming (the order stage waits)"
-    else:
-        listed = ", ".join(f"{key!r} ({age:.1f} s)" for key, age in keys)
-        where = f"; the oldest work is in stage {stage!r}, keys in flight there: {listed}"
-    return LoaderTimeout(message + where, stage=stage, keys=[key for key, _ in keys])
-
 
 def origin(keys: object, source: Source | None = None, fetch: object = None) -> str:
     """Where a loader's samples come from, for its repr: its source, or its keys and fetch."""
@@ -738,22 +452,3 @@ def _keyed(decode: Callable[..., Any] | None, with_key: bool) -> Callable[[Any],
 def _is_map_style(obj: object) -> bool:
     """A map-style dataset: indexable with a length, but not itself a sequence of keys."""
     return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, Sequence)
-
-
-def _wake(done: asyncio.Future[None]) -> None:
-    if not done.done():
-        done.set_result(None)
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-async def _boxed(get: Callable[[], Awaitable[Any]]) -> list[Any]:
-    """`[await get()]`, for a receiver that empties the list: a finished future that outlives the
-    hand-over (asyncio keeps some a while) then holds an empty list, not the batch."""
-    return [await get()]

@@ -49,10 +49,11 @@ from torch.utils.data import (
     graph_settings,
 )
 
+from ._epochs import timeout_error
 from ._exceptions import LoaderTimeout, StateError
 from ._executors.process.arena import loader_arena
 from ._executors.process.executor import ProcessExecutor
-from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, _timeout_error, origin
+from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, origin
 from ._pipeline.collate import BufferPool, default_collate, make_collate
 from ._pipeline.order import Group, KeyOrder, KeyPlan, Plan, shard
 from ._pipeline.transfer import make_device_stage
@@ -507,7 +508,7 @@ class DataLoader(Loader[T]):
         return super()._hand_over(batch)
 
     def _timed_out(self, run: Any) -> LoaderTimeout:
-        return _timeout_error(f"DataLoader timed out after {self.timeout} seconds", run)
+        return timeout_error(f"DataLoader timed out after {self.timeout} seconds", run)
 
     def _per_item(
         self, collate_fn: Callable[..., Any]
