@@ -7,13 +7,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import (
-    AsyncIterable,
-    Callable,
-    Iterable,
-    Iterator,
-    Sequence,
-)
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch

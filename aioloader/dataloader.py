@@ -22,24 +22,19 @@ Async datasets: a map-style dataset whose `__getitem__` is a coroutine function
 
 from __future__ import annotations
 
-import base64
 import inspect
 import itertools
 import math
-import multiprocessing as mp
-import os
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from multiprocessing.context import BaseContext
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import (
     BatchSampler,
     Dataset,
-    DistributedSampler,
     IterableDataset,
     IterDataPipe,
     RandomSampler,
@@ -50,14 +45,16 @@ from torch.utils.data import (
 )
 
 from ._epochs import timeout_error
-from ._exceptions import LoaderTimeout, StateError
+from ._exceptions import LoaderTimeout
 from ._executors.process.arena import loader_arena
 from ._executors.process.executor import ProcessExecutor
 from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, origin
 from ._pipeline.collate import BufferPool, default_collate, make_collate
-from ._pipeline.order import Group, KeyOrder, KeyPlan, Plan, shard
+from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import make_device_stage
-from ._torchworkers import (
+from ._torch.arguments import check_arguments, check_context, warn_if_many_workers
+from ._torch.sampler import SamplerPlan, draw_seed
+from ._torch.workers import (
     ReadItem,
     ReadSamples,
     ReadStream,
@@ -68,7 +65,6 @@ from ._torchworkers import (
     check_threads,
 )  # fmt: skip
 from ._tuning.bounds import DEFAULT_MAX_BYTES
-from ._util.ranges import Ranges
 
 __all__ = ["DataLoader"]
 
@@ -77,119 +73,6 @@ T = TypeVar("T")
 _DEFAULT_CONCURRENCY = 16
 # set after construction, these raise ValueError (as in torch: the plan is made from them)
 _FIXED = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-
-
-class _SamplerPlan:
-    """Groups of a map-style dataset as torch's DataLoader forms them: from its (batch) sampler.
-
-    Each epoch draws one int64 from `generator` before the sampler runs, as torch's iterator does, so
-    that a shared generator is consumed identically and the shuffles match torch's.
-    """
-
-    def __init__(
-        self, index_sampler: Iterable[Any], batched: bool, generator: torch.Generator | None
-    ) -> None:
-        self.index_sampler = index_sampler
-        self.batched = batched
-        self.generator = generator
-        self.batch_len = getattr(index_sampler, "batch_size", None) or 1
-        self.group_size = self.batch_len  # samples per group, as the pipeline counts them
-        self.base_seed: int | None = None  # drawn for each epoch, as torch's iterator draws it
-        self.reads_batches = False  # each key is a whole batch's indices (see `read_batches`)
-        self.numbered = False  # ... as `(batch number, indices)` (`ReadSamples` in workers)
-
-    def read_batches(self, numbered: bool = False) -> None:
-        """Make each key a whole batch's indices, read as one sample (so a group is one)."""
-        self.reads_batches, self.numbered, self.group_size = True, numbered, 1
-
-    def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
-        self.base_seed = _draw_seed(self.generator)
-        if consumed:
-            return self._number(iter(self._remainder(consumed)))
-        indices = iter(self.index_sampler)
-        first = list(itertools.islice(indices, 1))  # draw the sampler's own seed on this thread
-        return self._number(itertools.chain(first, indices))
-
-    def _number(self, indices: Iterator[Any]) -> Iterator[Group]:
-        for i, index in enumerate(indices):
-            if self.batched:
-                yield Group(i, [(i, j) for j in index], True)
-            else:
-                yield Group(i, [(i, (i, index) if self.numbered else index)], False)
-
-    def __len__(self) -> int:
-        return len(self.index_sampler)  # type: ignore[arg-type]
-
-    def _sampler(self) -> Any:
-        return getattr(self.index_sampler, "sampler", self.index_sampler)
-
-    def rank_and_world(self) -> tuple[int, int]:
-        sampler = self._sampler()
-        return int(getattr(sampler, "rank", 0)), int(getattr(sampler, "num_replicas", 1))
-
-    def snapshot(self) -> dict[str, Any]:
-        """The random state the epoch's shuffle will be drawn from, so a resume can redraw it."""
-        rng = self.generator.get_state() if self.generator is not None else torch.get_rng_state()
-        state: dict[str, Any] = {"rng_state": base64.b64encode(rng.numpy().tobytes()).decode()}
-        sampler_epoch = getattr(self._sampler(), "epoch", None)
-        if isinstance(sampler_epoch, int):
-            state["sampler_epoch"] = sampler_epoch
-        return state
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        if "rng_state" in state:
-            raw = torch.frombuffer(
-                bytearray(base64.b64decode(state["rng_state"])), dtype=torch.uint8
-            )
-            if self.generator is not None:
-                self.generator.set_state(raw)
-            else:
-                torch.set_rng_state(raw)
-        set_epoch = getattr(self._sampler(), "set_epoch", None)
-        if "sampler_epoch" in state and set_epoch is not None:
-            set_epoch(state["sampler_epoch"])
-
-    def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
-        """Dataset indices of batch `group` that rank `rank` of `world_size` had (elastic resume)."""
-        sampler = self._distributed()
-        if consumed:
-            raise StateError(
-                "states: resuming an elastic resume again on another world size is not "
-                "supported by aioloader.DataLoader; use aioloader.Loader",
-                field="world_size",
-            )
-        old: DistributedSampler[Any] = DistributedSampler(
-            sampler.dataset, num_replicas=world_size, rank=rank, shuffle=sampler.shuffle,
-            seed=sampler.seed, drop_last=sampler.drop_last,
-        )  # fmt: skip
-        old.set_epoch(sampler.epoch)
-        size = self.batch_len
-        return list(old)[group * size : (group + 1) * size]
-
-    def _distributed(self) -> DistributedSampler[Any]:
-        sampler = self._sampler()
-        if not isinstance(sampler, DistributedSampler) or not self.batched:
-            raise StateError(
-                "world_size: aioloader.DataLoader resumes on another world size only with a "
-                "DistributedSampler and batch_size; use aioloader.Loader otherwise",
-                field="world_size",
-            )
-        return sampler
-
-    def _remainder(self, consumed: Ranges) -> list[list[int]]:
-        """This rank's batches of what the saved ranks left of the epoch, shared equally."""
-        sampler = self._distributed()
-        n = len(sampler.dataset)  # type: ignore[arg-type]
-        order: Iterable[int] = range(n)
-        if sampler.shuffle:
-            gen = torch.Generator()
-            gen.manual_seed(sampler.seed + sampler.epoch)
-            order = torch.randperm(n, generator=gen).tolist()
-        left = [i for i in order if i not in consumed]
-        mine = shard(left, sampler.rank, sampler.num_replicas, sampler.drop_last)
-        size, drop = self.batch_len, bool(getattr(self.index_sampler, "drop_last", False))
-        cut = [mine[i : i + size] for i in range(0, len(mine), size)]
-        return [b for b in cut if len(b) == size or not drop]
 
 
 class _WorkerIds:
@@ -204,106 +87,6 @@ class _WorkerIds:
         with self._lock:
             worker_id = next(self._next)
         self.fn(worker_id)
-
-
-def _check_arguments(
-    dataset: Any, batch_size: int | None, shuffle: bool | None, sampler: Any,
-    batch_sampler: Any, num_workers: int, drop_last: bool, timeout: float,
-    prefetch_factor: int | None, persistent_workers: bool,
-) -> None:  # fmt: skip
-    """Raise the errors torch's DataLoader raises, with its words."""
-    if num_workers < 0:
-        raise ValueError(
-            "num_workers option should be non-negative; use num_workers=0 to disable multiprocessing."
-        )
-    if timeout < 0:
-        raise ValueError("timeout option should be non-negative")
-    if num_workers == 0 and prefetch_factor is not None:
-        raise ValueError(
-            "prefetch_factor option could only be specified in multiprocessing."
-            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
-        )
-    if prefetch_factor is not None and prefetch_factor < 0:
-        raise ValueError("prefetch_factor option should be non-negative")
-    if persistent_workers and num_workers == 0:
-        raise ValueError("persistent_workers option needs num_workers > 0")
-    if isinstance(dataset, IterableDataset):
-        if shuffle not in {False, None}:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified shuffle option, "
-                f"but got shuffle={shuffle}"
-            )
-        if sampler is not None:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified sampler option, "
-                f"but got sampler={sampler}"
-            )
-        if batch_sampler is not None:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified batch_sampler option, "
-                f"but got batch_sampler={batch_sampler}"
-            )
-    if sampler is not None and shuffle:
-        raise ValueError("sampler option is mutually exclusive with shuffle")
-    if batch_sampler is not None:
-        if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise ValueError(
-                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
-                "and drop_last"
-            )
-    elif batch_size is None and drop_last:
-        raise ValueError(
-            "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
-        )
-
-
-def _warn_if_many_workers(num_workers: int) -> None:
-    """torch's warning when a loader makes more workers than this process may use CPUs."""
-    if num_workers <= 0:
-        return
-    affinity = getattr(os, "sched_getaffinity", None)
-    cpus = len(affinity(0)) if affinity is not None else os.cpu_count()
-    if cpus is None or num_workers > cpus:
-        known = (
-            f"Our suggested max number of worker in current system is {cpus}"
-            f"{'' if affinity is not None else ' (`cpuset` is not taken into account)'}, "
-            "which is smaller than what this DataLoader is going to create."
-            if cpus is not None
-            else "DataLoader is not able to compute a suggested max number of worker in "
-            "current system."
-        )
-        warnings.warn(
-            f"This DataLoader will create {num_workers} worker processes in total. {known} "
-            "Please be aware that excessive worker creation might get DataLoader running slow "
-            "or even freeze, lower the worker number to avoid potential slowness/freeze if "
-            "necessary.",
-            stacklevel=3,
-        )
-
-
-def _check_context(context: Any, num_workers: int) -> str | None:
-    """The start method `multiprocessing_context` names (None: the default), checked as torch's."""
-    if context is None:
-        return None
-    if num_workers == 0:
-        raise ValueError(
-            "multiprocessing_context can only be used with multi-process loading "
-            f"(num_workers > 0), but got num_workers={num_workers}"
-        )
-    if isinstance(context, str):
-        valid = mp.get_all_start_methods()
-        if context not in valid:
-            raise ValueError(
-                f"multiprocessing_context option should specify a valid start method in "
-                f"{valid!r}, but got multiprocessing_context={context!r}"
-            )
-        return context
-    if not isinstance(context, BaseContext):
-        raise TypeError(
-            "multiprocessing_context option should be a valid context object or a string "
-            f"specifying the start method, but got multiprocessing_context={context!r}"
-        )
-    return str(context.get_start_method())
 
 
 async def _same(item: Any) -> Any:
@@ -362,11 +145,11 @@ class DataLoader(Loader[T]):
         threads_per_worker: int | str = "auto",
     ) -> None:
         threads, lazy = check_threads(threads_per_worker, num_workers)
-        self._start_method = _check_context(multiprocessing_context, num_workers)
+        self._start_method = check_context(multiprocessing_context, num_workers)
         if isinstance(dataset, IterDataPipe) and shuffle is not None:
             dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
             shuffle = None  # the pipe shuffles itself, as in torch
-        _check_arguments(
+        check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, drop_last,
             timeout, prefetch_factor, persistent_workers,
         )  # fmt: skip
@@ -446,7 +229,7 @@ class DataLoader(Loader[T]):
             own_executor=True, batch_errors=True,
         )  # fmt: skip
         self._processes = processes
-        _warn_if_many_workers(num_workers)
+        warn_if_many_workers(num_workers)
         self._initialized = True
 
     def _config(self) -> list[str]:
@@ -477,9 +260,9 @@ class DataLoader(Loader[T]):
             # torch's iterator draws a base seed per epoch; its workers seed from it (base + id)
             base_seed = getattr(self._plan, "base_seed", None)
             if base_seed is None:  # an IterableDataset's plan draws nothing: draw as torch does
-                base_seed = _draw_seed(self.generator)
+                base_seed = draw_seed(self.generator)
             if isinstance(self._plan, WorkerStreams) and isinstance(self.dataset, IterDataPipe):
-                self._plan.pipe_seed = _draw_seed(self.generator)  # torch's shared seed
+                self._plan.pipe_seed = draw_seed(self.generator)  # torch's shared seed
             fresh = not self._epochs_started or not self.persistent_workers
             if fresh:
                 self._worker_setup.base_seed = base_seed
@@ -525,7 +308,7 @@ class DataLoader(Loader[T]):
         """Whole batches in `num_workers` processes, as torch makes them: batch i's indices go to
         worker i % N, which reads them (in up to `threads` threads) and collates; the batch comes
         back in shared memory (see `_torchworkers`)."""
-        plan = _SamplerPlan(self.batch_sampler, False, self.generator)  # type: ignore[arg-type]
+        plan = SamplerPlan(self.batch_sampler, False, self.generator)  # type: ignore[arg-type]
         plan.read_batches(numbered=True)
         collate = None if collate_fn is DEFAULT_COLLATE else collate_fn
         read = ReadSamples(self.dataset, collate, threads, lazy)
@@ -576,12 +359,12 @@ class DataLoader(Loader[T]):
         getitems = getattr(dataset, "__getitems__", None)
         if auto_collation and getitems:
             # One call per batch, as torch makes it; batches run concurrently.
-            plan = _SamplerPlan(index_sampler, False, self.generator)  # type: ignore[arg-type]
+            plan = SamplerPlan(index_sampler, False, self.generator)  # type: ignore[arg-type]
             if collate_fn is DEFAULT_COLLATE:  # batches are collated in fetch threads, many at once
                 collate_fn = make_collate(BufferPool(per_shape=concurrency + _SPARE_BUFFERS))
             plan.read_batches()
             return _batch_reader(getitems, collate_fn), plan
-        plan = _SamplerPlan(index_sampler, auto_collation, self.generator)  # type: ignore[arg-type]
+        plan = SamplerPlan(index_sampler, auto_collation, self.generator)  # type: ignore[arg-type]
         getitem = dataset.__getitem__
         if auto_collation or inspect.iscoroutinefunction(getitem):
             return getitem, plan
@@ -636,11 +419,6 @@ class DataLoader(Loader[T]):
         if self.batch_size is None:
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
-
-
-def _draw_seed(generator: torch.Generator | None) -> int:
-    """One int64 from `generator` (None: the global RNG), as torch's iterator draws its base seed."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def _reads_batches(plan: Plan) -> bool:

@@ -28,6 +28,7 @@ LAYERS = (
     "sources",  # where samples come from (they share the tuning's AIMD controller)
     "_pipeline",  # the stages, in the order data flows
     "_resume",  # exact resume: reads the order stage's plan
+    "_torch",  # the DataLoader's parts: whole-batch workers, samplers as plans
     "aioloader",  # the front door: Loader, DataLoader, the CLI, the package's face
 )
 

@@ -30,14 +30,14 @@ import torch
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 
-from ._exceptions import StateError, WorkerDied
-from ._executors.process import carve as _carve
-from ._executors.process.executor import ProcessExecutor
-from ._pipeline.collate import make_collate
-from ._pipeline.epoch import Gap
-from ._pipeline.order import Group
-from ._util.ranges import Ranges
-from ._util.threads import (
+from .._exceptions import StateError, WorkerDied
+from .._executors.process import carve as _carve
+from .._executors.process.executor import ProcessExecutor
+from .._pipeline.collate import make_collate
+from .._pipeline.epoch import Gap
+from .._pipeline.order import Group
+from .._util.ranges import Ranges
+from .._util.threads import (
     GROW_AFTER_S,
     IDLE_TO_GROW,
     SLOW_CALL_S,
