@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from aioloader._executors.process.carve import ALIGN, Carver
-from aioloader._executors.process.worker import Unpacker, measure, pack
+from aioloader._executors.process.wire import Unpacker, measure, pack
 
 
 def test_a_carved_tensor_is_memory_of_the_slot() -> None:

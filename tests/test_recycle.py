@@ -17,7 +17,7 @@ from faultproxy import Origin
 
 import aioloader
 from aioloader import Loader
-from aioloader._executors.process.worker import _lies_at_start, place_single
+from aioloader._executors.process.wire import _lies_at_start, place_single
 from aioloader._util.bytearrays import Bytearrays, landing
 from aioloader.sources.http import http
 

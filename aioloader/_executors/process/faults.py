@@ -6,7 +6,7 @@ import contextlib
 import time
 
 from ..._exceptions import WorkerDied, WorkerTimeout
-from . import worker as wire
+from . import wire
 from .config import CANCEL_GRACE_S, START_TIMEOUT_S
 from .core import factory
 from .results import Results

@@ -6,10 +6,10 @@ import functools
 import time
 from typing import Any
 
-from . import worker as wire
+from . import wire
 from .sending import Sending
 from .tasks import Handle, Task, cancelled
-from .worker import Unpacker, load_placed, rebuild_error
+from .wire import Unpacker, load_placed, rebuild_error
 
 __all__ = ["Results"]
 

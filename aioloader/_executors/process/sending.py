@@ -6,7 +6,7 @@ import collections
 import contextlib
 import time
 
-from . import worker as wire
+from . import wire
 from .arena import Slot
 from .config import QUEUE_DEPTH, SLABS_PER_WORKER
 from .tasks import Handle, Task, cancelled

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import worker as wire
+from . import wire
 from .arena import Arena, Slot, parent_only
 
 __all__ = [
