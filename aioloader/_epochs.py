@@ -28,9 +28,10 @@ from typing import Any, Generic, Self, TypeVar
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._observe.trace import Trace
 from ._pipeline.collate import BufferPool
-from ._pipeline.epoch import END, SKIPPED, BatchFailed, Epoch, Stages
+from ._pipeline.epoch import Epoch
 from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
+from ._pipeline.stages import END, SKIPPED, BatchFailed, Stages
 from ._pipeline.transfer import DeviceStage, Feed
 from ._resume.resume import Resumable
 from ._resume.state import Progress

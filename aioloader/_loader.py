@@ -22,10 +22,11 @@ from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
 from ._pipeline.collate import BufferPool, make_collate
-from ._pipeline.epoch import Epoch, Stages
+from ._pipeline.epoch import Epoch
 from ._pipeline.fetch import Fetcher
 from ._pipeline.handover import LoopThread
 from ._pipeline.order import KeyOrder, KeyPlan, Plan
+from ._pipeline.stages import Stages
 from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import DEFAULT_MAX_BYTES, ErrorPolicy

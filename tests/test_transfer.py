@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from aioloader._pipeline.epoch import END
 from aioloader._pipeline.handover import LoopThread
+from aioloader._pipeline.stages import END
 from aioloader._pipeline.transfer import (
     CudaBackend,
     DeviceStage,

@@ -38,8 +38,8 @@ from .._observe.stats import Recorder
 from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
 from .cuda import CudaBackend, DeviceBackend, Event, Pinning, register_host_memory
-from .epoch import END
 from .pinned import PinnedPool, Slab, round_up, slab_size
+from .stages import END
 
 __all__ = [
     "CudaBackend",

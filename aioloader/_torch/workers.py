@@ -34,8 +34,8 @@ from .._exceptions import StateError, WorkerDied
 from .._executors.process import carve as _carve
 from .._executors.process.executor import ProcessExecutor
 from .._pipeline.collate import make_collate
-from .._pipeline.epoch import Gap
 from .._pipeline.order import Group
+from .._pipeline.stages import Gap
 from .._util.ranges import Ranges
 from .._util.threads import (
     GROW_AFTER_S,
