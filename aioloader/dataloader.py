@@ -9,7 +9,7 @@ What `num_workers` means here: with 0, `__getitem__` calls run in `concurrency` 
 16), which pays when the dataset waits on disk or network. With N > 0, batch i is read and collated
 by worker i % N of N persistent worker processes (aioloader's process pool), with threads of its
 own where the reads block (`threads_per_worker`); the batch comes back in shared memory (see
-`_torchworkers`), and `torch.utils.data.get_worker_info()` and `worker_init_fn` behave as in
+`_torch/workers`), and `torch.utils.data.get_worker_info()` and `worker_init_fn` behave as in
 torch's workers;
 `worker_mode="thread"` keeps threads instead. An IterableDataset is iterated as torch does it:
 with N > 0 each worker process iterates its own replica (shard it with `get_worker_info()`) and
@@ -307,7 +307,7 @@ class DataLoader(Loader[T]):
     ) -> tuple[Callable[[Any], Any], Callable[[Any], Any], RoundRobin, Plan]:
         """Whole batches in `num_workers` processes, as torch makes them: batch i's indices go to
         worker i % N, which reads them (in up to `threads` threads) and collates; the batch comes
-        back in shared memory (see `_torchworkers`)."""
+        back in shared memory (see `_torch/workers`)."""
         plan = SamplerPlan(self.batch_sampler, False, self.generator)  # type: ignore[arg-type]
         plan.read_batches(numbered=True)
         collate = None if collate_fn is DEFAULT_COLLATE else collate_fn

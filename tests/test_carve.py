@@ -1,4 +1,4 @@
-"""Batches made in a worker's output slot (`_carve`), and how `_worker.pack` names what is there."""
+"""Batches made in a worker's output slot (`process/carve`), and how `wire.pack` names what is there."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from aioloader._executors.process import arena as _shm
+from aioloader._executors.process import arena as arena_module
 from aioloader._executors.process.arena import (
     NAME_PREFIX,
     SHM_DIR,
@@ -126,9 +126,9 @@ def test_batch_slabs_find_room_while_pinned_sample_slabs_fill_their_quota(
 ) -> None:
     # a full prefetch queue pins every sample slab: a batch buffer (whose rows free them) must
     # still be made, or the loader never leaves per-sample slots
-    monkeypatch.setattr(_shm, "MAX_SLABS", 2)
+    monkeypatch.setattr(arena_module, "MAX_SLABS", 2)
     arena = Arena(budget=64 << 20)
-    per_slab = _shm.SLAB_BYTES // size_class(1 << 20)
+    per_slab = arena_module.SLAB_BYTES // size_class(1 << 20)
     samples = [arena.acquire(1 << 20) for _ in range(2 * per_slab)]
     assert all(s is not None for s in samples)
     assert arena.acquire(1 << 20) is None  # sample slabs: at their quota
@@ -181,7 +181,7 @@ def test_too_small_dev_shm_is_named_with_the_size_needed(monkeypatch: pytest.Mon
     class Tiny:
         f_bavail, f_frsize = 1000, real.f_frsize
 
-    monkeypatch.setattr(_shm.os, "statvfs", lambda path: Tiny())
+    monkeypatch.setattr(arena_module.os, "statvfs", lambda path: Tiny())
     with pytest.raises(OSError, match=r"/dev/shm has .* MiB free .* needs 64\.0 MiB"):
         check_room(64 << 20)
     with pytest.raises(OSError, match="/dev/shm"):

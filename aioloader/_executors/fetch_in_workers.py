@@ -9,7 +9,7 @@ and hands out the requests themselves:
 - its decode stage sends `FetchDecode(fetch, decode)`, that is `decode(await fetch(key))`, to the
   process pool with the key as argument;
 - a process worker runs such a coroutine callable on its own event loop
-  (`_workerloop.WorkerLoop`, uvloop when installed), many at once, and returns the result in shared
+  (`process/worker_loop.WorkerLoop`, uvloop when installed), many at once, and returns the result in shared
   memory like any other decode result.
 
 Fetching so scales with the workers. Each worker unpickles its own copy of the fetch callable (a
@@ -22,7 +22,7 @@ each next key to the worker with the fewest in flight. With a `ProcessExecutor` 
 samples held, still holds).
 
 A plain (sync) fetch works too: each worker then runs `decode(fetch(key))` in up to
-`ceil(concurrency / workers)` threads of its own, started as the calls block (`_threads.LazyThreadPool`,
+`ceil(concurrency / workers)` threads of its own, started as the calls block (`_util/threads.LazyThreadPool`,
 counting only the time calls wait), so a user function that blocks on a read and then computes is
 held neither to one core by the GIL nor to one call per process.
 

@@ -195,7 +195,7 @@ class Recorder:
         self.peak_held_bytes = self.reserved_bytes = 0
         self.skipped: list[tuple[Any, str]] = []
         self.skipped_count = 0
-        self.tracer: Any = None  # a `_trace.Tracer` while tracing
+        self.tracer: Any = None  # a `_observe/trace.Tracer` while tracing
 
     def start(self, stage: str) -> float:
         now = _clock()

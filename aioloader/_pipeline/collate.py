@@ -42,7 +42,7 @@ _STORAGE_REFS_WHEN_FREE = 3
 
 
 class Buffers(Protocol):
-    """Where the default collate takes its batch tensors from: a `BufferPool`, or a `_carve.Carver`
+    """Where the default collate takes its batch tensors from: a `BufferPool`, or a `process/carve.Carver`
     (the output slot of a process worker's task)."""
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
@@ -217,7 +217,7 @@ class RowPlan:
 
     It watches what decode returns. While every sample so far was one tensor (or numpy array) of one
     shape and dtype, `buffer(n)` makes an n-row batch in the executor's shared memory (see
-    `_procpool.BatchBuffer`) and the pipeline sends each sample's decode with `into=` its row; the
+    `process/tasks.BatchBuffer`) and the pipeline sends each sample's decode with `into=` its row; the
     collated batch is then that buffer, which the default collate would have produced by stacking.
     The first sample that differs turns the plan off for good, and batches collate as usual.
     """

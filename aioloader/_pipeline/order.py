@@ -99,7 +99,7 @@ class KeyOrder:
             or an async iterable (a streamed listing; no shuffle and one rank only).
         shuffle: permute a sequence per epoch with a generator seeded from (seed, epoch).
         seed: the base seed.
-        rank, world_size: this process's share (see `_distributed.resolve_rank`).
+        rank, world_size: this process's share (see `_util/ranks.resolve_rank`).
         drop_last: drop the tail instead of wrapping around to give every rank the same count.
     """
 

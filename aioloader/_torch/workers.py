@@ -147,7 +147,7 @@ class ReadSamples:
     start as calls find none free. With `lazy`, a worker reads one after another on its own thread
     (no thread, no event loop, no malloc arena more than torch's worker) until a batch's reads are
     seen to block (`_Blocking`); only then do threads start, and only while the reads block and
-    cores are idle (`_threads.LazyThreadPool`'s `spare_cores`). The batch keeps the sampler's
+    cores are idle (`_util/threads.LazyThreadPool`'s `spare_cores`). The batch keeps the sampler's
     order; the first failing read, in that order, raises. `collate` None is the default collate (see
     `collate_here`).
     """

@@ -6,7 +6,7 @@ freed, so a 256 KiB body received into a new `bytearray` pays 64 faults (and a z
 more than receiving it. `Bytearrays.take(n)` returns a kept buffer of length `n` that nothing refers to
 any more, and makes (and keeps) a new one only when every kept one is still in use.
 
-Whether a buffer is in use is read from its reference count, as `_collate.BufferPool` does for
+Whether a buffer is in use is read from its reference count, as `_pipeline/collate.BufferPool` does for
 tensors: a consumer that still holds the body, a slice of it, a `memoryview` or a numpy array made
 from it, holds a reference, and the buffer is not handed out again.
 
@@ -36,7 +36,7 @@ task_output: contextvars.ContextVar[memoryview | None] = contextvars.ContextVar(
 )
 # ... and by a task whose result is the fetched body itself (`fetch_in_workers` without a decode) to
 # that slot: the fast HTTP engine then receives the body straight into it, and the worker answers
-# without copying (`_worker.place_single`). A body that does not fit goes to a recycled bytearray.
+# without copying (`process/wire.place_single`). A body that does not fit goes to a recycled bytearray.
 landing: contextvars.ContextVar[memoryview | None] = contextvars.ContextVar(
     "aioloader_landing", default=None
 )

@@ -4,10 +4,10 @@ A process worker that collates a whole batch (`DataLoader(num_workers=N)`) would
 samples into fresh memory (about 11 µs a page here: 0.4 s for a 150 MB batch) and then copy the batch
 into its output slot. Instead, the worker hands the task a `Carver` over the slot (`current`), the
 default collate takes its batch tensors from it (`take`, the `BufferPool` protocol of
-`_collate.make_collate`), and the answer names the carved tensors by their offsets (`placed`): the
+`_pipeline/collate.make_collate`), and the answer names the carved tensors by their offsets (`placed`): the
 parent maps them where they were written, and nothing is copied after the stack.
 
-A carver that runs out of room hands out ordinary tensors; `_worker.pack` then copies them into the
+A carver that runs out of room hands out ordinary tensors; `wire.pack` then copies them into the
 rest of the slot, or pickles them when the slot is too small.
 """
 

@@ -45,7 +45,7 @@ class PoolCore:
         self._handles: list[Handle] = []
         self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
         self._fn_blobs: dict[int, bytes | int] = {}
-        # objects given to the workers as they start (see `_worker.GIVEN`), by id
+        # objects given to the workers as they start (see `worker.GIVEN`), by id
         self._given = {id(o): o for o in (*config.given, config.init) if o is not None}
         self._given_blob = (
             None if config.method in FORKED else pickle_given(self._given, config.method)

@@ -22,7 +22,7 @@ child. So the default is:
 threads run and even with CUDA initialised, forked when its first epoch starts; torch's DataLoader
 forks its workers from such a process too, and a script that works with it works the same.
 
-What the workers run is `given` to them as they start (`_worker.GIVEN`): with a forked start it is
+What the workers run is `given` to them as they start (`worker.GIVEN`): with a forked start it is
 inherited, not pickled, so a dataset holding a lambda or a `multiprocessing.Value` works, and a
 `worker_init_fn` that is a bound method of the dataset changes the very object the reads use.
 

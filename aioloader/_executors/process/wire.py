@@ -118,7 +118,7 @@ class _Packer(pickle.Pickler):
         kind, nbytes = found
         if kind == "t" and self.carver is not None:
             pid = _carved(self.carver, obj)
-            if pid is not None:  # made in the slot already (`_carve`): named, not copied
+            if pid is not None:  # made in the slot already (`process/carve`): named, not copied
                 self.used = True
                 return pid
         offset = align(self.needed)
@@ -230,7 +230,14 @@ def place_single(
         if pid is not None or carver.used:
             return pid  # not carved whole: `pack` places it after what was carved
     if type(result) is memoryview and buf is not None and _lies_at_start(result, buf):
-        return ("B", 0, result.nbytes, "", (), ())  # received there (`_recycle.landing`): no copy
+        return (
+            "B",
+            0,
+            result.nbytes,
+            "",
+            (),
+            (),
+        )  # received there (`_util/bytearrays.landing`): no copy
     found = _kind(result)
     if found is None or buf is None or not 0 < found[1] <= len(buf):
         return None

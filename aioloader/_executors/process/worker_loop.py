@@ -40,7 +40,7 @@ class WorkerLoop:
 
     def start_many(self, starts: list[Start]) -> None:
         """For each `(task_id, fn, arg, seed, out, done)` of `starts`, run `await fn(arg)` with `seed`
-        as the sample's seed and `out` (the task's output slot) as `_recycle.task_output`; one
+        as the sample's seed and `out` (the task's output slot) as `_util/bytearrays.task_output`; one
         wake-up of the loop for them all, never blocks."""
         self.loop.call_soon_threadsafe(self._spawn_many, starts)
 
