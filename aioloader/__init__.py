@@ -16,6 +16,7 @@ from ._exceptions import SampleError as SampleError
 from ._exceptions import StateError as StateError
 from ._exceptions import WorkerDied as WorkerDied
 from ._exceptions import WorkerTimeout as WorkerTimeout
+from ._executors.base import Executor as Executor
 from ._executors.process.executor import ProcessExecutor as ProcessExecutor
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
@@ -40,6 +41,7 @@ __all__ = [
     "DataLoader",
     "DecodeError",
     "Diagnosis",
+    "Executor",
     "FetchError",
     "InvalidKeyError",
     "Loader",

@@ -13,7 +13,14 @@ from typing import Any, TypeVar
 import torch
 
 from ._epochs import Epochs
-from ._executors.base import Executor, KeyedDecode, ThreadExecutor
+from ._executors.base import (
+    Executor,
+    KeyedDecode,
+    ThreadExecutor,
+    stats_of,
+    workers_of,
+    writes_rows,
+)
 from ._executors.choose import EXECUTORS, auto_executor
 from ._executors.fetch_in_workers import FetchDecode, in_workers
 from ._executors.process.arena import loader_arena
@@ -86,7 +93,7 @@ class Loader(Epochs[T]):
         executor: where decode runs: "inline" (on the event loop), "thread", "process" (worker
             processes returning arrays in shared memory), "auto" (the default with a decode: threads
             where the GIL is off, processes where it is on, threads for a decode that cannot be
-            pickled; see `auto_executor`), or an Executor instance such as
+            pickled; see `auto_executor`), or an object that follows `aioloader.Executor`, such as
             `aioloader.ProcessExecutor(2, timeout=30, max_worker_restarts=3)` (then yours to close).
         workers: decode threads for executor="thread" (default: the usable cores); "auto" uses
             as many of the cores as raise throughput (processes: one per core).
@@ -327,7 +334,7 @@ class Loader(Epochs[T]):
         parts.append(
             f"executor={executor if isinstance(executor, str) else type(executor).__name__!r}"
         )
-        workers = getattr(self._stages.decoder, "workers", None)
+        workers = workers_of(self._stages.decoder, None)
         if workers is not None and executor != "inline":
             parts.append(f"workers={workers}")
         return parts
@@ -370,7 +377,7 @@ class Loader(Epochs[T]):
         executor = self._executor
         if isinstance(executor, str):
             return executor
-        return "process" if hasattr(executor, "batch_buffer") else "thread"
+        return "process" if writes_rows(executor) else "thread"
 
     def trace(self, path: str | os.PathLike[str]) -> Trace:
         """Record every fetch, decode, collate, transfer and consumer wait into a trace at `path`.
@@ -401,9 +408,9 @@ class Loader(Epochs[T]):
         source_stats = getattr(self._source, "stats", None)
         if callable(source_stats):
             extra.update(source_stats())
-        pool_stats = getattr(self._stages.decoder, "stats", None)
-        if callable(pool_stats):
-            extra["decode_pool"] = pool_stats()
+        pool_stats = stats_of(self._stages.decoder)
+        if pool_stats is not None:
+            extra["decode_pool"] = pool_stats
         if self._device is not None:
             extra["transfer"] = self._device.stats()
         return extra

@@ -1,6 +1,8 @@
 """The executor contract, and the executors that need no process: inline on the loop, or threads.
 
-One interface, `Executor.run(fn, arg)`, whatever runs the call. "inline" calls the function on the
+One interface, `Executor.run(fn, arg)`, whatever runs the call; its optional capabilities (`workers`,
+`stats()`, writing batch rows) are declared here too, and read only through `workers_of`,
+`stats_of` and `writes_rows`. "inline" calls the function on the
 event loop (right for cheap decodes: no hand-off cost); "thread" runs it in `workers` threads, which
 pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or the GIL is off.
 "process" runs it in `workers` persistent processes and returns arrays in shared memory
@@ -10,12 +12,23 @@ pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeGuard, TypeVar
+
+import torch
 
 from .._util.rng import call_seeded
 from .._util.threads import LazyThreadPool
 
-__all__ = ["Executor", "InlineExecutor", "KeyedDecode", "ThreadExecutor"]
+__all__ = [
+    "Executor",
+    "InlineExecutor",
+    "KeyedDecode",
+    "RowWriter",
+    "ThreadExecutor",
+    "stats_of",
+    "workers_of",
+    "writes_rows",
+]
 
 T = TypeVar("T")
 
@@ -45,7 +58,18 @@ class KeyedDecode:
 
 
 class Executor(Protocol):
-    """Where decode (and collate) calls run."""
+    """Where decode (and collate) calls run: what `Loader(executor=...)` accepts.
+
+    Required: `run` and `close`. Optional, each read where the loader needs it:
+
+    - `workers: int`: calls that run at once (the decode stage's limit in `stats()`, the repr,
+      `diagnose()`); without it, one. Read with `workers_of`.
+    - `stats() -> dict[str, int]`: counters shown as `stats().extra["decode_pool"]`. Read with
+      `stats_of`.
+    - writing batch rows in place: `batch_buffer(shape, dtype)` and `run(..., into=row)`, as
+      `RowWriter` declares. With one, the default collate's batches are made by the workers.
+      Checked with `writes_rows`.
+    """
 
     async def run(self, fn: Callable[[Any], T], arg: Any, seed: int | None = None) -> T:
         """Run `fn(arg)` with `seed` as the sample's seed (see `_util/rng.py`); safe to cancel."""
@@ -54,6 +78,43 @@ class Executor(Protocol):
     def close(self) -> None:
         """Release threads or processes; idempotent."""
         ...
+
+
+class BatchRows(Protocol):
+    """A batch made by a `RowWriter`: its tensor, and a target for each of its rows."""
+
+    def row(self, index: int) -> Any: ...
+
+
+class RowWriter(Executor, Protocol):
+    """An executor whose workers write decoded samples straight into a batch's rows."""
+
+    def batch_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> BatchRows | None:
+        """A batch of `shape` (rows first) whose rows `run(..., into=)` fills; None: no room."""
+        ...
+
+    async def run(
+        self, fn: Callable[[Any], T], arg: Any, seed: int | None = None, into: Any = None
+    ) -> T:
+        """As `Executor.run`; with `into` (a `BatchRows.row`), the result is written there."""
+        ...
+
+
+def workers_of(executor: Executor, default: int | None = 1) -> int | None:
+    """How many calls `executor` runs at once (its `workers`), else `default`."""
+    workers: int | None = getattr(executor, "workers", default)
+    return workers
+
+
+def stats_of(executor: Executor) -> dict[str, Any] | None:
+    """`executor.stats()` where it keeps counters, else None."""
+    stats = getattr(executor, "stats", None)
+    return stats() if callable(stats) else None
+
+
+def writes_rows(executor: Executor) -> TypeGuard[RowWriter]:
+    """Whether `executor`'s workers write batch rows in place (`RowWriter`)."""
+    return hasattr(executor, "batch_buffer")
 
 
 class InlineExecutor:

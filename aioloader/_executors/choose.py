@@ -1,4 +1,9 @@
-"""Which executor runs decode: the names `executor=` accepts, what "auto" picks, and building one."""
+"""Which executor runs decode: the names `executor=` accepts, what "auto" picks, and building one.
+
+`REGISTRY` maps each name to what builds its executor from `workers` (None: the usable cores) and
+`arena_bytes` (a process pool's shared-memory budget, None: its default). A new executor is a
+module of its own under `_executors/` and one line here.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,16 @@ from .._util.threads import default_workers
 from .base import Executor, InlineExecutor, ThreadExecutor
 from .process.executor import ProcessExecutor
 
-__all__ = ["EXECUTORS", "auto_executor", "make_executor"]
+__all__ = ["EXECUTORS", "REGISTRY", "auto_executor", "make_executor"]
 
-EXECUTORS = ("inline", "thread", "process", "auto")
+REGISTRY: dict[str, Callable[[int | None, int | None], Executor]] = {
+    "inline": lambda workers, arena_bytes: InlineExecutor(),
+    "thread": lambda workers, arena_bytes: ThreadExecutor(workers or default_workers()),
+    "process": lambda workers, arena_bytes: ProcessExecutor(
+        workers or default_workers(), arena_bytes=arena_bytes
+    ),
+}
+EXECUTORS = (*REGISTRY, "auto")
 
 
 def auto_executor(decode: Callable[[Any], Any] | None = None) -> str:
@@ -41,14 +53,10 @@ def auto_executor(decode: Callable[[Any], Any] | None = None) -> str:
 
 
 def make_executor(name: str, workers: int | None, arena_bytes: int | None = None) -> Executor:
-    """Build the executor called `name` ("inline", "thread" or "process"; `arena_bytes` is the
-    process pool's shared-memory budget, None its default)."""
+    """Build the executor called `name` (a key of `REGISTRY`, or "auto")."""
     if name == "auto":
         name = auto_executor()
-    if name == "inline":
-        return InlineExecutor()
-    if name == "thread":
-        return ThreadExecutor(workers or default_workers())
-    if name == "process":
-        return ProcessExecutor(workers or default_workers(), arena_bytes=arena_bytes)
-    raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
+    build = REGISTRY.get(name)
+    if build is None:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
+    return build(workers, arena_bytes)

@@ -25,6 +25,7 @@ from torch.utils.data._utils.collate import collate as _torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map as _torch_fn_map
 
 from .._exceptions import CollateError
+from .._executors.base import RowWriter
 
 __all__ = ["BufferPool", "Buffers", "RowPlan", "default_collate", "make_collate", "stacks"]
 
@@ -222,7 +223,7 @@ class RowPlan:
     The first sample that differs turns the plan off for good, and batches collate as usual.
     """
 
-    def __init__(self, executor: Any) -> None:
+    def __init__(self, executor: RowWriter) -> None:
         self._executor = executor
         self._row: tuple[tuple[int, ...], torch.dtype] | None = None
         self.off = False

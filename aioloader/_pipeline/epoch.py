@@ -25,9 +25,10 @@ import time
 import warnings
 from collections import deque
 from collections.abc import AsyncIterable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from .._exceptions import DecodeError, LoaderClosedError
+from .._executors.base import RowWriter
 from .._observe.stats import nbytes
 from .._tuning.bounds import ByteBudget, Gate, HeldBound
 from .._util.loops import is_async_callable
@@ -318,7 +319,7 @@ class Epoch:
             into = state.row(slot)
             if into is None:
                 return await decoder.run(decode, raw, seed)
-            return await decoder.run(decode, raw, seed, into=into)  # type: ignore[call-arg]
+            return await cast(RowWriter, decoder).run(decode, raw, seed, into=into)
 
     def _hold(self, state: _GroupState, size: int) -> None:
         """Count `size` more bytes as held by the group until it is handed over."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._executors.base import Executor, KeyedDecode
+from .._executors.base import Executor, KeyedDecode, workers_of, writes_rows
 from .._observe.stats import LoaderStats, Recorder
 from .._tuning.bounds import ErrorPolicy, FixedConcurrency, SampleSizes, Tuner
 from .collate import RowPlan, stacks
@@ -72,11 +72,7 @@ class Stages:
         if self.tuner is None:
             self.tuner = FixedConcurrency(self.concurrency)
         self.keyed = isinstance(self.decode, KeyedDecode)
-        if (
-            self.decode is not None
-            and stacks(self.collate)
-            and hasattr(self.decoder, "batch_buffer")
-        ):
+        if self.decode is not None and stacks(self.collate) and writes_rows(self.decoder):
             self.rows = RowPlan(self.decoder)
         for name, limit in self.limits().items():
             self.recorder.stages[name].cap = limit or 0
@@ -85,7 +81,7 @@ class Stages:
         """The most items each stage may work on at once, now."""
         assert self.tuner is not None
         return {
-            "fetch": self.tuner.limit, "decode": getattr(self.decoder, "workers", 1),
+            "fetch": self.tuner.limit, "decode": workers_of(self.decoder),
             "collate": 1, "transfer": 1,
         }  # fmt: skip
 
