@@ -8,7 +8,8 @@ Bounds (all counted in samples or bytes, never in time):
 - while process workers write batch rows in place (`RowPlan`), at most `ROWS_AHEAD_PER_WORKER` decodes
   per worker sent ahead, so that only the batches being decoded hold a buffer in shared memory.
 
-Groups (see `_pipeline/order.py`) are delivered whole, in group order (`in_order=True`) or as they complete.
+Groups (see `order.py`) are delivered whole, in group order (`in_order=True`) or as they complete
+(`reorder.py`).
 With `on_error="raise"`, an error in a user callable ends the epoch: batches before it (in delivery
 order) are delivered, then the error is raised to the consumer with a note naming the stage and the
 key. With `on_error="skip"` the sample is dropped from its batch and counted, until `max_skipped`.
@@ -23,27 +24,23 @@ import contextlib
 import functools
 import time
 import warnings
-from collections import deque
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Awaitable, Iterable
 from typing import Any, cast
 
 from .._exceptions import DecodeError, LoaderClosedError
 from .._executors.base import RowWriter
-from .._observe.stats import nbytes
+from .._observe.stats import Recorder, nbytes
 from .._tuning.bounds import ByteBudget, Gate, HeldBound
 from .._util.loops import is_async_callable
 from .._util.rng import derive_seed
 from .collate import RowPlan
 from .order import Group
+from .reorder import Item, reorder
 from .stages import END, SKIPPED, BatchFailed, Gap, Stages
 
 __all__ = ["ROWS_AHEAD_PER_WORKER", "Epoch"]
 
 ROWS_AHEAD_PER_WORKER = 4  # decodes sent ahead per worker while workers write batch rows
-
-
-# group index, batch, samples, bytes, error
-_Item = tuple[int, Any, int, int, BaseException | None]
 
 
 async def _each(groups: Iterable[Group] | AsyncIterable[Group]) -> AsyncIterable[Group]:
@@ -53,6 +50,22 @@ async def _each(groups: Iterable[Group] | AsyncIterable[Group]) -> AsyncIterable
     else:
         for group in groups:
             yield group
+
+
+async def _attempt(
+    rec: Recorder, stage: str, t0: float, work: Awaitable[Any], key: Any = None
+) -> tuple[Any, BaseException | None]:
+    """`(await work, None)`, timed as `stage`'s from `t0`. A cancel is counted as one and raised; an
+    error is counted and returned as `(None, error)`: SystemExit & co. too, since they belong to the
+    consumer (escaping, they would stop the event loop)."""
+    try:
+        return await work, None
+    except asyncio.CancelledError:
+        rec.cancelled(stage, t0)
+        raise
+    except BaseException as exc:
+        rec.stop(stage, t0, error=True, key=key)
+        return None, exc
 
 
 class _Failed(Exception):
@@ -111,7 +124,7 @@ class Epoch:
         self._epoch_samples = epoch_samples
         self._groups = groups
         self._rec = stages.recorder
-        self._out: asyncio.Queue[_Item] = asyncio.Queue()
+        self._out: asyncio.Queue[Item] = asyncio.Queue()
         assert stages.tuner is not None
         self._held = Gate(HeldBound(stages.tuner, stages.prefetch * stages.group_size))
         self._in_flight = Gate(stages.tuner)
@@ -130,9 +143,9 @@ class Epoch:
             stages.sizes,
         )
         self._skipped = 0
-        self._ready: dict[int, _Item] = {}
-        self._launched: deque[int] = deque()  # group indices in launch order, until delivered
-        self._failed_group: int | None = None
+        self._order = reorder(
+            stages.in_order, self._out, self._bytes.poke, ends=not stages.batch_errors
+        )
         # (group, slot) -> (stage, key, since): what is in flight where (see `stuck`)
         self._active: dict[tuple[int, int], tuple[str, Any, float]] = {}
         self._task = asyncio.get_running_loop().create_task(self._run(), name="aioloader-epoch")
@@ -172,7 +185,7 @@ class Epoch:
         self.cancel()
         with contextlib.suppress(asyncio.CancelledError, _Failed):
             await self._task
-        self._ready.clear()
+        self._order.clear()
         while not self._out.empty():
             self._out.get_nowait()
 
@@ -204,9 +217,9 @@ class Epoch:
     async def _launch(self) -> None:
         async with asyncio.TaskGroup() as tasks:
             async for group in _each(self._groups):
-                if self._failed_group is not None:
+                if self._order.failed is not None:
                     break
-                self._launched.append(group.index)
+                self._order.launch(group.index)
                 state = _GroupState(group, self._stages.rows)
                 for slot, (_, key) in enumerate(group.items):
                     await self._held.acquire()
@@ -242,7 +255,7 @@ class Epoch:
     def _oldest(self, group: int) -> bool:
         """Whether `group` is the oldest batch and no other holds bytes (made batches all taken by
         the consumer): it is never held back for bytes, so a batch larger than the budget goes."""
-        return self._launched[0] == group and self._out.empty()
+        return self._order.oldest() == group and self._out.empty()
 
     async def _sample(
         self, state: _GroupState, slot: int, key: Any, expected: int | None = None
@@ -260,17 +273,8 @@ class Epoch:
     ) -> None:  # fmt: skip
         stages, rec = self._stages, self._rec
         t0 = rec.start("fetch")
-        try:
-            try:
-                raw = await stages.fetch(key)
-            finally:
-                self._in_flight.release()
-        except asyncio.CancelledError:
-            rec.cancelled("fetch", t0)
-            raise
-        except BaseException as exc:
-            # SystemExit & co. too: they belong to the consumer; escaping, they would stop the loop
-            rec.stop("fetch", t0, error=True, key=key)
+        raw, exc = await _attempt(rec, "fetch", t0, self._fetch(key), key)
+        if exc is not None:
             if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
                 assert stages.tuner is not None
                 stages.tuner.throttled()
@@ -286,13 +290,9 @@ class Epoch:
             seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
             self._active[where] = ("decode", key, time.monotonic())
             t0 = rec.start("decode")
-            try:
-                raw = await self._decode(state, slot, (key, raw) if stages.keyed else raw, seed)
-            except asyncio.CancelledError:
-                rec.cancelled("decode", t0)
-                raise
-            except BaseException as exc:
-                rec.stop("decode", t0, error=True, key=key)
+            work = self._decode(state, slot, (key, raw) if stages.keyed else raw, seed)
+            raw, exc = await _attempt(rec, "decode", t0, work, key)
+            if exc is not None:
                 return await self._failed(state, slot, key, "decode", exc)
             if raw is None and stages.errors.on_error == "skip":  # "no sample": this one alone
                 rec.stop("decode", t0, error=True, key=key)
@@ -309,6 +309,12 @@ class Epoch:
             self._bytes.grew(grown)  # what a launch reserves covers what decode adds
         state.samples[slot] = raw
         await self._done(state)
+
+    async def _fetch(self, key: Any) -> Any:
+        try:
+            return await self._stages.fetch(key)
+        finally:
+            self._in_flight.release()
 
     async def _decode(self, state: _GroupState, slot: int, raw: Any, seed: int) -> Any:
         decoder, decode = self._stages.decoder, self._stages.decode
@@ -390,39 +396,20 @@ class Epoch:
         where = (group.index, -1)
         self._active[where] = ("collate", group.index, time.monotonic())
         try:
-            batch = await self._stages.collator.run(self._stages.collate, samples)
-        except asyncio.CancelledError:
-            rec.cancelled("collate", t0)
-            raise
-        except BaseException as exc:
-            rec.stop("collate", t0, error=True)
+            work = self._stages.collator.run(self._stages.collate, samples)
+            batch, exc = await _attempt(rec, "collate", t0, work)
+        finally:
+            self._active.pop(where, None)
+        if exc is not None:
             keys = [key for i, (_, key) in enumerate(group.items) if i not in state.skipped]
             if self._skip(exc, "collate", keys):
                 return self._deliver(group, SKIPPED, None, state.bytes)
             return self._deliver(group, None, _note(exc, "collate", keys), state.bytes)
-        finally:
-            self._active.pop(where, None)
         rec.stop("collate", t0, state.bytes, key=group.index)
         self._deliver(group, batch, None, state.bytes)
 
     def _deliver(self, group: Group, batch: Any, error: BaseException | None, size: int) -> None:
-        item = (group.index, batch, len(group.items), size, error)
-        ends = not self._stages.batch_errors  # an error ends the epoch
         if error is None:
             self._rec.ready += 1
-        if not self._stages.in_order:
-            self._out.put_nowait(item)
-            self._launched.remove(group.index)
-            self._bytes.poke()  # another batch may be the oldest now
-            if error is not None and ends:
-                raise _Failed
-            return
-        if error is not None and ends and self._failed_group is None:
-            self._failed_group = group.index
-        self._ready[group.index] = item
-        while self._launched and self._launched[0] in self._ready:
-            item = self._ready.pop(self._launched.popleft())
-            self._bytes.poke()  # another batch is the oldest now
-            self._out.put_nowait(item)
-            if item[4] is not None and ends:
-                raise _Failed
+        if self._order.deliver((group.index, batch, len(group.items), size, error)):
+            raise _Failed

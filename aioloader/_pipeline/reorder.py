@@ -1,0 +1,82 @@
+"""Reordering: which made batches go to the consumer now, in key order or as they complete."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["AsCompleted", "InOrder", "Item", "Reorder", "reorder"]
+
+Item = tuple[int, Any, int, int, BaseException | None]  # group index, batch, samples, bytes, error
+
+
+class Reorder:
+    """The groups launched and not yet handed over, in launch order; what `deliver` puts out.
+
+    `deliver(item)` puts out what may go now into `out` (calling `moved()` for each, since another
+    batch may then be the oldest) and returns True when an error it put out ends the epoch (`ends`:
+    errors end the epoch, not only their batch).
+    """
+
+    def __init__(self, out: asyncio.Queue[Item], moved: Callable[[], None], ends: bool) -> None:
+        self.out = out
+        self.moved = moved
+        self.ends = ends
+        self.launched: deque[int] = deque()  # group indices in launch order, until delivered
+        self.failed: int | None = None  # the group whose error ends the epoch, once known
+
+    def launch(self, index: int) -> None:
+        self.launched.append(index)
+
+    def oldest(self) -> int:
+        """The index of the oldest group not handed over yet."""
+        return self.launched[0]
+
+    def deliver(self, item: Item) -> bool:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        """Drop what waits for its turn (the epoch is closed)."""
+
+
+class InOrder(Reorder):
+    """Hands groups over in launch (key) order: a group made early waits for those before it."""
+
+    def __init__(self, out: asyncio.Queue[Item], moved: Callable[[], None], ends: bool) -> None:
+        super().__init__(out, moved, ends)
+        self._ready: dict[int, Item] = {}
+
+    def deliver(self, item: Item) -> bool:
+        index, error = item[0], item[4]
+        if error is not None and self.ends and self.failed is None:
+            self.failed = index
+        self._ready[index] = item
+        while self.launched and self.launched[0] in self._ready:
+            ready = self._ready.pop(self.launched.popleft())
+            self.moved()  # another batch is the oldest now
+            self.out.put_nowait(ready)
+            if ready[4] is not None and self.ends:
+                return True
+        return False
+
+    def clear(self) -> None:
+        self._ready.clear()
+
+
+class AsCompleted(Reorder):
+    """Hands each group over as soon as it is made."""
+
+    def deliver(self, item: Item) -> bool:
+        self.out.put_nowait(item)
+        self.launched.remove(item[0])
+        self.moved()  # another batch may be the oldest now
+        return item[4] is not None and self.ends
+
+
+def reorder(
+    in_order: bool, out: asyncio.Queue[Item], moved: Callable[[], None], ends: bool
+) -> Reorder:
+    """`InOrder` or `AsCompleted`, as `in_order` says."""
+    return (InOrder if in_order else AsCompleted)(out, moved, ends)
