@@ -23,7 +23,6 @@ from ._executors.base import (
 )
 from ._executors.choose import EXECUTORS, auto_executor
 from ._executors.fetch_in_workers import FetchDecode, in_workers
-from ._executors.process.arena import loader_arena
 from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
@@ -37,6 +36,7 @@ from ._pipeline.stages import Stages
 from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import DEFAULT_MAX_BYTES, ErrorPolicy
+from ._tuning.memory import MemoryBudget
 from ._util.loops import is_async_callable
 from ._util.ranks import resolve_rank
 from ._util.validate import check_callable, check_int, check_timeout
@@ -55,9 +55,6 @@ class _DefaultCollate:
 
 DEFAULT_COLLATE: Any = _DefaultCollate()
 """Collate like torch's default_collate, into recycled batch buffers (the default)."""
-
-# Batch buffers kept per shape beyond those that may wait: the consumer's, one being stacked, a spare.
-_SPARE_BUFFERS = 3
 
 
 class Loader(Epochs[T]):
@@ -244,50 +241,28 @@ class Loader(Epochs[T]):
             concurrency, is_async=is_async_callable(fetch), recorder=recorder, max_bytes=max_bytes,
             source=source,
         )  # fmt: skip
-        if executor is None:
-            executor = "inline" if decode is None else "auto"
-        if executor == "auto":
-            executor = auto_executor(decode)
-        if isinstance(executor, str) and executor not in EXECUTORS:
-            raise ValueError(
-                f"executor must be one of {EXECUTORS} or an Executor, got {executor!r}"
-            )
-        if not isinstance(executor, str) and not callable(getattr(executor, "run", None)):
-            raise TypeError(f"executor must be a name or an Executor, got {executor!r}")
-        if max_bytes is not None:
-            check_int("max_bytes_in_flight", max_bytes, minimum=1)
-        self._pool: BufferPool | None = None
-        if collate is DEFAULT_COLLATE:
-            pool_bytes = None if max_bytes is None else max_bytes // 2  # the rest: in flight
-            group = plan.group_size
-            waiting = -(-(prefetch * group + concurrency) // group)  # batches that may wait at most
-            self._pool = BufferPool(per_shape=waiting + _SPARE_BUFFERS, max_bytes=pool_bytes)
+        executor = _executor_named(executor, decode)
+        budget = MemoryBudget(max_bytes)
+        self._pool = _buffer_pool(collate, budget, budget.waiting_batches(
+            prefetch, plan.group_size, concurrency
+        ))  # fmt: skip
+        if self._pool is not None:
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
-        self._plan = plan
-        self._source = source
-        self._device = device
+        self._plan, self._source, self._device = plan, source, device
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, fetch_initializer),
             size_of=getattr(source, "size", None),
             decode=decode,
-            decoder=resolve_decoder(executor, workers, loader_arena(max_bytes))
+            decoder=resolve_decoder(executor, workers, budget.arena_bytes())
             if isinstance(executor, str)
             else executor,
-            collate=collate,
-            collator=ThreadExecutor(1, "aioloader-collate"),
-            concurrency=concurrency,
-            prefetch=prefetch,
-            in_order=bool(in_order),
-            group_size=plan.group_size,
-            seed=seed,
-            recorder=recorder,
-            tuner=tuner,
-            errors=errors or ErrorPolicy(),
-            batch_errors=batch_errors,
-            max_bytes=max_bytes,
+            collate=collate, collator=ThreadExecutor(1, "aioloader-collate"),
+            concurrency=concurrency, prefetch=prefetch, in_order=bool(in_order),
+            group_size=plan.group_size, seed=seed, recorder=recorder, tuner=tuner,
+            errors=errors or ErrorPolicy(), batch_errors=batch_errors, budget=budget,
             pool_bytes=self._pool.max_bytes or 0 if self._pool is not None else 0,
-        )
+        )  # fmt: skip
         if self._stages.rows is not None and self._pool is not None:
             self._stages.rows.on_first_buffer = self._pool.retire  # rows replace its buffers
         self._executor = executor
@@ -454,3 +429,27 @@ def _keyed(decode: Callable[..., Any] | None, with_key: bool) -> Callable[[Any],
 def _is_map_style(obj: object) -> bool:
     """A map-style dataset: indexable with a length, but not itself a sequence of keys."""
     return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, Sequence)
+
+
+def _executor_named(
+    executor: str | Executor | None, decode: Callable[..., Any] | None
+) -> str | Executor:
+    """The executor to run decode: a name of `EXECUTORS` ("auto" resolved) or an `Executor`."""
+    if executor is None:
+        executor = "inline" if decode is None else "auto"
+    if executor == "auto":
+        executor = auto_executor(decode)
+    if isinstance(executor, str) and executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS} or an Executor, got {executor!r}")
+    if not isinstance(executor, str) and not callable(getattr(executor, "run", None)):
+        raise TypeError(f"executor must be a name or an Executor, got {executor!r}")
+    return executor
+
+
+def _buffer_pool(collate: object, budget: MemoryBudget, waiting: int) -> BufferPool | None:
+    """The recycled batch buffers of the default collate (None for any other collate)."""
+    if collate is not DEFAULT_COLLATE:
+        return None
+    return BufferPool(
+        per_shape=budget.buffers_per_shape(waiting), max_bytes=budget.buffer_pool_bytes
+    )

@@ -46,9 +46,8 @@ from torch.utils.data import (
 
 from ._epochs import timeout_error
 from ._exceptions import LoaderTimeout
-from ._executors.process.arena import loader_arena
 from ._executors.process.executor import ProcessExecutor
-from ._loader import _SPARE_BUFFERS, DEFAULT_COLLATE, Loader, origin
+from ._loader import DEFAULT_COLLATE, Loader, origin
 from ._pipeline.collate import BufferPool, default_collate, make_collate
 from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import make_device_stage
@@ -64,7 +63,7 @@ from ._torch.workers import (
     WorkerStreams,
     check_threads,
 )  # fmt: skip
-from ._tuning.bounds import DEFAULT_MAX_BYTES
+from ._tuning.memory import MemoryBudget
 
 __all__ = ["DataLoader"]
 
@@ -335,7 +334,7 @@ class DataLoader(Loader[T]):
         self._workers = ProcessExecutor(
             self.num_workers, start_method=self._start_method,
             worker_init_fn=self._worker_setup,
-            arena_bytes=loader_arena(DEFAULT_MAX_BYTES), size_first=size_first, given=(read,),
+            arena_bytes=MemoryBudget().arena_bytes(), size_first=size_first, given=(read,),
             fork_like_torch=True,
         )  # fmt: skip
         return self._workers
@@ -361,7 +360,9 @@ class DataLoader(Loader[T]):
             # One call per batch, as torch makes it; batches run concurrently.
             plan = SamplerPlan(index_sampler, False, self.generator)  # type: ignore[arg-type]
             if collate_fn is DEFAULT_COLLATE:  # batches are collated in fetch threads, many at once
-                collate_fn = make_collate(BufferPool(per_shape=concurrency + _SPARE_BUFFERS))
+                collate_fn = make_collate(
+                    BufferPool(per_shape=MemoryBudget.buffers_per_shape(concurrency))
+                )
             plan.read_batches()
             return _batch_reader(getitems, collate_fn), plan
         plan = SamplerPlan(index_sampler, auto_collation, self.generator)  # type: ignore[arg-type]

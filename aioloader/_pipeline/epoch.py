@@ -139,7 +139,7 @@ class Epoch:
             else asyncio.Semaphore(ROWS_AHEAD_PER_WORKER * max(1, stages.limits()["decode"] or 1))
         )
         self._bytes = ByteBudget(
-            None if stages.max_bytes is None else stages.max_bytes - stages.pool_bytes,
+            stages.budget.in_flight_bytes(stages.pool_bytes),
             stages.sizes,
         )
         self._skipped = 0

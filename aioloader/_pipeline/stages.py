@@ -10,6 +10,7 @@ from typing import Any
 from .._executors.base import Executor, KeyedDecode, workers_of, writes_rows
 from .._observe.stats import LoaderStats, Recorder
 from .._tuning.bounds import ErrorPolicy, FixedConcurrency, SampleSizes, Tuner
+from .._tuning.memory import MemoryBudget
 from .collate import RowPlan, stacks
 from .fetch import Fetcher
 
@@ -59,7 +60,7 @@ class Stages:
     recorder: Recorder = field(default_factory=Recorder)
     tuner: Tuner | None = None
     errors: ErrorPolicy = field(default_factory=ErrorPolicy)
-    max_bytes: int | None = None
+    budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None))  # and its shares
     pool_bytes: int = 0  # of max_bytes, what the recycled batch buffers may keep
 
     rows: RowPlan | None = None  # set when process workers may write batch rows in place
@@ -97,7 +98,7 @@ class Stages:
             consumer_wait_s=rec.consumer_wait,
             data_bound_pct=100.0 * rec.consumer_wait / since if since > 0 else 0.0,
             ready_batches=rec.ready, held_samples=rec.held_samples, held_bytes=rec.held_bytes,
-            max_bytes_in_flight=self.max_bytes, concurrency=self.tuner.limit,
+            max_bytes_in_flight=self.budget.max_bytes, concurrency=self.tuner.limit,
             skipped=list(rec.skipped), skipped_count=rec.skipped_count, extra=extra,
             first_batch_s=rec.first_wait_s, reserved_bytes=rec.reserved_bytes,
             peak_held_bytes=rec.peak_held_bytes,
