@@ -89,6 +89,17 @@ class Epochs(Resumable, Generic[T]):
     def _timed_out(self, run: Epoch | Feed) -> LoaderTimeout:
         return timeout_error(f"no batch within timeout={self._timeout} s", run)
 
+    def _take(self, progress: Progress, t0: float, index: int, batch: Any) -> list[Any] | None:
+        """The consumer's step, for `for` and `async for` alike, once `(index, batch)` came after
+        waiting since `t0`: None at the epoch's end, else what to hand over (nothing for a batch
+        whose samples were all skipped)."""
+        self._stages.recorder.waited(t0, time.perf_counter())
+        if batch is END:
+            self._finished(progress)
+            return None
+        progress.delivered.add(index)
+        return [] if batch is SKIPPED else [self._hand_over(batch)]
+
     def _hand_over(self, batch: Any) -> Any:
         """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""
         if self._device is None or type(batch) is BatchFailed:
@@ -112,7 +123,6 @@ class Epochs(Resumable, Generic[T]):
         progress, groups = self._start()
         runner = self._runner()
         run = runner.run(self._open(groups, progress.epoch))
-        wait = self._stages.recorder.waited
         try:
             while True:
                 t0 = time.perf_counter()
@@ -124,12 +134,10 @@ class Epochs(Resumable, Generic[T]):
                     if self._closed:  # close() from elsewhere won the race with this wait
                         raise LoaderClosedError("the loader was closed") from None
                     raise
-                wait(t0, time.perf_counter())
-                if batch is END:
-                    return self._finished(progress)
-                progress.delivered.add(index)
-                handed = [] if batch is SKIPPED else [self._hand_over(batch)]
+                handed = self._take(progress, t0, index, batch)
                 del batch  # not held here while the consumer has it: its buffers can be reused
+                if handed is None:
+                    return
                 if handed:
                     yield handed.pop()  # a BatchFailed is raised by `_Batches`
         finally:
@@ -172,7 +180,6 @@ class Epochs(Resumable, Generic[T]):
         self, get: Callable[[], Awaitable[list[Any]]], progress: Progress, run: Epoch | Feed
     ) -> AsyncIterator[T]:
         """The epoch's batches; `get()` gives the next `(index, batch)` in a list (see `_boxed`)."""
-        wait = self._stages.recorder.waited
         while True:
             t0 = time.perf_counter()
             try:
@@ -187,13 +194,10 @@ class Epochs(Resumable, Generic[T]):
                 if self._closed and task is not None and not task.cancelling():
                     raise LoaderClosedError("the loader was closed") from None
                 raise
-            wait(t0, time.perf_counter())
-            if batch is END:
-                self._finished(progress)
-                return
-            progress.delivered.add(index)
-            handed = [] if batch is SKIPPED else [self._hand_over(batch)]
+            handed = self._take(progress, t0, index, batch)
             del batch  # not held here while the consumer has it: its buffers can be reused
+            if handed is None:
+                return
             if handed:
                 yield handed.pop()
 
