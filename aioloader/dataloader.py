@@ -167,54 +167,23 @@ class DataLoader(Loader[T]):
         self.generator = generator
         self.persistent_workers = persistent_workers
         self.in_order = in_order
-        self._workers: ProcessExecutor | None = None  # the worker processes, if any
-        self._len_called: int | None = None  # IterableDataset: len(dataset) when len(self) asked
-        self._yielded = 0  # batches handed over this epoch
-        self._epochs_started = 0
+        self._init_state()
         if device is None:
             self._warn_pin_memory()  # else the device stage checks pin_memory itself
         iterable = isinstance(dataset, IterableDataset)
-        if sampler is None and not iterable:
-            sampler = (
-                RandomSampler(dataset, generator=generator)  # type: ignore[arg-type]
-                if shuffle
-                else SequentialSampler(dataset)  # type: ignore[arg-type]
-            )
-        if batch_size is not None and batch_sampler is None and not iterable:
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.sampler = sampler
-        self.batch_sampler = batch_sampler
-        auto_collation = batch_sampler is not None or (iterable and batch_size is not None)
-        given_concurrency = concurrency
-        if concurrency is None:
-            concurrency = max(_DEFAULT_CONCURRENCY, num_workers * (prefetch_factor or 0))
-        if collate_fn is None and auto_collation:
-            self.collate_fn: Callable[[Any], Any] = default_collate
-            collate_fn = DEFAULT_COLLATE
-        else:
-            self.collate_fn = collate_fn = collate_fn or default_convert
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.sampler, self.batch_sampler = _samplers(
+            dataset, iterable, shuffle, sampler, batch_sampler, batch_size, drop_last, generator
+        )
+        auto_collation = self.batch_sampler is not None or (iterable and batch_size is not None)
+        self.collate_fn, collate_fn = _collates(collate_fn, auto_collation)
         processes = (
             num_workers > 0 and worker_mode == "process"
             and not inspect.iscoroutinefunction(dataset.__getitem__)
         )  # fmt: skip
-        decode: Callable[[Any], Any] | None = None
-        prefetch = max(2, prefetch_factor or 2)
-        executor: str | ProcessExecutor | StreamExecutor | RoundRobin = "inline"
-        if processes and iterable:
-            fetch, decode, executor, plan = self._streams(collate_fn, auto_collation)
-            auto_collation = False  # the workers collate
-        elif processes and auto_collation:
-            fetch, decode, executor, plan = self._whole_batches(collate_fn, threads, lazy)
-            auto_collation = False  # the workers collate
-            # torch's bound: `prefetch_factor` batches asked of each worker at most
-            concurrency = given_concurrency or num_workers * max(1, prefetch_factor or 0)
-            prefetch = 1  # batches asked for count those done: torch's bound, not twice it
-        else:
-            fetch, plan = self._plan_for(dataset, iterable, auto_collation, collate_fn, concurrency)
-            if processes:
-                fetch, decode, executor = self._per_item(collate_fn)
+        fetch, decode, executor, plan, auto_collation, concurrency, prefetch = self._wiring(
+            processes, iterable, auto_collation, collate_fn, concurrency, threads, lazy
+        )
         self._setup(
             plan, fetch, decode=decode,
             collate=collate_fn if auto_collation and not _reads_batches(plan) else None,
@@ -230,6 +199,48 @@ class DataLoader(Loader[T]):
         self._processes = processes
         warn_if_many_workers(num_workers)
         self._initialized = True
+
+    def _init_state(self) -> None:
+        self._workers: ProcessExecutor | None = None  # the worker processes, if any
+        self._len_called: int | None = None  # IterableDataset: len(dataset) when len(self) asked
+        self._yielded = 0  # batches handed over this epoch
+        self._epochs_started = 0
+
+    def _wiring(
+        self,
+        processes: bool,
+        iterable: bool,
+        auto_collation: bool,
+        collate_fn: Callable[..., Any],
+        concurrency: int | None,
+        threads: int,
+        lazy: bool,
+    ) -> tuple[Callable[[Any], Any], Callable[[Any], Any] | None, Any, Plan, bool, int, int]:
+        """(fetch, decode, executor, plan, auto_collation, concurrency, prefetch): where the dataset
+        is read (whole batches or streams in worker processes, items in them, or here)."""
+        num_workers, prefetch_factor = self.num_workers, self.prefetch_factor
+        given_concurrency = concurrency
+        if concurrency is None:
+            concurrency = max(_DEFAULT_CONCURRENCY, num_workers * (prefetch_factor or 0))
+        decode: Callable[[Any], Any] | None = None
+        prefetch = max(2, prefetch_factor or 2)
+        executor: str | ProcessExecutor | StreamExecutor | RoundRobin = "inline"
+        if processes and iterable:
+            fetch, decode, executor, plan = self._streams(collate_fn, auto_collation)
+            auto_collation = False  # the workers collate
+        elif processes and auto_collation:
+            fetch, decode, executor, plan = self._whole_batches(collate_fn, threads, lazy)
+            auto_collation = False  # the workers collate
+            # torch's bound: `prefetch_factor` batches asked of each worker at most
+            concurrency = given_concurrency or num_workers * max(1, prefetch_factor or 0)
+            prefetch = 1  # batches asked for count those done: torch's bound, not twice it
+        else:
+            fetch, plan = self._plan_for(
+                self.dataset, iterable, auto_collation, collate_fn, concurrency
+            )
+            if processes:
+                fetch, decode, executor = self._per_item(collate_fn)
+        return fetch, decode, executor, plan, auto_collation, concurrency, prefetch
 
     def _config(self) -> list[str]:
         """What `repr` shows: the arguments that shape the batches and the work, as given."""
@@ -444,3 +455,33 @@ def _batch_reader(
         return collate_fn(getitems(indices))
 
     return fetch
+
+
+def _samplers(
+    dataset: Any,
+    iterable: bool,
+    shuffle: bool | None,
+    sampler: Sampler[Any] | Iterable[Any] | None,
+    batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None,
+    batch_size: int | None,
+    drop_last: bool,
+    generator: torch.Generator | None,
+) -> tuple[Sampler[Any] | Iterable[Any] | None, Sampler[list[Any]] | Iterable[list[Any]] | None]:
+    """(sampler, batch_sampler) as torch's DataLoader makes them from its arguments."""
+    if sampler is None and not iterable:
+        sampler = (
+            RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        )
+    if batch_size is not None and batch_sampler is None and not iterable:
+        batch_sampler = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+    return sampler, batch_sampler
+
+
+def _collates(
+    collate_fn: Callable[[list[Any]], Any] | None, auto_collation: bool
+) -> tuple[Callable[[Any], Any], Any]:
+    """(the `collate_fn` attribute torch shows, the collate the loader runs)."""
+    if collate_fn is None and auto_collation:
+        return default_collate, DEFAULT_COLLATE
+    collate_fn = collate_fn or default_convert
+    return collate_fn, collate_fn
