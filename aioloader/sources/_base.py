@@ -20,7 +20,12 @@ class Source(Protocol):
     and `bind(rank=, world_size=)` once at construction, for a source that shards its own data
     (the loader then leaves the keys unsharded); `size(key)`, the bytes `fetch(key)` will return
     where the source knows them without I/O (from its listing; else None), which a byte budget
-    reserves before the fetch starts.
+    reserves before the fetch starts; `stats()`, a dict of counters shown in `loader.stats().extra`,
+    of which the loader reads: "throttles" and "retries" (running counts: a rise makes
+    `concurrency="auto"` back off, and `diagnose()` names throttling) and, for a source that reads
+    its samples ahead itself (tar shards), "shard_readers", "shard_reading", "shard_samples",
+    "shard_bytes", "shard_read_s", "shard_all_reading_s" and "shard_read_p50_s" / "_p95_s" /
+    "_p99_s", which then stand for the fetch stage.
     """
 
     def keys(self) -> Sequence[Any] | Iterable[Any] | AsyncIterable[Any]: ...

@@ -25,10 +25,11 @@ import aiohttp
 from .._exceptions import FetchError
 from .._observe.stats import _Stage, nbytes
 from ._redact import redact_url
+from ._remote import Remote
 from ._transport import Transport
 from .files import _Opening
 
-__all__ = ["ReadMeter", "interleave", "open_shard", "shuffled"]
+__all__ = ["SCHEMES", "ReadMeter", "interleave", "open_shard", "shuffled"]
 
 log = logging.getLogger("aioloader")
 
@@ -38,25 +39,45 @@ CHUNK = 1 << 20
 _READ_AHEAD = 32
 
 
+Options = Callable[[str], dict[str, Any]]  # a scheme's kind ("http", "s3") -> its source's options
+
+
+def _http(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+    if "http" not in remotes:
+        from .http import Http
+
+        remotes["http"] = Http([], **options("http"))
+    return remotes["http"], shard
+
+
+def _s3(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+    bucket, _, key = shard[5:].partition("/")
+    if f"s3:{bucket}" not in remotes:
+        from .s3 import S3
+
+        remotes[f"s3:{bucket}"] = S3(f"s3://{bucket}/", **options("s3"))
+    src = remotes[f"s3:{bucket}"]
+    return src, src.url(key)
+
+
+# URL scheme -> (the remote source that reads such shards, made once and kept in `remotes`; the
+# shard's URL there). A shard of another scheme, or a bare path, is a local file.
+SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]] = {
+    "http": _http,
+    "https": _http,
+    "s3": _s3,
+}
+
+
 async def open_shard(
-    shard: str, remotes: dict[str, Any], options: Callable[[str], dict[str, Any]]
+    shard: str, remotes: dict[str, Any], options: Options
 ) -> AsyncGenerator[bytes, None]:
     """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket)."""
-    if shard.startswith(("http://", "https://")):
-        if "http" not in remotes:
-            from .http import Http
-
-            remotes["http"] = Http([], **options("http"))
-        async for chunk in _remote(remotes["http"].transport, shard, shard):
-            yield chunk
-    elif shard.startswith("s3://"):
-        bucket, _, key = shard[5:].partition("/")
-        if f"s3:{bucket}" not in remotes:
-            from .s3 import S3
-
-            remotes[f"s3:{bucket}"] = S3(f"s3://{bucket}/", **options("s3"))
-        src = remotes[f"s3:{bucket}"]
-        async for chunk in _remote(src.transport, src.url(key), shard):
+    scheme, sep, _ = shard.partition("://")
+    reach = SCHEMES.get(scheme) if sep else None
+    if reach is not None:
+        src, url = reach(shard, remotes, options)
+        async for chunk in _remote(src.transport, url, shard):
             yield chunk
     else:
         path = Path(shard.removeprefix("file://"))

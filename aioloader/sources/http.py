@@ -16,8 +16,8 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from .._exceptions import InvalidKeyError
-from .._util.validate import check_int
 from ._redact import redact_url
+from ._remote import Remote, RemoteOptions
 from ._retry import (
     ATTEMPTS,
     BACKOFF,
@@ -25,8 +25,6 @@ from ._retry import (
     DEADLINE,
     MAX_BACKOFF,
     READ_TIMEOUT,
-    Retry,
-    Timeouts,
 )
 from ._transport import Transport
 
@@ -38,7 +36,7 @@ log = logging.getLogger("aioloader")
 _PATH_SAFE = "/~!$&'()*+,;=:@"
 
 
-class Http:
+class Http(Remote):
     """Objects served over HTTP(S), as a source. See `http()` for the arguments.
 
     `fetch(key)` returns the object's bytes in a `bytearray` (writable, so `torch.frombuffer` and
@@ -69,7 +67,10 @@ class Http:
         headers: Mapping[str, str] | None = None,
         engine: str = "aiohttp",
     ) -> None:
-        check_int("concurrency", concurrency, minimum=1)
+        options = RemoteOptions(
+            concurrency, connect_timeout, read_timeout, deadline, attempts, backoff, max_backoff,
+            ssl, engine,
+        )  # fmt: skip
         self._urls: dict[str, str] = {}
         if isinstance(urls_or_base, str):
             self._base, self._query = _split_base(urls_or_base)
@@ -80,12 +81,7 @@ class Http:
             self._base, self._query = "", ""
             self._keys = self._map_urls(urls_or_base)
         self.transport = Transport(
-            limit=concurrency,
-            timeouts=Timeouts(connect_timeout, read_timeout, deadline),
-            retry=Retry(attempts, backoff, max_backoff),
-            ssl=ssl,
-            headers=headers,
-            engine=engine,
+            limit=concurrency, headers=headers, **options.transport_options()
         )
 
     def _map_urls(self, urls: Sequence[str]) -> list[str]:
@@ -116,22 +112,6 @@ class Http:
         if not rel or "\x00" in rel or ".." in rel.split("/"):
             raise InvalidKeyError(f"key {key!r} is not a path under {redact_url(self._base)!r}")
         return self._base + quote(rel, safe=_PATH_SAFE) + self._query
-
-    async def fetch(self, key: str) -> bytearray:
-        """The whole object named by `key`."""
-        return await self.transport.get(self.url(key), key=key)
-
-    async def fetch_range(self, key: str, offset: int, length: int | None = None) -> bytearray:
-        """`length` bytes of the object from byte `offset` (to its end when `length` is None)."""
-        return await self.transport.get(self.url(key), key=key, offset=offset, length=length)
-
-    def stats(self) -> dict[str, int]:
-        """Requests sent, retries, failed samples and body bytes read so far."""
-        return dict(self.transport.counts)
-
-    async def aclose(self) -> None:
-        """Close the connection pool. Idempotent; a later fetch opens a new one."""
-        await self.transport.aclose()
 
 
 def _check_http_url(url: str) -> None:

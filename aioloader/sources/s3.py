@@ -20,6 +20,7 @@ from .._exceptions import FetchError, InvalidKeyError
 from .._tuning.aimd import Aimd
 from .._util.validate import check_int
 from ._redact import redact_url
+from ._remote import Remote, RemoteOptions
 from ._retry import (
     ATTEMPTS,
     BACKOFF,
@@ -27,8 +28,6 @@ from ._retry import (
     DEADLINE,
     MAX_BACKOFF,
     READ_TIMEOUT,
-    Retry,
-    Timeouts,
 )
 from ._s3auth import AwsConfig, Signer, bucket_base, list_query, parse_listing, parse_s3_url
 from ._transport import Transport
@@ -36,7 +35,7 @@ from ._transport import Transport
 __all__ = ["S3", "s3"]
 
 
-class S3:
+class S3(Remote):
     """The objects under an S3 prefix, as a source. See `s3()` for the arguments.
 
     `keys()` lists every object now (sorted, blocking); `iter_keys()` streams the listing page by page
@@ -74,7 +73,10 @@ class S3:
         ssl: _ssl.SSLContext | bool = True,
         engine: str = "aiohttp",
     ) -> None:
-        check_int("concurrency", concurrency, minimum=1)
+        options = RemoteOptions(
+            concurrency, connect_timeout, read_timeout, deadline, attempts, backoff, max_backoff,
+            ssl, engine,
+        )  # fmt: skip
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_s3_url(url)
         self._given = None if keys is None else list(keys)
@@ -90,12 +92,9 @@ class S3:
         self.page_size = min(page_size, 1000)
         self.stream_keys = stream_keys
         self._options: dict[str, Any] = {
-            "timeouts": Timeouts(connect_timeout, read_timeout, deadline),
-            "retry": Retry(attempts, backoff, max_backoff),
-            "ssl": ssl,
+            **options.transport_options(),
             "sign": self.signer,
             "redirects": False,
-            "engine": engine,
             "dns_hint": _endpoint_hint(endpoint_url, endpoint_from),
         }
         self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
@@ -187,21 +186,9 @@ class S3:
         """The size of object `key` as last listed (None for keys given, or not listed yet)."""
         return self._sizes.get(key)
 
-    async def fetch(self, key: str) -> bytearray:
-        """The whole object `key`."""
-        return await self.transport.get(self.url(key), key=key)
-
-    async def fetch_range(self, key: str, offset: int, length: int | None = None) -> bytearray:
-        """`length` bytes of object `key` from byte `offset` (to its end when `length` is None)."""
-        return await self.transport.get(self.url(key), key=key, offset=offset, length=length)
-
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit and the request counters."""
         return {**self.transport.counts, **self.limiter.stats()}
-
-    async def aclose(self) -> None:
-        """Close the connection pool. Idempotent."""
-        await self.transport.aclose()
 
 
 def _endpoint_hint(endpoint_url: str | None, endpoint_from: str) -> str:
