@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import threading
@@ -12,22 +10,23 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._epochs import Epochs
-from ._executors.base import (
-    Executor,
-    KeyedDecode,
-    ThreadExecutor,
-    stats_of,
-    workers_of,
-    writes_rows,
+from ._arguments import (
+    DEFAULT_COLLATE,
+    _name,
+    buffer_pool,
+    executor_named,
+    is_map_style,
+    keyed,
+    origin,
 )
-from ._executors.choose import EXECUTORS, auto_executor
+from ._epochs import Epochs
+from ._executors.base import Executor, ThreadExecutor, stats_of, workers_of, writes_rows
 from ._executors.fetch_in_workers import FetchDecode, in_workers
 from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
-from ._pipeline.collate import BufferPool, make_collate
+from ._pipeline.collate import make_collate
 from ._pipeline.epoch import Epoch
 from ._pipeline.fetch import Fetcher
 from ._pipeline.handover import LoopThread
@@ -46,15 +45,6 @@ __all__ = ["DEFAULT_COLLATE", "Loader"]
 
 T = TypeVar("T")
 logger = logging.getLogger("aioloader")
-
-
-class _DefaultCollate:
-    def __repr__(self) -> str:
-        return "DEFAULT_COLLATE"
-
-
-DEFAULT_COLLATE: Any = _DefaultCollate()
-"""Collate like torch's default_collate, into recycled batch buffers (the default)."""
 
 
 class Loader(Epochs[T]):
@@ -164,7 +154,7 @@ class Loader(Epochs[T]):
         if isinstance(keys, Source):
             source, key_list = keys, keys.keys()
             fetch = fetch or keys.fetch
-        elif fetch is None and _is_map_style(keys):
+        elif fetch is None and is_map_style(keys):
             key_list, fetch = range(len(keys)), keys.__getitem__  # type: ignore[arg-type,index]
             described = origin(keys)  # a dataset
         else:
@@ -191,7 +181,7 @@ class Loader(Epochs[T]):
             key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last,
         )  # fmt: skip
-        decode = _keyed(decode, decode_with_key)
+        decode = keyed(decode, decode_with_key)
         owned = False
         if fetch_in_workers:
             fetch, decode, executor, owned = in_workers(
@@ -241,9 +231,9 @@ class Loader(Epochs[T]):
             concurrency, is_async=is_async_callable(fetch), recorder=recorder, max_bytes=max_bytes,
             source=source,
         )  # fmt: skip
-        executor = _executor_named(executor, decode)
+        executor = executor_named(executor, decode)
         budget = MemoryBudget(max_bytes)
-        self._pool = _buffer_pool(collate, budget, budget.waiting_batches(
+        self._pool = buffer_pool(collate, budget, budget.waiting_batches(
             prefetch, plan.group_size, concurrency
         ))  # fmt: skip
         if self._pool is not None:
@@ -389,67 +379,3 @@ class Loader(Epochs[T]):
         if self._device is not None:
             extra["transfer"] = self._device.stats()
         return extra
-
-
-def origin(keys: object, source: Source | None = None, fetch: object = None) -> str:
-    """Where a loader's samples come from, for its repr: its source, or its keys and fetch."""
-    if source is not None and keys is source:
-        return f"source={source!r}"
-    what = repr(keys) if isinstance(keys, range) else f"<{type(keys).__name__}>"
-    with contextlib.suppress(TypeError):
-        if not isinstance(keys, range):
-            what = f"<{type(keys).__name__} of {len(keys)}>"  # type: ignore[arg-type]
-    if fetch is None:
-        return f"dataset={what}"
-    return f"keys={what}, fetch={_name(fetch)}"
-
-
-def _name(fn: object) -> str:
-    """A callable's qualified name (a decode given the key says so), else its repr."""
-    if isinstance(fn, KeyedDecode):
-        return f"{_name(fn.fn)} (with key)"
-    if isinstance(fn, functools.partial):
-        return f"partial({_name(fn.func)})"
-    name = getattr(fn, "__qualname__", None)
-    return name if isinstance(name, str) else type(fn).__name__ if callable(fn) else repr(fn)
-
-
-def _keyed(decode: Callable[..., Any] | None, with_key: bool) -> Callable[[Any], Any] | None:
-    """`decode`, or with `decode_with_key=True` the decode that is given `(key, raw)`."""
-    if not isinstance(with_key, bool):
-        raise TypeError(f"decode_with_key must be True or False, got {with_key!r}")
-    check_callable("decode", decode, optional=True)
-    if not with_key:
-        return decode
-    if decode is None:
-        raise ValueError("decode_with_key=True needs a decode, called as decode(key, raw)")
-    return KeyedDecode(decode)
-
-
-def _is_map_style(obj: object) -> bool:
-    """A map-style dataset: indexable with a length, but not itself a sequence of keys."""
-    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, Sequence)
-
-
-def _executor_named(
-    executor: str | Executor | None, decode: Callable[..., Any] | None
-) -> str | Executor:
-    """The executor to run decode: a name of `EXECUTORS` ("auto" resolved) or an `Executor`."""
-    if executor is None:
-        executor = "inline" if decode is None else "auto"
-    if executor == "auto":
-        executor = auto_executor(decode)
-    if isinstance(executor, str) and executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS} or an Executor, got {executor!r}")
-    if not isinstance(executor, str) and not callable(getattr(executor, "run", None)):
-        raise TypeError(f"executor must be a name or an Executor, got {executor!r}")
-    return executor
-
-
-def _buffer_pool(collate: object, budget: MemoryBudget, waiting: int) -> BufferPool | None:
-    """The recycled batch buffers of the default collate (None for any other collate)."""
-    if collate is not DEFAULT_COLLATE:
-        return None
-    return BufferPool(
-        per_shape=budget.buffers_per_shape(waiting), max_bytes=budget.buffer_pool_bytes
-    )

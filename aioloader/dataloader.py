@@ -44,10 +44,11 @@ from torch.utils.data import (
     graph_settings,
 )
 
+from ._arguments import DEFAULT_COLLATE, origin
 from ._epochs import timeout_error
 from ._exceptions import LoaderTimeout
 from ._executors.process.executor import ProcessExecutor
-from ._loader import DEFAULT_COLLATE, Loader, origin
+from ._loader import Loader
 from ._pipeline.collate import BufferPool, default_collate, make_collate
 from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import make_device_stage
