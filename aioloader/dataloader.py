@@ -54,16 +54,8 @@ from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import make_device_stage
 from ._torch.arguments import check_arguments, check_context, warn_if_many_workers
 from ._torch.sampler import SamplerPlan, draw_seed
-from ._torch.workers import (
-    ReadItem,
-    ReadSamples,
-    ReadStream,
-    RoundRobin,
-    StreamExecutor,
-    WorkerSetup,
-    WorkerStreams,
-    check_threads,
-)  # fmt: skip
+from ._torch.streams import ReadStream, StreamExecutor, WorkerStreams
+from ._torch.workers import ReadItem, ReadSamples, RoundRobin, WorkerSetup, check_threads
 from ._tuning.memory import MemoryBudget
 
 __all__ = ["DataLoader"]

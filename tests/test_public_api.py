@@ -1,4 +1,4 @@
-"""The public surface is exactly what `__all__` says (as trio and httpx check theirs)."""
+"""The public surface is exactly what `__all__` says."""
 
 from __future__ import annotations
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,13 +29,10 @@ import torch
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 
-from .._exceptions import StateError, WorkerDied
+from .._exceptions import WorkerDied
 from .._executors.process import carve as _carve
 from .._executors.process.executor import ProcessExecutor
 from .._pipeline.collate import make_collate
-from .._pipeline.order import Group
-from .._pipeline.stages import Gap
-from .._util.ranges import Ranges
 from .._util.threads import (
     GROW_AFTER_S,
     IDLE_TO_GROW,
@@ -47,8 +43,8 @@ from .._util.threads import (
 )
 
 __all__ = [
-    "AUTO_THREADS", "Exhausted", "ReadItem", "ReadSamples", "ReadStream", "RoundRobin",
-    "StreamExecutor", "WorkerSetup", "WorkerStreams", "check_threads",
+    "AUTO_THREADS", "ReadItem", "ReadSamples", "RoundRobin", "WorkerSetup", "check_threads",
+    "collate_here", "keep_freed_memory", "publish",
 ]  # fmt: skip
 
 # threads_per_worker="auto": one to begin with, more while reads block, up to this many in all the
@@ -78,7 +74,7 @@ class WorkerSetup:
         random.seed(seed)
         generate = torch_worker._generate_state  # numpy's seed, as torch's workers derive it
         np.random.seed(generate(self.base_seed, worker_id))  # type: ignore[no-untyped-call]
-        _publish(self.dataset)
+        publish(self.dataset)
         if isinstance(self.dataset, IterDataPipe | MapDataPipe):  # each worker its shard, as torch
             world, rank = _world()
             graph_settings.apply_sharding(
@@ -97,7 +93,7 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
-def _publish(dataset: Any) -> None:
+def publish(dataset: Any) -> None:
     """Make `get_worker_info()` describe this worker, with the dataset the reads run on."""
     if _worker and torch_worker._worker_info is None:
         torch_worker._worker_info = torch_worker.WorkerInfo(
@@ -113,7 +109,7 @@ class ReadItem:
         self.dataset, self.convert = dataset, convert
 
     def __call__(self, index: Any) -> Any:
-        _publish(self.dataset)
+        publish(self.dataset)
         item = self.dataset[index]
         return item if self.convert is None else self.convert(item)
 
@@ -163,7 +159,7 @@ class ReadSamples:
 
     def __call__(self, key: tuple[int, list[Any]]) -> Any:
         _, indices = key
-        _publish(self.dataset)
+        publish(self.dataset)
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             samples = getitems(indices)
@@ -278,139 +274,7 @@ class _Readers:
         return await asyncio.gather(*runs, return_exceptions=True)
 
 
-class Exhausted(Gap):
-    """What a worker answers for a batch past the end of its replica's stream (no batch at all)."""
-
-
-class _Stream:
-    """One worker's pass over its replica of an IterableDataset, batch by batch."""
-
-    def __init__(self, items: Iterator[Any], epoch: int) -> None:
-        self.items, self.epoch = items, epoch
-        self.made = 0  # batches taken from `items` so far (Exhausted ones included)
-        self.ahead: dict[int, Any] = {}  # made before they were asked for
-        self.ended = False
-
-
-# Batches made before they were asked for that a worker keeps: requests overtake each other by
-# fewer than this. One asked for later than that is made again from a fresh iterator (slow, right).
-_AHEAD_MAX = 64
-_streams: dict[str, _Stream] = {}  # in a worker: a DataLoader's token -> this epoch's stream
-
-
-class ReadStream:
-    """(epoch, n) -> batch n of this worker's replica of an IterableDataset, or `Exhausted`.
-
-    torch's rules: each worker iterates its own copy of the dataset (sharding by
-    `get_worker_info()` is the dataset's business) and makes batches of `batch_size` consecutive
-    items with `collate` (drop_last drops a short last batch); without a batch size each item is
-    `collate`d alone. The parent asks every worker for its batches in order, but requests may
-    arrive out of order or again after the worker was replaced: a batch asked for early is made
-    (and kept) in turn, and a new worker, or a new epoch, starts a fresh iterator and skips to n.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        batch_size: int | None,
-        drop_last: bool,
-        collate: Callable[[Any], Any] | None,
-        token: str,
-    ) -> None:
-        self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
-        self.collate, self.token = collate, token  # collate None: the default (`collate_here`)
-
-    def __call__(self, key: tuple[int, int, int | None]) -> Any:
-        epoch, n, pipe_seed = key
-        _publish(self.dataset)
-        stream = _streams.get(self.token)
-        if stream is None or stream.epoch != epoch or (n < stream.made and n not in stream.ahead):
-            if pipe_seed is not None:  # a datapipe's random ops, from the epoch's shared seed
-                graph_settings.apply_random_seed(
-                    self.dataset, torch.Generator().manual_seed(pipe_seed)
-                )
-            stream = _streams[self.token] = _Stream(iter(self.dataset), epoch)
-        if n in stream.ahead:
-            return stream.ahead.pop(n)
-        while True:
-            batch, m = self._next(stream), stream.made
-            stream.made += 1
-            if m == n:
-                return batch
-            if n - m <= _AHEAD_MAX:
-                stream.ahead[m] = batch
-
-    def _next(self, stream: _Stream) -> Any:
-        if stream.ended:
-            return Exhausted()
-        if self.batch_size is None:
-            try:
-                return collate_here(self.collate, next(stream.items))
-            except StopIteration:
-                stream.ended = True
-                return Exhausted()
-        items = list(itertools.islice(stream.items, self.batch_size))
-        if len(items) < self.batch_size:
-            stream.ended = True
-            if not items or self.drop_last:
-                return Exhausted()
-        keep_freed_memory(items)
-        return collate_here(self.collate, items)
-
-
 # -- the parent's side of an IterableDataset read in workers ------------------------------------------
-
-
-class WorkerStreams:
-    """The plan of an IterableDataset read in `workers` processes: one key `(worker, epoch, n,
-    seed)` per batch, round robin over the workers whose stream has not ended, which is the order torch's
-    DataLoader takes batches from its workers in. `StreamExecutor` marks a worker ended when it
-    answers `Exhausted`; keys asked of it after its end come back as gaps and are dropped."""
-
-    group_size = 1
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self.ended: set[int] = set()
-        self.pipe_seed: int | None = None  # an IterDataPipe's shared seed for this epoch
-
-    def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
-        return self._groups(epoch, consumed)
-
-    def _groups(self, epoch: int, consumed: Ranges) -> Iterator[Group]:
-        if consumed:
-            raise StateError(
-                "states: an IterableDataset read in worker processes cannot resume mid-epoch",
-                field="consumed",
-            )
-        self.ended = set()
-        index = 0
-        for n in itertools.count():
-            live = [w for w in range(self.workers) if w not in self.ended]
-            if not live:
-                return
-            for worker in live:
-                if worker not in self.ended:
-                    yield Group(index, [(index, (worker, epoch, n, self.pipe_seed))], False)
-                    index += 1
-
-    def __len__(self) -> int:
-        raise TypeError("an IterableDataset has no length")
-
-    def rank_and_world(self) -> tuple[int, int]:
-        return 0, 1
-
-    def snapshot(self) -> dict[str, Any]:
-        return {}
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        pass
-
-    def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
-        raise StateError(
-            "states: an IterableDataset read in worker processes has no elastic resume",
-            field="world_size",
-        )
 
 
 class RoundRobin:
@@ -443,25 +307,3 @@ class RoundRobin:
 def _short(indices: list[Any], most: int = 16) -> str:
     shown = ", ".join(map(repr, indices[:most]))
     return f"[{shown}, ... {len(indices)} in all]" if len(indices) > most else f"[{shown}]"
-
-
-class StreamExecutor:
-    """Sends each `(worker, epoch, n, seed)` to that worker of `pool`, and tells `plan` which ended
-    (`seed`: an IterDataPipe's shared seed for the epoch, else None)."""
-
-    def __init__(self, pool: ProcessExecutor, plan: WorkerStreams) -> None:
-        self.pool, self.plan = pool, plan
-        self.workers = pool.workers
-
-    async def run(self, fn: Callable[[Any], Any], key: Any, seed: int | None = None) -> Any:
-        worker, epoch, n, pipe_seed = key
-        result = await self.pool.run(fn, (epoch, n, pipe_seed), seed, worker=worker)
-        if isinstance(result, Exhausted):
-            self.plan.ended.add(worker)
-        return result
-
-    def stats(self) -> dict[str, int]:
-        return self.pool.stats()
-
-    def close(self) -> None:
-        self.pool.close()

@@ -28,9 +28,7 @@ memory (the worker pickles the result through its pipe): slower, never blocking,
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import mmap
 import os
 import secrets
 import threading
@@ -40,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from .slab_memory import Buffer, map_shared, parent_only
+
 __all__ = [
     "NAME_PREFIX",
     "SHM_DIR",
@@ -47,8 +47,6 @@ __all__ = [
     "Slot",
     "arena_budget",
     "check_room",
-    "parent_only",
-    "parent_only_fds",
     "size_class",
 ]
 
@@ -58,26 +56,6 @@ NAME_PREFIX = "aioloader-"
 SLAB_BYTES = 16 << 20
 SLOTS_PER_SLAB = 32
 _PAGE = 4096
-
-
-_parent_only: set[int] = set()
-_parent_only_lock = threading.Lock()
-
-
-def parent_only(fd: int, keep: bool = True) -> None:
-    """Mark `fd` as one that a process forked later from this one must close (see `zygote.py`).
-
-    keep=False forgets it (call it before closing `fd`). Slab descriptors, workers' sockets and
-    lifelines are marked, so that a zygote never keeps another pool's memory or pipes alive.
-    """
-    with _parent_only_lock:
-        (_parent_only.add if keep else _parent_only.discard)(fd)
-
-
-def parent_only_fds() -> set[int]:
-    """The descriptors marked by `parent_only`."""
-    with _parent_only_lock:
-        return set(_parent_only)
 
 
 def size_class(nbytes: int) -> int:
@@ -101,35 +79,6 @@ def check_room(nbytes: int, path: str = SHM_DIR) -> None:
         )
 
 
-_libc = ctypes.CDLL(None, use_errno=True)  # a private handle: its prototypes are ours alone
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
-]  # fmt: skip
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_Buffer = ctypes.Array[ctypes.c_char]
-
-
-def _map_shared(fd: int, size: int) -> tuple[_Buffer, weakref.finalize[Any, Any]]:
-    """Map `size` bytes of `fd` read-write and shared; the mapping keeps no descriptor.
-
-    Returns a ctypes array over the mapping and the finalizer that unmaps it: it runs once the
-    array is garbage (every numpy array made over it holds it as its base), or when called.
-    """
-    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
-    addr = _libc.mmap(None, size, prot, flags, fd, 0)
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of a {size}-byte slab failed: {os.strerror(err)}")
-    buf = (ctypes.c_char * size).from_address(addr)
-    unmap = weakref.finalize(buf, _libc.munmap, addr, size)
-    unmap.atexit = False  # at exit the process unmaps it: a view may still be read until then
-    return buf, unmap
-
-
 class _Slab:
     __slots__ = ("buf", "closed", "fd", "free", "id", "pinned", "size", "slot_size", "unmap")
 
@@ -142,8 +91,8 @@ class _Slab:
         self.fd = os.open(path, flags, 0o600)
         try:
             os.ftruncate(self.fd, self.size)
-            self.buf: _Buffer | None
-            self.buf, self.unmap = _map_shared(self.fd, self.size)
+            self.buf: Buffer | None
+            self.buf, self.unmap = map_shared(self.fd, self.size)
         except BaseException:
             os.close(self.fd)
             raise
@@ -177,7 +126,7 @@ class _Slab:
         self.buf = None
         self.unmap()
 
-    def buffer(self) -> _Buffer:
+    def buffer(self) -> Buffer:
         """The ctypes array over the mapping (ValueError once an idle slab was unmapped)."""
         buf = self.buf
         if buf is None:

@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 import torch
 
 from . import wire
-from .arena import Arena, Slot, parent_only
+from .arena import Arena, Slot
+from .slab_memory import parent_only
 
 __all__ = [
     "INLINE_MAX",

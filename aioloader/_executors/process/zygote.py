@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .arena import parent_only, parent_only_fds
+from .slab_memory import parent_only, parent_only_fds
 from .worker import die_with_parent
 
 __all__ = ["Zygote", "ZygoteProcess", "zygote_allowed"]
