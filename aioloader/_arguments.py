@@ -9,21 +9,12 @@ from typing import Any
 
 from ._executors.base import Executor, KeyedDecode
 from ._executors.choose import EXECUTORS, auto_executor
-from ._pipeline.collate import BufferPool
+from ._pipeline.collate import DEFAULT_COLLATE, BufferPool
 from ._tuning.memory import MemoryBudget
 from ._util.validate import check_callable
 from .sources import Source
 
-__all__ = ["DEFAULT_COLLATE", "buffer_pool", "executor_named", "is_map_style", "keyed", "origin"]
-
-
-class _DefaultCollate:
-    def __repr__(self) -> str:
-        return "DEFAULT_COLLATE"
-
-
-DEFAULT_COLLATE: Any = _DefaultCollate()
-"""Collate like torch's default_collate, into recycled batch buffers (the default)."""
+__all__ = ["buffer_pool", "executor_named", "is_map_style", "keyed", "origin"]
 
 
 def origin(keys: object, source: Source | None = None, fetch: object = None) -> str:

@@ -10,15 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._arguments import (
-    DEFAULT_COLLATE,
-    _name,
-    buffer_pool,
-    executor_named,
-    is_map_style,
-    keyed,
-    origin,
-)
+from ._arguments import _name, buffer_pool, executor_named, is_map_style, keyed, origin
 from ._epochs import Epochs
 from ._executors.base import Executor, ThreadExecutor, stats_of, workers_of, writes_rows
 from ._executors.fetch_in_workers import FetchDecode, in_workers
@@ -26,7 +18,7 @@ from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
-from ._pipeline.collate import make_collate
+from ._pipeline.collate import DEFAULT_COLLATE, make_collate
 from ._pipeline.epoch import Epoch
 from ._pipeline.fetch import Fetcher
 from ._pipeline.handover import LoopThread

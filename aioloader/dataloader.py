@@ -23,9 +23,7 @@ Async datasets: a map-style dataset whose `__getitem__` is a coroutine function
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
-import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable
@@ -33,26 +31,24 @@ from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import (
-    BatchSampler,
     Dataset,
     IterableDataset,
     IterDataPipe,
-    RandomSampler,
     Sampler,
-    SequentialSampler,
-    default_convert,
     graph_settings,
 )
 
-from ._arguments import DEFAULT_COLLATE, origin
+from ._arguments import origin
 from ._epochs import timeout_error
 from ._exceptions import LoaderTimeout
 from ._executors.process.executor import ProcessExecutor
 from ._loader import Loader
-from ._pipeline.collate import BufferPool, default_collate, make_collate
+from ._pipeline.collate import DEFAULT_COLLATE, BufferPool, make_collate
 from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import make_device_stage
 from ._torch.arguments import check_arguments, check_context, warn_if_many_workers
+from ._torch.defaults import collates, samplers
+from ._torch.reads import WorkerIds, batch_reader, converting, reads_batches
 from ._torch.sampler import SamplerPlan, draw_seed
 from ._torch.streams import ReadStream, StreamExecutor, WorkerStreams
 from ._torch.workers import ReadItem, ReadSamples, RoundRobin, WorkerSetup, check_threads
@@ -65,20 +61,6 @@ T = TypeVar("T")
 _DEFAULT_CONCURRENCY = 16
 # set after construction, these raise ValueError (as in torch: the plan is made from them)
 _FIXED = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-
-
-class _WorkerIds:
-    """Calls `worker_init_fn(0)`, `worker_init_fn(1)`, ... once in each fetch thread as it starts."""
-
-    def __init__(self, fn: Callable[[int], None]) -> None:
-        self.fn = fn
-        self._next = itertools.count()
-        self._lock = threading.Lock()
-
-    def __call__(self) -> None:
-        with self._lock:
-            worker_id = next(self._next)
-        self.fn(worker_id)
 
 
 async def _same(item: Any) -> Any:
@@ -165,11 +147,11 @@ class DataLoader(Loader[T]):
             self._warn_pin_memory()  # else the device stage checks pin_memory itself
         iterable = isinstance(dataset, IterableDataset)
         self.batch_size, self.drop_last = batch_size, drop_last
-        self.sampler, self.batch_sampler = _samplers(
+        self.sampler, self.batch_sampler = samplers(
             dataset, iterable, shuffle, sampler, batch_sampler, batch_size, drop_last, generator
         )
         auto_collation = self.batch_sampler is not None or (iterable and batch_size is not None)
-        self.collate_fn, collate_fn = _collates(collate_fn, auto_collation)
+        self.collate_fn, collate_fn = collates(collate_fn, auto_collation)
         processes = (
             num_workers > 0 and worker_mode == "process"
             and not inspect.iscoroutinefunction(dataset.__getitem__)
@@ -179,10 +161,10 @@ class DataLoader(Loader[T]):
         )
         self._setup(
             plan, fetch, decode=decode,
-            collate=collate_fn if auto_collation and not _reads_batches(plan) else None,
+            collate=collate_fn if auto_collation and not reads_batches(plan) else None,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order,
             executor=executor, workers=None, timeout=timeout or None, use_caller_loop=False,
-            fetch_initializer=_WorkerIds(worker_init_fn) if worker_init_fn and not processes
+            fetch_initializer=WorkerIds(worker_init_fn) if worker_init_fn and not processes
             else None,
             device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
@@ -357,7 +339,7 @@ class DataLoader(Loader[T]):
             plan = KeyPlan(
                 KeyOrder(dataset, shuffle=False, seed=0), self.batch_size, self.drop_last
             )
-            return (_same if auto_collation else _converting(collate_fn)), plan
+            return (_same if auto_collation else converting(collate_fn)), plan
         index_sampler = self.batch_sampler if auto_collation else self.sampler
         getitems = getattr(dataset, "__getitems__", None)
         if auto_collation and getitems:
@@ -368,12 +350,12 @@ class DataLoader(Loader[T]):
                     BufferPool(per_shape=MemoryBudget.buffers_per_shape(concurrency))
                 )
             plan.read_batches()
-            return _batch_reader(getitems, collate_fn), plan
+            return batch_reader(getitems, collate_fn), plan
         plan = SamplerPlan(index_sampler, auto_collation, self.generator)  # type: ignore[arg-type]
         getitem = dataset.__getitem__
         if auto_collation or inspect.iscoroutinefunction(getitem):
             return getitem, plan
-        return _converting(collate_fn, getitem), plan
+        return converting(collate_fn, getitem), plan
 
     def _warn_pin_memory(self) -> None:
         if self.pin_memory and self.pin_memory_device:
@@ -424,57 +406,3 @@ class DataLoader(Loader[T]):
         if self.batch_size is None:
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
-
-
-def _reads_batches(plan: Plan) -> bool:
-    return bool(getattr(plan, "reads_batches", False))
-
-
-def _converting(
-    convert: Callable[[Any], Any], read: Callable[[Any], Any] | None = None
-) -> Callable[[Any], Any]:
-    """Apply torch's per-sample `collate_fn` (default_convert) when auto-collation is off."""
-
-    def fetch(key: Any) -> Any:
-        return convert(read(key) if read is not None else key)
-
-    return fetch
-
-
-def _batch_reader(
-    getitems: Callable[[list[Any]], list[Any]], collate_fn: Callable[[list[Any]], Any]
-) -> Callable[[list[Any]], Any]:
-    def fetch(indices: list[Any]) -> Any:
-        return collate_fn(getitems(indices))
-
-    return fetch
-
-
-def _samplers(
-    dataset: Any,
-    iterable: bool,
-    shuffle: bool | None,
-    sampler: Sampler[Any] | Iterable[Any] | None,
-    batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None,
-    batch_size: int | None,
-    drop_last: bool,
-    generator: torch.Generator | None,
-) -> tuple[Sampler[Any] | Iterable[Any] | None, Sampler[list[Any]] | Iterable[list[Any]] | None]:
-    """(sampler, batch_sampler) as torch's DataLoader makes them from its arguments."""
-    if sampler is None and not iterable:
-        sampler = (
-            RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
-        )
-    if batch_size is not None and batch_sampler is None and not iterable:
-        batch_sampler = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
-    return sampler, batch_sampler
-
-
-def _collates(
-    collate_fn: Callable[[list[Any]], Any] | None, auto_collation: bool
-) -> tuple[Callable[[Any], Any], Any]:
-    """(the `collate_fn` attribute torch shows, the collate the loader runs)."""
-    if collate_fn is None and auto_collation:
-        return default_collate, DEFAULT_COLLATE
-    collate_fn = collate_fn or default_convert
-    return collate_fn, collate_fn

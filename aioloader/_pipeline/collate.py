@@ -27,7 +27,24 @@ from torch.utils.data._utils.collate import default_collate_fn_map as _torch_fn_
 from .._exceptions import CollateError
 from .._executors.base import RowWriter
 
-__all__ = ["BufferPool", "Buffers", "RowPlan", "default_collate", "make_collate", "stacks"]
+__all__ = [
+    "DEFAULT_COLLATE",
+    "BufferPool",
+    "Buffers",
+    "RowPlan",
+    "default_collate",
+    "make_collate",
+    "stacks",
+]
+
+
+class _DefaultCollate:
+    def __repr__(self) -> str:
+        return "DEFAULT_COLLATE"
+
+
+DEFAULT_COLLATE: Any = _DefaultCollate()
+"""Collate like torch's default_collate, into recycled batch buffers (the default)."""
 
 _CollateFnMap = dict[type | tuple[type, ...], Callable[..., Any]]
 
