@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 import pytest
+from fakecuda import FakeBackend
 from fakes import FakeSource
-from test_transfer import FakeBackend
 
 from aioloader import Loader
 from aioloader._observe.stats import STAGES, LoaderStats, NullRecorder, Recorder, _Stage

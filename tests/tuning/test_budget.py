@@ -16,7 +16,7 @@ import pytest
 from aioloader import Loader, sources
 from aioloader._tuning.bounds import ByteBudget
 
-SCRIPT = Path(__file__).parent / "scripts" / "budget_rss.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "budget_rss.py"
 BUDGET_MB = 200
 # Beyond the budget: the batch the consumer holds (4 x 10 MB), and one sample's worth of pages the
 # allocator has not handed back yet. (Before the budget gave freed memory back, glibc's per-thread
@@ -46,7 +46,7 @@ def test_budget_bounds_peak_rss_growth() -> None:
 def test_budget_bounds_the_memory_of_a_process_pool() -> None:
     # Decoded in worker processes, samples land in the pool's shared memory, which the same budget
     # bounds (its arena is max_bytes_in_flight at most, and the samples in it are counted as held).
-    script = Path(__file__).parent / "scripts" / "budget_pss.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "budget_pss.py"
     budget_mb, sample_mb, batch = 100, 10, 4
     done = subprocess.run(
         [sys.executable, str(script), str(budget_mb), str(sample_mb), str(batch)],

@@ -16,7 +16,7 @@ from aioloader import Loader
 from aioloader._observe.profile import SAMPLE_INTERVAL_S, Sampler, draw, figure, plot, series
 from aioloader._observe.progress import live_line
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str, cwd: Path = TESTS) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 # A subprocess is polled for its "saved" line at this period (a process boundary).
 POLL_S = 0.05
