@@ -1,1 +1,1 @@
-"""Limits that move or hold: the bounds an epoch keeps, and the climbers that tune concurrency and workers."""
+"""Limits that move or hold: the bounds an epoch keeps, the byte budget's split, the controllers."""
