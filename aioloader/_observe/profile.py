@@ -15,13 +15,10 @@ import itertools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .progress import with_progress
+from .progress import Observed, with_progress
 from .stats import STAGES, LoaderStats
-
-if TYPE_CHECKING:
-    from .._loader import Loader
 
 __all__ = ["PANELS", "SAMPLE_INTERVAL_S", "Sampler", "draw", "figure", "plot", "series"]
 
@@ -29,10 +26,16 @@ SAMPLE_INTERVAL_S = 0.1
 MATPLOTLIB_MISSING = "matplotlib is not installed: no plot (pip install 'aioloader[profile]')"
 
 
+class Profiled(Observed, Protocol):
+    """A loader, as profiling reads it: its stats, its length, its batches."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
 class Sampler:
     """Takes `loader.stats()` every `interval` seconds on a thread, from `start()` to `stop()`."""
 
-    def __init__(self, loader: Loader[Any], interval: float = SAMPLE_INTERVAL_S) -> None:
+    def __init__(self, loader: Profiled, interval: float = SAMPLE_INTERVAL_S) -> None:
         self.loader, self.interval = loader, interval
         self.samples: list[LoaderStats] = []
         self._stop = threading.Event()
@@ -54,7 +57,7 @@ class Sampler:
         self.samples.append(self.loader.stats())
 
 
-def draw(loader: Loader[Any], batches: int, *, progress: bool = True) -> Iterator[Any]:
+def draw(loader: Profiled, batches: int, *, progress: bool = True) -> Iterator[Any]:
     """Up to `batches` batches, over as many epochs as it takes (stops at an empty epoch)."""
 
     def endless() -> Iterator[Any]:

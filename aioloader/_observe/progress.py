@@ -14,14 +14,16 @@ from typing import Any, Protocol, TypeVar
 
 from .stats import LoaderStats
 
-__all__ = ["REFRESH_S", "live_line", "with_progress"]
+__all__ = ["REFRESH_S", "Observed", "live_line", "with_progress"]
 
 T = TypeVar("T")
 REFRESH_S = 0.5
 _MISSING = "progress=True needs tqdm: pip install 'aioloader[profile]' (or pip install tqdm)"
 
 
-class _Loader(Protocol):
+class Observed(Protocol):
+    """What these tools read of a loader: its stats, and its length in batches."""
+
     def stats(self) -> LoaderStats: ...
     def __len__(self) -> int: ...
 
@@ -49,7 +51,7 @@ def tqdm_class() -> Any:
 
 
 def with_progress(
-    loader: _Loader, batches: Iterator[T], *, total: int | None = None, **bar: Any
+    loader: Observed, batches: Iterator[T], *, total: int | None = None, **bar: Any
 ) -> Iterator[T]:
     """Yield `batches` while a tqdm bar (stderr; `bar` are tqdm's options) shows the loader's pace.
 
@@ -67,7 +69,7 @@ def with_progress(
     return _shown(loader, batches, tqdm(total=total, **bar))
 
 
-def _shown(loader: _Loader, batches: Iterator[T], progress: Any) -> Iterator[T]:
+def _shown(loader: Observed, batches: Iterator[T], progress: Any) -> Iterator[T]:
     last, shown = loader.stats(), time.perf_counter()
     try:
         for batch in batches:
