@@ -235,7 +235,7 @@ class RowPlan:
 
     It watches what decode returns. While every sample so far was one tensor (or numpy array) of one
     shape and dtype, `buffer(n)` makes an n-row batch in the executor's shared memory (see
-    `process/tasks.BatchBuffer`) and the pipeline sends each sample's decode with `into=` its row; the
+    `process/batch_buffer.BatchBuffer`) and the pipeline sends each sample's decode with `into=` its row; the
     collated batch is then that buffer, which the default collate would have produced by stacking.
     The first sample that differs turns the plan off for good, and batches collate as usual.
     """

@@ -19,7 +19,8 @@ import torch
 from ..._util.bytearrays import Bytearrays
 from .arena import Arena, Slot
 from .config import COPIES_BYTES, FIRST_OUTPUT_BYTES, FORKED, Config
-from .tasks import Handle, Mailbox, Outcome, Task, cancelled, settle_future
+from .outcomes import Mailbox, Outcome, cancelled, settle_future
+from .tasks import Handle, Task
 from .worker import GIVEN, serve
 from .zygote import Zygote
 

@@ -29,10 +29,11 @@ from ..._exceptions import LoaderClosedError
 from ..._util.loops import is_async_callable
 from ..._util.validate import check_int
 from .arena import Arena
+from .batch_buffer import BatchBuffer, RowTarget
 from .config import JOIN_TIMEOUT_S, START_TIMEOUT_S
 from .core import factory, pickle_given
 from .faults import Faults
-from .tasks import BatchBuffer, RowTarget, Task, encode_arg
+from .tasks import Task, encode_arg
 from .worker import GIVEN, serve
 from .zygote import Zygote
 

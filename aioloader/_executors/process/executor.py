@@ -55,9 +55,10 @@ Faults:
 
 Where the code is: this module holds the public `ProcessExecutor`; `dispatcher.py` the thread that
 runs the pool (its parts in `core.py`, `workers.py`, `sending.py`, `results.py`, `faults.py`, its
-settings in `config.py`); `tasks.py` what that thread works with (tasks, workers' handles, batch buffers,
-the hand-over of results to event loops); `worker.py` the worker process and the wire format;
-`arena.py` the arena; `zygote.py` the fork server.
+settings in `config.py`); `tasks.py` what that thread works with (tasks, workers' handles);
+`outcomes.py` the hand-over of results to their callers; `batch_buffer.py` batches written in place;
+`wire.py` the wire format; `worker.py` the worker process; `arena.py` + `slab_memory.py` the arena;
+`zygote.py` the fork server.
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ from ..._exceptions import LoaderClosedError
 from ..._util.threads import default_workers
 from ..._util.validate import check_callable, check_int, check_timeout
 from .arena import arena_budget
+from .batch_buffer import BatchBuffer, RowTarget
 from .config import ASYNC_DEPTH, Config, pick_start_method
 from .dispatcher import Pool
-from .tasks import INLINE_MAX, BatchBuffer, RowTarget
+from .tasks import INLINE_MAX
 
 __all__ = ["INLINE_MAX", "BatchBuffer", "ProcessExecutor", "RowTarget"]
 

@@ -7,8 +7,9 @@ import time
 from typing import Any
 
 from . import wire
+from .outcomes import cancelled
 from .sending import Sending
-from .tasks import Handle, Task, cancelled
+from .tasks import Handle, Task
 from .wire import Unpacker, load_placed, rebuild_error
 
 __all__ = ["Results"]

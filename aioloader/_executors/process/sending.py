@@ -9,7 +9,8 @@ import time
 from . import wire
 from .arena import Slot
 from .config import QUEUE_DEPTH, SLABS_PER_WORKER
-from .tasks import Handle, Task, cancelled
+from .outcomes import cancelled
+from .tasks import Handle, Task
 from .workers import WorkerProcesses
 
 __all__ = ["Sending"]

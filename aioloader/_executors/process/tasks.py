@@ -1,12 +1,12 @@
-"""The parts the process executor's thread works with: tasks, workers' handles, batch buffers.
+"""Tasks and the workers they are sent to, as the process executor's thread sees them.
 
 - `Task`: one call, its encoded argument, its shared-memory slots and its future (a concurrent
   future for `submit`, an asyncio future for `run`).
 - `Handle`: the parent's side of one worker process: its socket (messages framed as
   `Connection.send_bytes` frames them, queued and written in one call per step), its lifeline and
   its tasks in flight.
-- `Mailbox`: the outcomes of `run` calls on their way to one event loop, delivered in batches.
-- `BatchBuffer` / `RowTarget`: a batch in the arena whose rows workers write in place.
+
+How their results reach the callers is `outcomes.py`; a batch whose rows workers write, `batch_buffer.py`.
 """
 
 from __future__ import annotations
@@ -15,37 +15,21 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import math
 import os
 import pickle
 import signal
 import socket
 import struct
-import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
-
-import torch
+from typing import Any
 
 from . import wire
 from .arena import Arena, Slot
+from .batch_buffer import RowTarget
 from .slab_memory import parent_only
 
-__all__ = [
-    "INLINE_MAX",
-    "BatchBuffer",
-    "Handle",
-    "Mailbox",
-    "Outcome",
-    "RowTarget",
-    "Task",
-    "cancelled",
-    "encode_arg",
-    "exit_text",
-    "settle_all",
-    "settle_future",
-]
+__all__ = ["INLINE_MAX", "Handle", "Task", "died_text", "encode_arg", "exit_text"]
 
 INLINE_MAX = 64 << 10
 """Arguments up to this many bytes (raw or pickled) travel in the pipe; larger ones in shared memory."""
@@ -83,102 +67,6 @@ def exit_text(code: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"
-
-
-def settle_future(
-    future: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
-) -> None:
-    with contextlib.suppress(concurrent.futures.InvalidStateError):
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-
-Outcome = tuple["asyncio.Future[Any]", Any, "BaseException | None"]
-
-
-class Mailbox:
-    """Outcomes of `run` calls on its way to one event loop: at most one callback scheduled on that
-    loop at a time, which settles every outcome posted until it runs (a loop that is busy is woken
-    once for many results, not once per result)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._items: list[Outcome] = []
-        self._scheduled = False
-
-    def post(self, items: list[Outcome]) -> None:
-        """From the pool's thread."""
-        with self._lock:
-            self._items += items
-            if self._scheduled:
-                return
-            self._scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # its loop is closed: nobody awaits these
-            with self._lock:
-                self._items.clear()
-                self._scheduled = False
-
-    def _deliver(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-            self._scheduled = False
-        settle_all(items)
-
-
-def settle_all(outcomes: list[Outcome]) -> None:
-    """Settle the asyncio futures of `run` calls (on their loop, one call for many results)."""
-    for future, result, error in outcomes:
-        if future.done():
-            continue  # cancelled meanwhile
-        if isinstance(error, concurrent.futures.CancelledError):
-            future.cancel()
-        elif error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-
-class BatchBuffer:
-    """A batch-sized tensor in the executor's shared memory, whose rows workers write in place.
-
-    Made by `ProcessExecutor.batch_buffer`; pass `into=buffer.row(i)` to `run`/`submit`. A result
-    that is one plain tensor (or numpy array) of the row's dtype and shape is written straight into
-    row i and `run` returns `buffer.tensor[i]`; any other result comes back as usual (copy it into the
-    row yourself). The shared memory is reused once `tensor` and every view of it are gone.
-    """
-
-    def __init__(
-        self, arena: Arena, slot: Slot, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> None:
-        self.slot = slot
-        self.shape = shape
-        self.dtype = dtype
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        self.tensor = torch.frombuffer(arena.view(slot, 0, nbytes), dtype=dtype).view(shape)
-        self._row_bytes = nbytes // shape[0]
-
-    def row(self, index: int) -> RowTarget:
-        """Where sample `index` of the batch goes."""
-        if not 0 <= index < self.shape[0]:
-            raise IndexError(f"row {index} of a batch of {self.shape[0]}")
-        return RowTarget(self, index)
-
-    def wire(self, index: int) -> tuple[int, int, int, str, tuple[int, ...]]:
-        offset = self.slot.offset + index * self._row_bytes
-        dtype = str(self.dtype).removeprefix("torch.")
-        return self.slot.slab_id, offset, self._row_bytes, dtype, self.shape[1:]
-
-
-class RowTarget(NamedTuple):
-    """Row `row` of `batch` (see `BatchBuffer.row`)."""
-
-    batch: BatchBuffer
-    row: int
 
 
 class Task:
@@ -242,10 +130,6 @@ class Task:
         slots = [s for s in (self.in_slot, self.out_slot, self.spare) if s is not None]
         self.in_slot = self.out_slot = self.spare = None
         return slots
-
-
-def cancelled() -> BaseException:
-    return concurrent.futures.CancelledError()
 
 
 class Handle:
