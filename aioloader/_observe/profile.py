@@ -89,10 +89,12 @@ def series(samples: list[LoaderStats]) -> dict[str, list[float]]:
     end: "<stage> in flight" and "<stage> limit", "decode running" and "decode queued" (in flight
     beyond the workers), "held samples", "ready batches", "concurrency"."""
     out: dict[str, list[float]] = {"t": []}
+    gaps = sorted(b.wall_s - a.wall_s for a, b in itertools.pairwise(samples))
+    shortest = gaps[len(gaps) // 2] / 2 if gaps else 0.0
     for a, b in itertools.pairwise(samples):
         dt = b.wall_s - a.wall_s
-        if dt <= 0:
-            continue
+        if dt <= 0 or dt < shortest:
+            continue  # the stub of an interval (the last, cut short by the end): its rates are noise
         wait = 100.0 * (b.consumer_wait_s - a.consumer_wait_s) / dt
         row = {
             "t": b.wall_s,

@@ -113,6 +113,20 @@ def test_sampler_series_and_plot(tmp_path: Path) -> None:
     assert plot(sampler.samples, tmp_path / "p.png") == tmp_path / "p.png"
 
 
+def test_the_stub_of_an_interval_that_the_end_cut_short_is_not_drawn() -> None:
+    with make() as loader:
+        snapshots = [loader.stats()]
+        for batch in draw(loader, 6, progress=False):
+            del batch
+            time.sleep(0.02)
+            snapshots.append(loader.stats())
+        snapshots.append(loader.stats())  # at once: an interval of microseconds
+    data = series(snapshots)
+    # the stub's "rate" (a batch over microseconds) would dwarf every real one
+    assert len(data["t"]) == len(snapshots) - 2
+    assert max(data["consumer batches/s"]) < 1000
+
+
 def test_draw_stops_at_an_empty_epoch() -> None:
     async def fetch(key: int) -> int:
         await asyncio.sleep(0)
