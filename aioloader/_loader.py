@@ -232,18 +232,19 @@ class Loader(Epochs[T]):
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
         self._plan, self._source, self._device = plan, source, device
+        pool_bytes = self._pool.max_bytes or 0 if self._pool is not None else 0
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, fetch_initializer),
             size_of=getattr(source, "size", None),
             decode=decode,
-            decoder=resolve_decoder(executor, workers, budget.arena_bytes())
+            decoder=resolve_decoder(executor, workers, budget.arena_bytes(pool_bytes))
             if isinstance(executor, str)
             else executor,
             collate=collate, collator=ThreadExecutor(1, "aioloader-collate"),
             concurrency=concurrency, prefetch=prefetch, in_order=bool(in_order),
             group_size=plan.group_size, seed=seed, recorder=recorder, tuner=tuner,
             errors=errors or ErrorPolicy(), batch_errors=batch_errors, budget=budget,
-            pool_bytes=self._pool.max_bytes or 0 if self._pool is not None else 0,
+            pool_bytes=pool_bytes,
         )  # fmt: skip
         if self._stages.rows is not None and self._pool is not None:
             self._stages.rows.on_first_buffer = self._pool.retire  # rows replace its buffers

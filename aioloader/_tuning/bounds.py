@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .._util.bytearrays import give_back_freed_memory
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -102,22 +103,6 @@ class SampleSizes:
         if not self.fetched:
             return known
         return max(known, int(known * self.total / self.fetched))
-
-
-def give_back_freed_memory() -> None:
-    """glibc's malloc_trim(0): free heap pages go back to the system (no-op elsewhere)."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _find_malloc_trim()
 
 
 class ByteBudget:

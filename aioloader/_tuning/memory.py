@@ -2,8 +2,9 @@
 
 - Recycled batch buffers (`BufferPool`) keep at most half of it; the rest is for samples in flight
   (`ByteBudget`, from fetch to hand-over), less what the buffers keep.
-- A process pool the loader makes for itself gets a shared-memory arena as large as the budget
-  (never more than half the free /dev/shm; see `loader_arena`).
+- A process pool the loader makes for itself gets a shared-memory arena as large as the share of
+  samples in flight (they live there; once workers write batch rows in place, the batch buffers
+  do instead of the pool's), never more than half the free /dev/shm (see `loader_arena`).
 - `concurrency="auto"` climbs no higher than the budget holds samples of the mean size.
 - A buffer pool keeps, per shape, one buffer for each batch that may wait (made ahead of the
   consumer: `prefetch` batches and the samples of `concurrency` fetches), plus `SPARE_BUFFERS`.
@@ -44,9 +45,10 @@ class MemoryBudget:
         """What samples in flight may hold, when the batch buffers may keep `pool_bytes`."""
         return None if self.max_bytes is None else self.max_bytes - pool_bytes
 
-    def arena_bytes(self) -> int | None:
-        """The shared-memory arena of a process pool made for the loader (None: the pool's default)."""
-        return loader_arena(self.max_bytes)
+    def arena_bytes(self, pool_bytes: int = 0) -> int | None:
+        """The shared-memory arena of a process pool made for the loader, when the batch buffers
+        may keep `pool_bytes` (None: the pool's default)."""
+        return loader_arena(self.in_flight_bytes(pool_bytes))
 
     @staticmethod
     def buffers_per_shape(waiting: int) -> int:

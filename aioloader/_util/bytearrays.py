@@ -24,10 +24,12 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import sys
 import threading
+from collections.abc import Callable
 
-__all__ = ["Bytearrays", "landing", "task_output"]
+__all__ = ["Bytearrays", "give_back_freed_memory", "landing", "task_output"]
 
 # Set by a process worker, in the context of each async task, to the task's output slot (a writable
 # memoryview of shared memory) ...
@@ -105,3 +107,20 @@ class Bytearrays:
             self._kept.clear()
             self._next.clear()
             self.kept_bytes = 0
+
+
+def give_back_freed_memory() -> None:
+    """The opposite of recycling, where memory must be bounded more than it must be fast: glibc's
+    malloc_trim(0) hands the free pages of every heap arena back to the system (no-op elsewhere)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()

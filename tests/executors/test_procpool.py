@@ -191,6 +191,12 @@ def mebibyte_tensor(_: Any) -> torch.Tensor:
     return torch.ones(1 << 18, dtype=torch.float32)
 
 
+def fresh_16_mib(key: int) -> np.ndarray[Any, Any]:
+    out = np.empty(16 << 20, dtype=np.uint8)
+    out.fill(key)  # every page touched, as a decoder writes them
+    return out
+
+
 def blob(kind: str) -> bytes | bytearray:
     data = bytes(range(256)) * 400  # 100 KiB
     return data if kind == "bytes" else bytearray(data)
@@ -284,6 +290,33 @@ def test_the_callable_is_pickled_once_and_sent_once_per_worker(make: Any) -> Non
     answers = [f.result(WAIT_S) for f in [executor.submit(fn, i) for i in range(40)]]
     assert CountsPickles.pickled == 1
     assert {unpickled for _, unpickled in answers} == {1}  # each worker unpickled it once
+
+
+def test_a_large_result_made_in_a_workers_heap_leaves_no_pages_there(make: Any) -> None:
+    # The second 16 MiB block comes from the heap (freeing the first raised glibc's threshold for
+    # using a mapping of its own), and a freed heap block stays resident unless handed back: the
+    # worker would then hold a sample the loader's budget no longer counts.
+    executor = make(1)
+    executor.submit(echo, 0).result(WAIT_S)
+    (pid,) = executor.pids
+    base = heap_bytes(pid)
+    for key in range(3):
+        result = executor.submit(fresh_16_mib, key).result(WAIT_S)
+        assert int(result[12345]) == key
+        del result
+    deadline = time.monotonic() + NOTICE_S  # the worker hands the pages back after it answers
+    while heap_bytes(pid) - base >= 8 << 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert heap_bytes(pid) - base < 8 << 20
+
+
+def heap_bytes(pid: int) -> int:
+    """A process's private memory resident (RssAnon: not the shared memory it writes results to)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon")
 
 
 def test_an_unpicklable_callable_is_refused_up_front(pool: ProcessExecutor) -> None:

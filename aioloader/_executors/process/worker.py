@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..._util.bytearrays import give_back_freed_memory
 from ..._util.rng import call_seeded
 from . import carve as _carve
 from .carve import Carver
@@ -67,6 +68,24 @@ from .wire import (
 from .worker_loop import WorkerLoop
 
 __all__ = ["GIVEN", "die_with_parent", "serve"]
+
+# A result this large, made in this worker's heap and copied into shared memory (or pickled), is
+# garbage once answered: its pages go back to the system rather than stay in the heap, where the
+# loader's byte budget does not see them. Smaller ones (a decoded image) and batches made in place in
+# their slot are left alone: the allocator reuses that memory without a page fault.
+GIVE_BACK_FROM = 4 << 20
+
+
+def _large(result: Any) -> bool:
+    if type(result) is torch.Tensor:
+        return result.numel() * result.element_size() >= GIVE_BACK_FROM
+    return type(result) is np.ndarray and result.nbytes >= GIVE_BACK_FROM
+
+
+def _carved_in(carver: Carver | None, result: Any) -> bool:
+    """Whether `result` is a tensor `carver` made in the task's slot (not in this worker's heap)."""
+    return carver is not None and type(result) is torch.Tensor and carver.where(result) is not None
+
 
 _PR_SET_PDEATHSIG = 1
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value
@@ -205,6 +224,9 @@ class _Worker:
             self.send((NEED, task_id, needed))
             return
         self.answer(task_id, out, into, result, carver=carver)
+        if _large(result) and not _carved_in(carver, result):
+            del result  # it was copied out of this worker's heap, and is garbage now
+            give_back_freed_memory()
 
     def _start_async(self) -> None:
         if self._starts:
