@@ -1,6 +1,7 @@
 """Where bytes come from: each source lists keys and fetches one key's raw sample."""
 
 from ._base import Source as Source
+from ._remote import RemoteOptions as RemoteOptions
 from .files import Files as Files
 from .files import files as files
 from .http import Http as Http
@@ -15,6 +16,7 @@ __all__ = [
     "S3",
     "Files",
     "Http",
+    "RemoteOptions",
     "SampleRef",
     "Source",
     "TarShards",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ssl as _ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,17 @@ class RemoteOptions:
 
     def __post_init__(self) -> None:
         check_int("concurrency", self.concurrency, minimum=1)
+
+    @classmethod
+    def of(
+        cls, remote: RemoteOptions | None, options: Mapping[str, Any], source: str
+    ) -> RemoteOptions:
+        """`remote` (None: the defaults) with `options`, keyword arguments named as its fields, in
+        their place: how a source's constructor takes these, one by one or as one object."""
+        unknown = sorted(options.keys() - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"{source}() got an unexpected keyword argument {unknown[0]!r}")
+        return dataclasses.replace(remote or cls(), **options)
 
     def transport_options(self) -> dict[str, Any]:
         """What a `Transport` takes from these, besides its `limit`."""

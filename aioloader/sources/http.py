@@ -10,7 +10,6 @@ Two ways to name objects:
 from __future__ import annotations
 
 import logging
-import ssl as _ssl
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -18,14 +17,6 @@ from urllib.parse import quote, urlsplit
 from .._exceptions import InvalidKeyError
 from ._redact import redact_url
 from ._remote import Remote, RemoteOptions
-from ._retry import (
-    ATTEMPTS,
-    BACKOFF,
-    CONNECT_TIMEOUT,
-    DEADLINE,
-    MAX_BACKOFF,
-    READ_TIMEOUT,
-)
 from ._transport import Transport
 
 __all__ = ["Http", "http"]
@@ -56,21 +47,13 @@ class Http(Remote):
         urls_or_base: str | Sequence[str],
         keys: Iterable[str] | None = None,
         *,
-        concurrency: int = 64,
-        connect_timeout: float | None = CONNECT_TIMEOUT,
-        read_timeout: float | None = READ_TIMEOUT,
-        deadline: float | None = DEADLINE,
-        attempts: int = ATTEMPTS,
-        backoff: float = BACKOFF,
-        max_backoff: float = MAX_BACKOFF,
-        ssl: _ssl.SSLContext | bool = True,
         headers: Mapping[str, str] | None = None,
-        engine: str = "aiohttp",
+        remote: RemoteOptions | None = None,
+        **options: Any,
     ) -> None:
-        options = RemoteOptions(
-            concurrency, connect_timeout, read_timeout, deadline, attempts, backoff, max_backoff,
-            ssl, engine,
-        )  # fmt: skip
+        """`options`: the arguments every remote source takes (`RemoteOptions`: concurrency,
+        timeouts, retries, TLS, engine), one by one or together as `remote`."""
+        shared = RemoteOptions.of(remote, options, "http")
         self._urls: dict[str, str] = {}
         if isinstance(urls_or_base, str):
             self._base, self._query = _split_base(urls_or_base)
@@ -81,7 +64,7 @@ class Http(Remote):
             self._base, self._query = "", ""
             self._keys = self._map_urls(urls_or_base)
         self.transport = Transport(
-            limit=concurrency, headers=headers, **options.transport_options()
+            limit=shared.concurrency, headers=headers, **shared.transport_options()
         )
 
     def _map_urls(self, urls: Sequence[str]) -> list[str]:

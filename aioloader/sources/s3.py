@@ -8,7 +8,6 @@ than having every request retry at full concurrency; `stats()["concurrency_limit
 from __future__ import annotations
 
 import asyncio
-import ssl as _ssl
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
@@ -21,14 +20,6 @@ from .._tuning.aimd import Aimd
 from .._util.validate import check_int
 from ._redact import redact_url
 from ._remote import Remote, RemoteOptions
-from ._retry import (
-    ATTEMPTS,
-    BACKOFF,
-    CONNECT_TIMEOUT,
-    DEADLINE,
-    MAX_BACKOFF,
-    READ_TIMEOUT,
-)
 from ._s3auth import AwsConfig, Signer, bucket_base, list_query, parse_listing, parse_s3_url
 from ._transport import Transport
 
@@ -60,23 +51,16 @@ class S3(Remote):
         profile: str | None = None,
         anonymous: bool = False,
         addressing: str = "auto",
-        concurrency: int = 64,
         min_concurrency: int = 1,
         page_size: int = 1000,
         stream_keys: bool = False,
-        connect_timeout: float | None = CONNECT_TIMEOUT,
-        read_timeout: float | None = READ_TIMEOUT,
-        deadline: float | None = DEADLINE,
-        attempts: int = ATTEMPTS,
-        backoff: float = BACKOFF,
-        max_backoff: float = MAX_BACKOFF,
-        ssl: _ssl.SSLContext | bool = True,
-        engine: str = "aiohttp",
+        remote: RemoteOptions | None = None,
+        **options: Any,
     ) -> None:
-        options = RemoteOptions(
-            concurrency, connect_timeout, read_timeout, deadline, attempts, backoff, max_backoff,
-            ssl, engine,
-        )  # fmt: skip
+        """`options`: the arguments every remote source takes (`RemoteOptions`: concurrency,
+        timeouts, retries, TLS, engine), one by one or together as `remote`."""
+        shared = RemoteOptions.of(remote, options, "s3")
+        concurrency = shared.concurrency
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_s3_url(url)
         self._given = None if keys is None else list(keys)
@@ -92,7 +76,7 @@ class S3(Remote):
         self.page_size = min(page_size, 1000)
         self.stream_keys = stream_keys
         self._options: dict[str, Any] = {
-            **options.transport_options(),
+            **shared.transport_options(),
             "sign": self.signer,
             "redirects": False,
             "dns_hint": _endpoint_hint(endpoint_url, endpoint_from),

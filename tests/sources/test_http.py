@@ -329,3 +329,19 @@ async def test_a_dns_failure_of_a_host_that_resolved_before_is_retried(
         await src.aclose()
     assert len(lookups) == 3
     assert src.stats()["retries"] == 1
+
+
+def test_the_arguments_every_remote_source_takes_come_one_by_one_or_as_one_object() -> None:
+    from aioloader.sources import RemoteOptions, s3
+
+    shared = RemoteOptions(concurrency=3, attempts=2, deadline=9.0)
+    one_by_one = http("http://127.0.0.1:9/", ["a"], concurrency=3, attempts=2, deadline=9.0)
+    together = http("http://127.0.0.1:9/", ["a"], remote=shared)
+    overridden = http("http://127.0.0.1:9/", ["a"], remote=shared, concurrency=5)
+    assert one_by_one.transport.limit == together.transport.limit == 3
+    assert overridden.transport.limit == 5
+    assert together.transport.retry == one_by_one.transport.retry
+    with pytest.raises(TypeError, match="http\\(\\) got an unexpected keyword argument 'atempts'"):
+        http("http://127.0.0.1:9/", ["a"], atempts=3)
+    with pytest.raises(TypeError, match="s3\\(\\) got an unexpected keyword argument 'retries'"):
+        s3("s3://bucket/", ["k"], endpoint_url="http://127.0.0.1:9", retries=3, anonymous=True)
