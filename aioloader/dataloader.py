@@ -46,7 +46,7 @@ from ._loader import Loader
 from ._pipeline.collate import DEFAULT_COLLATE, BufferPool, make_collate
 from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import make_device_stage
-from ._torch.arguments import check_arguments, check_context, warn_if_many_workers
+from ._torch.arguments import check_arguments, check_context, warn_if_many_workers, warn_pin_memory
 from ._torch.defaults import collates, samplers
 from ._torch.reads import WorkerIds, batch_reader, converting, reads_batches
 from ._torch.sampler import SamplerPlan, draw_seed
@@ -92,6 +92,19 @@ class DataLoader(Loader[T]):
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     """
 
+    # torch's arguments, kept as given (`_keep`)
+    dataset: Dataset[Any]
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    pin_memory_device: str
+    timeout: float
+    worker_init_fn: Callable[[int], None] | None
+    multiprocessing_context: Any
+    generator: torch.Generator | None
+    persistent_workers: bool
+    in_order: bool
+
     def __init__(
         self,
         dataset: Dataset[Any],
@@ -131,20 +144,15 @@ class DataLoader(Loader[T]):
             prefetch_factor = 2
         if batch_sampler is not None:
             batch_size, drop_last = None, False
-        self.dataset = dataset
-        self.num_workers = num_workers
-        self.prefetch_factor = prefetch_factor
-        self.pin_memory = pin_memory
-        self.pin_memory_device = pin_memory_device
-        self.timeout = timeout
-        self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
-        self.generator = generator
-        self.persistent_workers = persistent_workers
-        self.in_order = in_order
+        self._keep(
+            dataset=dataset, num_workers=num_workers, prefetch_factor=prefetch_factor,
+            pin_memory=pin_memory, pin_memory_device=pin_memory_device, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, persistent_workers=persistent_workers, in_order=in_order,
+        )  # fmt: skip
         self._init_state()
         if device is None:
-            self._warn_pin_memory()  # else the device stage checks pin_memory itself
+            warn_pin_memory(pin_memory, pin_memory_device)  # else the device stage checks it
         iterable = isinstance(dataset, IterableDataset)
         self.batch_size, self.drop_last = batch_size, drop_last
         self.sampler, self.batch_sampler = samplers(
@@ -174,6 +182,11 @@ class DataLoader(Loader[T]):
         self._processes = processes
         warn_if_many_workers(num_workers)
         self._initialized = True
+
+    def _keep(self, **arguments: Any) -> None:
+        """Keep torch's arguments as the attributes torch's DataLoader has (as given)."""
+        for name, value in arguments.items():
+            setattr(self, name, value)
 
     def _init_state(self) -> None:
         self._workers: ProcessExecutor | None = None  # the worker processes, if any
@@ -356,20 +369,6 @@ class DataLoader(Loader[T]):
         if auto_collation or inspect.iscoroutinefunction(getitem):
             return getitem, plan
         return converting(collate_fn, getitem), plan
-
-    def _warn_pin_memory(self) -> None:
-        if self.pin_memory and self.pin_memory_device:
-            warnings.warn(
-                "pin_memory_device is deprecated, the current accelerator will be used as the "
-                f"device, ignore pin_memory_device='{self.pin_memory_device}'.",
-                stacklevel=3,
-            )
-        if self.pin_memory and not torch.accelerator.is_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=3,
-            )
 
     def _state_config(self) -> dict[str, Any]:
         dataset_len = len(self.dataset) if hasattr(self.dataset, "__len__") else None

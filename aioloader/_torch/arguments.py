@@ -8,9 +8,10 @@ import warnings
 from multiprocessing.context import BaseContext
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset
 
-__all__ = ["check_arguments", "check_context", "warn_if_many_workers"]
+__all__ = ["check_arguments", "check_context", "warn_if_many_workers", "warn_pin_memory"]
 
 
 def check_arguments(
@@ -61,6 +62,22 @@ def check_arguments(
     elif batch_size is None and drop_last:
         raise ValueError(
             "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
+        )
+
+
+def warn_pin_memory(pin_memory: bool, pin_memory_device: str) -> None:
+    """torch's warnings for `pin_memory` without an accelerator, and for `pin_memory_device`."""
+    if pin_memory and pin_memory_device:
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the "
+            f"device, ignore pin_memory_device='{pin_memory_device}'.",
+            stacklevel=3,
+        )
+    if pin_memory and not torch.accelerator.is_available():
+        warnings.warn(
+            "'pin_memory' argument is set as true but no accelerator is found, "
+            "then device pinned memory won't be used.",
+            stacklevel=3,
         )
 
 

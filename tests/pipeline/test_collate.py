@@ -427,7 +427,9 @@ def test_rows_are_taken_only_for_the_batches_being_decoded() -> None:
                 buffers.add(batch.data_ptr())
                 del batch
         assert pool.stats()["results_in_rows"] >= 192 - 16
-    assert len(buffers) <= 5, len(buffers)
+    # (one more than those three now and then: a buffer is taken for the next batch a moment before
+    # the one handed over comes back: still far fewer than the 9 batches whose samples are fetched)
+    assert len(buffers) <= 6, len(buffers)
 
 
 def test_rows_stop_when_a_sample_differs_and_collate_names_it() -> None:
