@@ -129,7 +129,8 @@ class ByteBudget:
 
     @property
     def reserved(self) -> int:
-        """Bytes reserved for the samples launched whose size is not known yet."""
+        """Bytes reserved for the samples launched and not measured yet (known sizes as expected,
+        the others at the mean)."""
         sizes = self.sizes
         unknown = int(self.pending * sizes.total / sizes.count) if sizes.count else 0
         return self.pending_known + unknown

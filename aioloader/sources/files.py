@@ -35,7 +35,7 @@ class Files:
             raise ValueError(f"root: {str(root)!r} is not a directory")
         self.pattern = pattern
         found = {p.relative_to(self.root).as_posix(): p for p in self.root.glob(pattern)}
-        self._sizes = {key: st.st_size for key, st in _stats(found).items()}
+        self._sizes = _file_sizes(found)
         self._keys = sorted(self._sizes)
 
     def __repr__(self) -> str:
@@ -74,16 +74,16 @@ class Files:
         """Nothing to release; present for the Source protocol."""
 
 
-def _stats(paths: dict[str, Path]) -> dict[str, os.stat_result]:
-    """The stat of each path that is a regular file (following links, as `is_file` does)."""
-    out: dict[str, os.stat_result] = {}
+def _file_sizes(paths: dict[str, Path]) -> dict[str, int]:
+    """The size of each path that is a regular file (following links, as `is_file` does)."""
+    out: dict[str, int] = {}
     for key, path in paths.items():
         try:
             st = path.stat()
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode):
-            out[key] = st
+            out[key] = st.st_size
     return out
 
 

@@ -55,6 +55,7 @@ from .carve import Carver, align
 __all__ = [
     "RemoteTraceback",
     "Unpacker",
+    "carved_in",
     "encode_error",
     "frame_header",
     "load_placed",
@@ -346,9 +347,14 @@ def rebuild_error(error: Error, pid: int, where: str = "decode") -> BaseExceptio
     return exc
 
 
+def carved_in(carver: Carver | None, result: Any) -> bool:
+    """Whether `result` is a tensor `carver` made in the task's slot (not in the worker's heap)."""
+    return carver is not None and type(result) is torch.Tensor and carver.where(result) is not None
+
+
 def _overflow(result: Any, out: memoryview | None, carver: Carver | None) -> int:
     """The bytes `result`'s arrays need in one slot when `out` cannot hold them, else 0."""
-    if carver is not None and type(result) is torch.Tensor and carver.where(result) is not None:
+    if carved_in(carver, result):
         return 0  # the common case, answered without a look at the rest
     needed = measure(result, carver)
     return needed if needed > (0 if out is None else len(out)) else 0

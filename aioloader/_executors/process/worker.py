@@ -60,6 +60,7 @@ from .wire import (
     TASK,
     _into_row,
     _overflow,
+    carved_in,
     encode_error,
     frame_header,
     pack,
@@ -80,11 +81,6 @@ def _large(result: Any) -> bool:
     if type(result) is torch.Tensor:
         return result.numel() * result.element_size() >= GIVE_BACK_FROM
     return type(result) is np.ndarray and result.nbytes >= GIVE_BACK_FROM
-
-
-def _carved_in(carver: Carver | None, result: Any) -> bool:
-    """Whether `result` is a tensor `carver` made in the task's slot (not in this worker's heap)."""
-    return carver is not None and type(result) is torch.Tensor and carver.where(result) is not None
 
 
 _PR_SET_PDEATHSIG = 1
@@ -224,7 +220,7 @@ class _Worker:
             self.send((NEED, task_id, needed))
             return
         self.answer(task_id, out, into, result, carver=carver)
-        if _large(result) and not _carved_in(carver, result):
+        if _large(result) and not carved_in(carver, result):
             del result  # it was copied out of this worker's heap, and is garbage now
             give_back_freed_memory()
 
