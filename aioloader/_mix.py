@@ -1,0 +1,293 @@
+"""`aioloader.mix`: several sources interleaved in set proportions, deterministically, resumable.
+
+What a mix operates on: samples, before batching. `mix(sources, weights)` is itself a source: a
+`Loader` over it fetches from every source at once (`concurrency` in flight, in the mix's order),
+decodes and batches, so each batch holds the sources in proportion, and the loader's
+`state_dict()` resumes it exactly. (Already-built loaders mix too, whole items at a time:
+`_mixloaders.py`.)
+
+The rule, for epoch `e` of the mix:
+
+- Position `p` draws source `i` with probability `weights[i] / sum(weights)`, from a generator seeded
+  by (seed, e, p // 4096): the choice sequence depends on (seed, epoch, position) only, never on
+  timing, on which source is ready, or on the sources' contents.
+- Every source starts its own epoch `e` when the mix's epoch `e` starts and keeps its own position:
+  it gives its keys in its own order (a permutation seeded from (seed, its index, its epoch) for a
+  source with a length when `shuffle`; a streamed source orders itself, e.g. tar shards).
+- A drawn source that has run out: with `stop="first_exhausted"` the epoch ends there; with
+  `"all_exhausted"` the source starts its next epoch (its own reshuffle) while the others go on, and
+  the epoch ends once every source of non-zero weight has run out at least once; with `"cycle"`
+  sources restart forever (an endless epoch: train by steps).
+
+So epoch `e` is a pure function of (seed, e) and the sources: any epoch can be started, skipped or
+resumed without the ones before it, and the next does not depend on how far this one was read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._exceptions import FetchError, InvalidKeyError
+from ._loader import Loader
+from ._mixchoice import Choices, check_stop, check_weights
+from ._mixloaders import MixedLoaders
+from ._mixparts import END, Part, make_part
+from ._util.threads import LazyThreadPool
+from ._util.validate import check_int
+
+__all__ = ["Mix", "MixEpochs", "MixKey", "mix"]
+
+_FETCH_THREADS = 64  # the most threads for sync fetches (a map-style dataset's __getitem__)
+
+
+@dataclass(frozen=True, slots=True)
+class MixKey:
+    """The key of one mixed sample: which source (`source`, its index; `name`, its mapping key or
+    None), that source's own `epoch`, its `index` in that epoch, and the source's own `key`.
+
+    A decode given the key (`Loader(..., decode_with_key=True)`) can tell the sources apart by it.
+    """
+
+    source: int
+    name: str | None
+    epoch: int
+    index: int
+    key: Any
+
+    def __repr__(self) -> str:
+        which = self.source if self.name is None else repr(self.name)
+        return f"<mix source {which} epoch {self.epoch} #{self.index}: {self.key!r}>"
+
+
+class MixEpochs:
+    """`Mix.keys()`: an async iterable whose every iteration streams one more epoch of `MixKey`s."""
+
+    def __init__(self, mix: Mix) -> None:
+        self._mix = mix
+
+    def __aiter__(self) -> AsyncIterator[MixKey]:
+        return self._mix.stream(self._mix.next_epoch())
+
+    def digest(self) -> str:
+        """What a saved loader state checks: the mix's configuration (not its progress)."""
+        return self._mix.digest()
+
+
+class Mix:
+    """Sources mixed in set proportions, as a source of a `Loader`. Made by `aioloader.mix()`.
+
+    `keys()` streams the epoch's `MixKey`s (each iteration is one epoch; `set_epoch(e)` picks it),
+    `fetch(key)` fetches the sample from its source (errors as `FetchError` naming the source and
+    key), `draws(epoch, n)` gives the first `n` choices of an epoch. `aclose()` closes every source
+    (the loader calls it at its close). One loader at a time may iterate a mix.
+    """
+
+    def __init__(
+        self, sources: Sequence[Any], names: Sequence[str | None], weights: Sequence[float], *,
+        seed: int, stop: str, shuffle: bool,
+    ) -> None:  # fmt: skip
+        self._threads = LazyThreadPool(_FETCH_THREADS, "aioloader-mix")
+        self.weights, self.seed, self.stop, self.shuffle = list(weights), seed, stop, shuffle
+        self.names = list(names)
+        self._sources = list(sources)
+        self.parts: list[Part] = [
+            make_part(_label(i, name), i, obj, self._threads, shuffle=shuffle, seed=seed)
+            for i, (obj, name) in enumerate(zip(sources, names, strict=True))
+        ]
+        self._epoch = 0
+
+    def __repr__(self) -> str:
+        inner = ", ".join(
+            repr(s) if n is None else f"{n!r}: {s!r}"
+            for s, n in zip(self._sources, self.names, strict=True)
+        )
+        return (
+            f"mix([{inner}], weights={self.weights}, seed={self.seed}, stop={self.stop!r}, "
+            f"shuffle={self.shuffle})"
+        )
+
+    # -- the source's side ---------------------------------------------------------------------------
+
+    def keys(self) -> MixEpochs:
+        """An async iterable of the `MixKey`s of one epoch per iteration (streamed, no length)."""
+        return MixEpochs(self)
+
+    async def fetch(self, key: MixKey) -> Any:
+        """The sample `key` names, fetched from its source; a failure is a `FetchError` naming the
+        source and its key (the source's own error is its `__cause__`)."""
+        if type(key) is not MixKey:
+            raise InvalidKeyError(f"key: a mix fetches MixKeys, got {key!r}")
+        try:
+            return await self.parts[key.source].fetch(key.key)
+        except Exception as exc:
+            raise FetchError(
+                f"mix: {self.parts[key.source].name} failed to fetch key {key.key!r} (its epoch "
+                f"{key.epoch}, #{key.index}): {type(exc).__name__}: {exc}",
+                key=key, stage="fetch",
+            ) from exc  # fmt: skip
+
+    def size(self, key: MixKey) -> int | None:
+        """The bytes `fetch(key)` will give, where its source knows them without I/O."""
+        return self.parts[key.source].size(key.key)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration of `keys()` stream `epoch`."""
+        self._epoch = check_int("epoch", epoch, minimum=0)
+
+    def next_epoch(self) -> int:
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        return epoch
+
+    def bind(self, *, rank: int, world_size: int) -> None:
+        """Share every source among the ranks (a loader calls this; it leaves the mix unsharded).
+
+        A source with a length is dealt out as the order stage deals keys (equal counts, padded);
+        one that shards itself (tar shards) is bound; any other stream cannot be shared.
+        """
+        for part in self.parts:
+            part.bind(rank, world_size)
+
+    def stats(self) -> dict[str, float]:
+        """The retries and throttles of the remote sources in the mix, summed."""
+        counts = {"retries": 0.0, "throttles": 0.0}
+        for source in self._sources:
+            source_stats = getattr(source, "stats", None)
+            if callable(source_stats):
+                theirs = source_stats()
+                for name in counts:
+                    counts[name] += float(theirs.get(name) or 0)
+        return counts
+
+    async def aclose(self) -> None:
+        """Stop every read ahead, close the sources that can be closed and the fetch threads."""
+        for part in self.parts:
+            for open_pass in list(getattr(part, "passes", ())):
+                await open_pass.aclose()
+        for source in self._sources:
+            close = getattr(source, "aclose", None)
+            if close is not None:
+                await close()
+        self._threads.close()
+
+    # -- the mix -----------------------------------------------------------------------------------
+
+    def draws(self, epoch: int, n: int) -> list[int]:
+        """The sources drawn by the first `n` positions of `epoch` (indices into the sources)."""
+        choices = Choices(self.weights, self.seed, epoch)
+        return [choices.at(p) for p in range(n)]
+
+    def digest(self) -> str:
+        parts = ", ".join(part.digest() for part in self.parts)
+        return (
+            f"mix(weights={self.weights}, seed={self.seed}, stop={self.stop}, "
+            f"shuffle={self.shuffle}, sources=[{parts}])"
+        )
+
+    async def stream(self, epoch: int) -> AsyncIterator[MixKey]:
+        """The `MixKey`s of `epoch`, in the mix's order (see the module docstring for the rule)."""
+        choices = Choices(self.weights, self.seed, epoch)
+        live = {i for i, w in enumerate(self.weights) if w > 0}
+        passes = {i: self.parts[i].open(epoch) for i in sorted(live)}  # all read ahead at once
+        ran_out: set[int] = set()
+        try:
+            for position in itertools.count():
+                i = choices.at(position)
+                current = passes[i]
+                key = await current.next()
+                if key is END:
+                    ran_out.add(i)
+                    if self.stop == "first_exhausted" or (
+                        self.stop == "all_exhausted" and ran_out >= live
+                    ):
+                        return
+                    await current.aclose()
+                    current = passes[i] = self.parts[i].open(current.epoch + 1)
+                    key = await current.next()
+                    if key is END:
+                        raise ValueError(self._empty(i, current.epoch))
+                yield MixKey(i, self.names[i], current.epoch, current.index - 1, key)
+        finally:
+            for open_pass in passes.values():
+                await open_pass.aclose()
+
+    def _empty(self, i: int, epoch: int) -> str:
+        return (
+            f"mix: {self.parts[i].name} gave no samples in its epoch {epoch}, so it cannot start "
+            f"again (stop={self.stop!r}); a one-shot iterator (a generator) gives its samples once: "
+            "pass a sequence or an iterable that starts again each time it is iterated"
+        )
+
+
+def _label(index: int, name: str | None) -> str:
+    return f"sources[{index}]" if name is None else f"sources[{name!r}]"
+
+
+def mix(
+    sources_or_loaders: Sequence[Any] | Mapping[str, Any],
+    weights: Sequence[float] | Mapping[str, float],
+    *,
+    seed: int = 0,
+    stop: str = "first_exhausted",
+    shuffle: bool = True,
+) -> Any:
+    """Interleave sources (or loaders) in the proportions `weights`, deterministically.
+
+    Args:
+        sources_or_loaders: the inputs, as a list or as a {name: input} mapping. Each is a `Source`
+            (`sources.files`, `sources.s3`, `sources.tar_shards`, ...), a map-style dataset, a list
+            of samples, or an iterable or async iterable of samples (an IterableDataset). Or all of
+            them `Loader`s: their items (batches, or samples when unbatched) are then mixed whole.
+        weights: one non-negative number per input (or {name: weight}), not all zero; position `p`
+            of an epoch draws input `i` with probability `weights[i] / sum(weights)`.
+        seed: the choices and every input's shuffle derive from it, the epoch and the position.
+        stop: when an epoch ends: "first_exhausted" (the first input that runs out ends it),
+            "all_exhausted" (inputs that run out start their next epoch until every one has run
+            out once) or "cycle" (inputs restart forever: an endless epoch).
+        shuffle: permute each input that has a length, per its own epoch (streams order themselves).
+
+    Returns:
+        For sources, a `Mix`: a source for `Loader(mix(...), batch_size=..., ...)`, whose batches
+        hold the sources in proportion and whose `state_dict()` resumes it exactly. For loaders, a
+        `MixedLoaders` to iterate, with its own `state_dict()` / `load_state_dict()`.
+
+    Example:
+        >>> both = mix({"a": list(range(6)), "b": ["x", "y"]}, {"a": 3, "b": 1}, seed=1)
+        >>> with Loader(both, batch_size=4, collate=None) as loader:  # doctest: +SKIP
+        ...     [batch for batch in loader]
+    """
+    names: list[str | None]
+    if isinstance(sources_or_loaders, Mapping):
+        names = [_check_name(n) for n in sources_or_loaders]
+        inputs = list(sources_or_loaders.values())
+    elif isinstance(sources_or_loaders, Sequence) and not isinstance(sources_or_loaders, str):
+        inputs, names = list(sources_or_loaders), [None] * len(sources_or_loaders)
+    else:
+        raise TypeError(
+            "sources_or_loaders: expected a list or a {name: source} mapping, got "
+            f"{type(sources_or_loaders).__name__}"
+        )
+    if not inputs:
+        raise ValueError("sources_or_loaders: nothing to mix")
+    checked = check_weights(weights, names)
+    check_int("seed", seed, minimum=0)
+    stop = check_stop(stop)
+    if not isinstance(shuffle, bool):
+        raise TypeError(f"shuffle: expected True or False, got {shuffle!r}")
+    loaders = [isinstance(x, Loader) for x in inputs]
+    if all(loaders):
+        return MixedLoaders(inputs, names, checked, seed=seed, stop=stop)
+    if any(loaders):
+        raise TypeError(
+            f"sources_or_loaders: {_label(loaders.index(True), names[loaders.index(True)])} is a "
+            "Loader and others are not; mix sources (then one Loader over the mix) or only loaders"
+        )
+    return Mix(inputs, names, checked, seed=seed, stop=stop, shuffle=shuffle)
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"sources_or_loaders: names must be strings, got {name!r}")
+    return name
