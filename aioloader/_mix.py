@@ -34,7 +34,7 @@ from ._exceptions import FetchError, InvalidKeyError
 from ._loader import Loader
 from ._mixchoice import Choices, check_stop, check_weights
 from ._mixloaders import MixedLoaders
-from ._mixparts import END, Part, make_part
+from ._mixparts import END, Indexed, Part, Pass, make_part
 from ._util.threads import LazyThreadPool
 from ._util.validate import check_int
 
@@ -71,6 +71,12 @@ class MixEpochs:
     def __aiter__(self) -> AsyncIterator[MixKey]:
         return self._mix.stream(self._mix.next_epoch())
 
+    def start_at(self, epoch: int, position: int) -> bool:
+        """Make the next iteration of `epoch` begin at `position` (a loader resuming it): the
+        sources are moved there by counting the draws before it, not by making their keys."""
+        self._mix.starts[epoch] = position
+        return True
+
     def digest(self) -> str:
         """What a saved loader state checks: the mix's configuration (not its progress)."""
         return self._mix.digest()
@@ -98,6 +104,7 @@ class Mix:
             for i, (obj, name) in enumerate(zip(sources, names, strict=True))
         ]
         self._epoch = 0
+        self.starts: dict[int, int] = {}  # epoch -> the position its next stream begins at
 
     def __repr__(self) -> str:
         inner = ", ".join(
@@ -190,10 +197,16 @@ class Mix:
         """The `MixKey`s of `epoch`, in the mix's order (see the module docstring for the rule)."""
         choices = Choices(self.weights, self.seed, epoch)
         live = {i for i, w in enumerate(self.weights) if w > 0}
-        passes = {i: self.parts[i].open(epoch) for i in sorted(live)}  # all read ahead at once
+        start = self.starts.pop(epoch, 0)
+        drawn = choices.counts(start)
+        passes: dict[int, Pass] = {}
         ran_out: set[int] = set()
         try:
-            for position in itertools.count():
+            for i in sorted(live):  # all read ahead at once
+                passes[i] = self.parts[i].open(epoch)
+                if drawn[i]:
+                    passes[i] = await self._advance(i, passes, drawn[i], ran_out)
+            for position in itertools.count(start):
                 i = choices.at(position)
                 current = passes[i]
                 key = await current.next()
@@ -212,6 +225,27 @@ class Mix:
         finally:
             for open_pass in passes.values():
                 await open_pass.aclose()
+
+    async def _advance(
+        self, i: int, passes: dict[int, Pass], drawn: int, ran_out: set[int]
+    ) -> Pass:
+        """Source `i`'s pass once `drawn` draws have taken its keys: for a source with a length,
+        by arithmetic; for a stream, by reading (and dropping) that many keys."""
+        part, current = self.parts[i], passes[i]
+        if isinstance(part, Indexed):
+            passes_done, index = divmod(drawn - 1, part.length())
+            if passes_done:
+                ran_out.add(i)  # a draw found it empty and started its next epoch
+            await current.aclose()
+            return part.open(current.epoch + passes_done, index + 1)
+        for _ in range(drawn):
+            if await current.next() is END:
+                ran_out.add(i)
+                await current.aclose()
+                current = passes[i] = part.open(current.epoch + 1)
+                if await current.next() is END:
+                    raise ValueError(self._empty(i, current.epoch))
+        return current
 
     def _empty(self, i: int, epoch: int) -> str:
         return (

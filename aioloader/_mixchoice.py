@@ -29,10 +29,21 @@ class Choices:
         """The source that `position` draws."""
         block, offset = divmod(position, BLOCK)
         if block != self._block:
-            rng = np.random.default_rng([self._seed, self._epoch, block, _CHOICE_SALT])
-            self._picks = np.searchsorted(self._cum, rng.random(BLOCK), side="right").tolist()
+            self._picks = self._draw(block).tolist()
             self._block = block
         return self._picks[offset]
+
+    def counts(self, n: int) -> list[int]:
+        """How often each source is drawn by positions 0..n-1 (block by block, not one by one)."""
+        total = np.zeros(len(self._cum), dtype=np.int64)
+        for block in range(-(-n // BLOCK)):
+            picks = self._draw(block)[: n - block * BLOCK]
+            total += np.bincount(picks, minlength=len(self._cum))
+        return [int(c) for c in total]
+
+    def _draw(self, block: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+        rng = np.random.default_rng([self._seed, self._epoch, block, _CHOICE_SALT])
+        return np.searchsorted(self._cum, rng.random(BLOCK), side="right")
 
 
 def check_weights(weights: Any, names: Sequence[str | None]) -> list[float]:

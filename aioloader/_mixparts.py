@@ -90,9 +90,9 @@ class Part:
 
 
 class _IndexedPass(Pass):
-    def __init__(self, epoch: int, keys: Sequence[Any], order: Sequence[int]) -> None:
+    def __init__(self, epoch: int, keys: Sequence[Any], order: Sequence[int], index: int) -> None:
         super().__init__(epoch)
-        self._keys, self._order = keys, order
+        self._keys, self._order, self.index = keys, order, index
 
     async def next(self) -> Any:
         if self.index >= len(self._order):
@@ -124,8 +124,13 @@ class Indexed(Part):
             perm = rng.permutation(n).tolist()
         return shard(perm, self.rank, self.world_size, drop_last=False)
 
-    def open(self, epoch: int) -> Pass:
-        return _IndexedPass(epoch, self.keys, self.order(epoch))
+    def open(self, epoch: int, index: int = 0) -> Pass:
+        """A pass over `epoch`'s keys that has given `index` of them already."""
+        return _IndexedPass(epoch, self.keys, self.order(epoch), index)
+
+    def length(self) -> int:
+        """Keys this rank takes per epoch."""
+        return len(shard(range(len(self.keys)), self.rank, self.world_size, drop_last=False))
 
     def digest(self) -> str:
         return keys_digest(self.keys)

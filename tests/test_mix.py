@@ -7,7 +7,7 @@ import io
 import random
 import tarfile
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +276,38 @@ def test_resume_at_any_point_is_exact(stop: str, seed: int, cut: int, batch_size
         c.load_state_dict(state)
         tail = batches(c, len(whole) - len(head))
     assert head + tail == whole
+
+
+class Counted(Sequence[int]):
+    """Samples 0..n-1 that count how many were looked up."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.looked_up = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        self.looked_up += 1
+        return i
+
+
+def test_resume_moves_the_sources_without_making_the_keys_before() -> None:
+    def run(state: dict[str, Any] | None, n: int) -> tuple[list[Any], dict[str, Any], Counted]:
+        big = Counted(100_000)
+        m = mix([big, Stream("s", 7)], [9, 1], seed=2, stop="cycle")
+        with Loader(m, batch_size=10, collate=None, concurrency=4, prefetch=1) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            got = batches(loader, n)
+            return got, loader.state_dict(), big
+
+    whole, _, _ = run(None, 300)
+    head, state, _ = run(None, 290)
+    tail, _, big = run(state, 10)
+    assert head + tail == whole
+    # the 2,600 keys of "big" before the stop were counted past, not made again
+    assert big.looked_up < 400
 
 
 def test_a_state_from_other_weights_is_refused() -> None:
