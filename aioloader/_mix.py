@@ -203,9 +203,7 @@ class Mix:
         ran_out: set[int] = set()
         try:
             for i in sorted(live):  # all read ahead at once
-                passes[i] = self.parts[i].open(epoch)
-                if drawn[i]:
-                    passes[i] = await self._advance(i, passes, drawn[i], ran_out)
+                await self._advance(i, epoch, passes, drawn[i], ran_out)
             for position in itertools.count(start):
                 i = choices.at(position)
                 current = passes[i]
@@ -227,17 +225,18 @@ class Mix:
                 await open_pass.aclose()
 
     async def _advance(
-        self, i: int, passes: dict[int, Pass], drawn: int, ran_out: set[int]
-    ) -> Pass:
-        """Source `i`'s pass once `drawn` draws have taken its keys: for a source with a length,
-        by arithmetic; for a stream, by reading (and dropping) that many keys."""
-        part, current = self.parts[i], passes[i]
-        if isinstance(part, Indexed):
+        self, i: int, epoch: int, passes: dict[int, Pass], drawn: int, ran_out: set[int]
+    ) -> None:
+        """Open source `i`'s pass in `passes` where `drawn` draws have left it: for a source with
+        a length, by arithmetic; for a stream, by reading (and dropping) that many keys."""
+        part = self.parts[i]
+        if isinstance(part, Indexed) and drawn:
             passes_done, index = divmod(drawn - 1, part.length())
             if passes_done:
                 ran_out.add(i)  # a draw found it empty and started its next epoch
-            await current.aclose()
-            return part.open(current.epoch + passes_done, index + 1)
+            passes[i] = part.open(epoch + passes_done, index + 1)
+            return
+        current = passes[i] = part.open(epoch)
         for _ in range(drawn):
             if await current.next() is END:
                 ran_out.add(i)
@@ -245,7 +244,6 @@ class Mix:
                 current = passes[i] = part.open(current.epoch + 1)
                 if await current.next() is END:
                     raise ValueError(self._empty(i, current.epoch))
-        return current
 
     def _empty(self, i: int, epoch: int) -> str:
         return (

@@ -117,12 +117,13 @@ class Indexed(Part):
 
     def order(self, epoch: int) -> list[int]:
         """Key positions this rank takes in `epoch`, in order."""
-        n = len(self.keys)
-        perm: Sequence[int] = range(n)
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, self.index, epoch, _PERM_SALT])
-            perm = rng.permutation(n).tolist()
-        return shard(perm, self.rank, self.world_size, drop_last=False)
+        n, rank, world = len(self.keys), self.rank, self.world_size
+        if not self.shuffle:
+            return shard(range(n), rank, world, drop_last=False)
+        perm = np.random.default_rng([self.seed, self.index, epoch, _PERM_SALT]).permutation(n)
+        if world > 1:  # as `shard` deals them: every world-th from `rank`, wrapping around
+            perm = perm[np.arange(rank, self.length() * world, world) % n]
+        return perm.tolist()  # type: ignore[no-any-return]
 
     def open(self, epoch: int, index: int = 0) -> Pass:
         """A pass over `epoch`'s keys that has given `index` of them already."""
@@ -130,7 +131,7 @@ class Indexed(Part):
 
     def length(self) -> int:
         """Keys this rank takes per epoch."""
-        return len(shard(range(len(self.keys)), self.rank, self.world_size, drop_last=False))
+        return -(-len(self.keys) // self.world_size)  # as `shard` counts them, padded
 
     def digest(self) -> str:
         return keys_digest(self.keys)
