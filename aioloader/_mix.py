@@ -107,12 +107,16 @@ class Mix:
         self.starts: dict[int, int] = {}  # epoch -> the position its next stream begins at
 
     def __repr__(self) -> str:
-        inner = ", ".join(
-            repr(s) if n is None else f"{n!r}: {s!r}"
-            for s, n in zip(self._sources, self.names, strict=True)
+        shown = [_short(s) for s in self._sources]
+        inner = (
+            f"[{', '.join(shown)}]"
+            if self.names == [None] * len(self.names)
+            else "{"
+            + ", ".join(f"{n!r}: {s}" for n, s in zip(self.names, shown, strict=True))
+            + "}"
         )
         return (
-            f"mix([{inner}], weights={self.weights}, seed={self.seed}, stop={self.stop!r}, "
+            f"mix({inner}, weights={self.weights}, seed={self.seed}, stop={self.stop!r}, "
             f"shuffle={self.shuffle})"
         )
 
@@ -251,6 +255,12 @@ class Mix:
             f"again (stop={self.stop!r}); a one-shot iterator (a generator) gives its samples once: "
             "pass a sequence or an iterable that starts again each time it is iterated"
         )
+
+
+def _short(obj: object, most: int = 60) -> str:
+    """`repr(obj)`, cut to `most` characters (a list of samples would fill the screen)."""
+    text = repr(obj)
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _label(index: int, name: str | None) -> str:

@@ -7,7 +7,8 @@ A part is one of the mix's inputs, made uniform:
   mix's seed, the part's index, `e`) when the mix shuffles, else the stored order; across ranks each
   takes every world_size-th entry, padded by wrapping as the order stage pads.
 - `Streamed`: keys that only come by iterating (`sources.tar_shards`, a streamed listing, an
-  IterableDataset or any iterable or async iterable of samples). Each pass iterates it afresh,
+  IterableDataset or any iterable or async iterable of samples; the indices of a torch `Sampler`
+  paired with its map-style dataset, `(dataset, sampler)`). Each pass iterates it afresh,
   after `set_epoch(e)` where it has one; a task reads up to `READ_AHEAD` keys ahead of the mix, so
   every streamed part reads at once.
 
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Se
 from typing import Any
 
 import numpy as np
+from torch.utils.data import Sampler
 
 from ._arguments import is_map_style
 from ._exceptions import FetchError
@@ -203,9 +205,15 @@ class Streamed(Part):
 
     def bind(self, rank: int, world_size: int) -> None:
         bind = getattr(self._owner, "bind", None)
+        replicas = getattr(self._owner, "num_replicas", None)  # a DistributedSampler: its share
         if bind is not None:
             bind(rank=rank, world_size=world_size)
-        elif world_size > 1:
+        elif replicas is not None and replicas != world_size:
+            raise ValueError(
+                f"{self.name}: its sampler shares the data among num_replicas={replicas}, the "
+                f"loader runs {world_size} ranks"
+            )
+        elif world_size > 1 and replicas is None:
             raise ValueError(
                 f"{self.name}: a {type(self._owner).__name__} cannot be shared among "
                 f"{world_size} ranks (it has no length and no bind()); give each rank its own share"
@@ -265,6 +273,13 @@ def make_part(
             part = Streamed(name, obj.keys, obj.fetch, threads, obj)
         part.sizer = getattr(obj, "size", None)
         return part
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], Sampler):
+        dataset, sampler = obj
+        if not is_map_style(dataset):
+            raise TypeError(
+                f"{name}: (dataset, sampler) needs a map-style dataset, got {dataset!r}"
+            )
+        return Streamed(name, lambda: sampler, dataset.__getitem__, threads, sampler)
     if is_map_style(obj):
         return Indexed(name, index, range(len(obj)), obj.__getitem__, threads,
                        shuffle=shuffle, seed=seed)  # fmt: skip
@@ -273,6 +288,6 @@ def make_part(
     if isinstance(obj, Iterable | AsyncIterable):
         return Streamed(name, lambda: obj, None, threads, obj)
     raise TypeError(
-        f"{name}: expected a Source, a map-style dataset, a sequence or an iterable of "
-        f"samples (or only Loaders), got {type(obj).__name__}"
+        f"{name}: expected a Source, a map-style dataset, a (dataset, sampler) pair, a sequence "
+        f"or an iterable of samples (or only Loaders), got {type(obj).__name__}"
     )

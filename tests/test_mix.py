@@ -15,6 +15,7 @@ import pytest
 from fakes import Boom
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.data import DistributedSampler
 
 from aioloader import FetchError, Loader, Mix, MixedLoaders, MixKey, StateError, mix, sources
 
@@ -278,6 +279,22 @@ def test_resume_at_any_point_is_exact(stop: str, seed: int, cut: int, batch_size
     assert head + tail == whole
 
 
+def test_resume_out_of_order_loses_and_repeats_nothing() -> None:
+    def loader() -> Loader[Any]:
+        m = mix([SlowSource("a", 40), SlowStream("b", 30)], [1, 1], seed=8, stop="all_exhausted")
+        return Loader(m, batch_size=3, collate=None, in_order=False, concurrency=16)
+
+    with loader() as a:
+        whole = batches(a)
+    with loader() as b:
+        head = batches(b, 6)
+        state = b.state_dict()
+    with loader() as c:
+        c.load_state_dict(state)
+        tail = batches(c)
+    assert sorted(map(str, head + tail)) == sorted(map(str, whole))
+
+
 class Counted(Sequence[int]):
     """Samples 0..n-1 that count how many were looked up."""
 
@@ -318,6 +335,30 @@ def test_a_state_from_other_weights_is_refused() -> None:
     with Loader(other, batch_size=2) as loader, pytest.raises(StateError) as info:
         loader.load_state_dict(state)
     assert info.value.field == "keys"
+
+
+def test_a_dataset_with_its_sampler_takes_the_samplers_order_per_own_epoch() -> None:
+    data = Squares("d", 6)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=4)
+    m = mix({"d": (data, sampler), "l": [("l", i) for i in range(50)]}, [1, 1], stop="cycle")
+    keys = [k for k in stream_keys(m, 2, 60) if k.name == "d"]
+    for e in (2, 3):
+        sampler.set_epoch(e)
+        assert [k.key for k in keys if k.epoch == e] == list(sampler)
+
+    def loader() -> Loader[Any]:
+        pair = (data, DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=4))
+        return Loader(mix({"d": pair, "l": list(range(9))}, [1, 2], stop="cycle"), batch_size=4,
+                      collate=None)  # fmt: skip
+
+    with loader() as a:
+        whole = batches(a, 20)
+    with loader() as b:
+        head = batches(b, 7)
+        state = b.state_dict()
+    with loader() as c:
+        c.load_state_dict(state)
+        assert head + batches(c, 13) == whole
 
 
 # -- tar shards in a mix ------------------------------------------------------------------------------
