@@ -91,6 +91,11 @@ class Mix:
     (the loader calls it at its close). One loader at a time may iterate a mix.
     """
 
+    shuffles_how = (
+        "the choices from (seed, epoch, position); each source with a length in a permutation of "
+        "its own per epoch unless mix(..., shuffle=False)"
+    )  # what a Loader given shuffle=True says
+
     def __init__(
         self, sources: Sequence[Any], names: Sequence[str | None], weights: Sequence[float], *,
         seed: int, stop: str, shuffle: bool,

@@ -507,6 +507,11 @@ def test_bad_arguments_are_named(
         mix([[1], [2]], weights, **kwargs)
 
 
+def test_a_loader_over_a_mix_leaves_the_shuffle_to_it() -> None:
+    with pytest.raises(ValueError, match=r"shuffles itself \(the choices from \(seed, epoch"):
+        Loader(mix([[1], [2]], [1, 1]), shuffle=True)
+
+
 def test_bad_inputs_are_named() -> None:
     with pytest.raises(TypeError, match=r"sources\[1\]: expected a source"):
         mix([[1], "abc"], [1, 1])
