@@ -207,6 +207,7 @@ class Mix:
         choices = Choices(self.weights, self.seed, epoch)
         live = {i for i, w in enumerate(self.weights) if w > 0}
         start = self.starts.pop(epoch, 0)
+        self.starts.clear()  # a start left for another epoch is stale once this one streams
         drawn = choices.counts(start)
         passes: dict[int, Pass] = {}
         ran_out: set[int] = set()
