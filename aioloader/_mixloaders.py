@@ -4,13 +4,13 @@
 `_mix.py`: position `p` draws loader `i` from (seed, e, p); every loader starts its epoch `e` with
 the mix's and keeps its own; one that runs out ends the epoch (`"first_exhausted"`) or starts its
 next epoch (`"all_exhausted"`, `"cycle"`). Every loader runs its own pipeline on its own thread, so
-all of them prefetch at once. `state_dict()` holds the mix's epoch and position and every loader's
-own state, and `load_state_dict()` continues the exact sequence of items.
+all of them prefetch at once (with `for` or `async for`). `state_dict()` holds the mix's epoch and
+position and every loader's own state, and `load_state_dict()` continues the exact sequence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -66,50 +66,76 @@ class MixedLoaders:
         self._epoch = check_int("epoch", epoch, minimum=0)
 
     def __iter__(self) -> Iterator[Any]:
+        return self._items(self._start())
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        """`async for item in mixed`: the same items, from the loaders' `async for`."""
+        return self._aitems(self._start())
+
+    def _start(self) -> _Progress:
+        """Take the next epoch: where a load left it, else from its start (every loader's too)."""
         epoch, self._epoch = self._epoch, self._epoch + 1
         progress, self._resume = self._resume, None
         if progress is None or progress.epoch != epoch:
             progress = _Progress(epoch, 0, [epoch] * len(self.loaders))
             for loader in self.loaders:
                 loader.set_epoch(epoch)
-        return self._items(progress)
+        self._progress = progress
+        return progress
 
     def _items(self, progress: _Progress) -> Iterator[Any]:
-        self._progress = progress
         choices = Choices(self.weights, self.seed, progress.epoch)
         running: dict[int, Iterator[Any]] = {}
         try:
             while True:
                 i = choices.at(progress.position)
-                box = [self._next(i, progress, running)]
+                it = running.get(i) or running.setdefault(i, iter(self.loaders[i]))
+                box = [next(it, _END)]
                 if box[0] is _END:
-                    self._progress = None
-                    return
+                    if self._ends(i, progress):
+                        return
+                    running[i] = it = iter(self.loaders[i])
+                    box = [self._first(i, progress, next(it, _END))]
                 progress.position += 1
                 yield box.pop()  # not held here while the consumer has it
         finally:
             for it in running.values():
                 it.close()  # type: ignore[attr-defined]
 
-    def _next(self, i: int, progress: _Progress, running: dict[int, Iterator[Any]]) -> Any:
-        """Loader `i`'s next item; at its epoch's end, `_END` if the mix's epoch ends there, else
-        the first item of its next epoch."""
-        it = running.get(i)
-        if it is None:
-            it = running[i] = iter(self.loaders[i])
-        item = next(it, _END)
-        if item is not _END:
-            return item
+    async def _aitems(self, progress: _Progress) -> AsyncIterator[Any]:
+        choices = Choices(self.weights, self.seed, progress.epoch)
+        running: dict[int, AsyncIterator[Any]] = {}
+        try:
+            while True:
+                i = choices.at(progress.position)
+                it = running.get(i) or running.setdefault(i, aiter(self.loaders[i]))
+                box = [await anext(it, _END)]
+                if box[0] is _END:
+                    if self._ends(i, progress):
+                        return
+                    running[i] = it = aiter(self.loaders[i])
+                    box = [self._first(i, progress, await anext(it, _END))]
+                progress.position += 1
+                yield box.pop()  # not held here while the consumer has it
+        finally:
+            for it in running.values():
+                await it.aclose()  # type: ignore[attr-defined]
+
+    def _ends(self, i: int, progress: _Progress) -> bool:
+        """Loader `i` ran out: True if the mix's epoch ends there; else it starts its next epoch."""
         progress.ran_out.add(i)
         live = {j for j, w in enumerate(self.weights) if w > 0}
         if self.stop == "first_exhausted" or (
             self.stop == "all_exhausted" and progress.ran_out >= live
         ):
-            return _END
+            self._progress = None
+            return True
         progress.epochs[i] += 1
         self.loaders[i].set_epoch(progress.epochs[i])
-        running[i] = it = iter(self.loaders[i])
-        item = next(it, _END)
+        return False
+
+    def _first(self, i: int, progress: _Progress, item: Any) -> Any:
+        """The first item of loader `i`'s next epoch (an epoch with none cannot start again)."""
         if item is _END:
             raise ValueError(
                 f"mix: loader {self._label(i)} gave nothing in its epoch {progress.epochs[i]}, so "

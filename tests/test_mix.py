@@ -555,3 +555,22 @@ def test_loaders_mixed_stop_when_the_first_runs_out() -> None:
         got = list(both)
     a = [b for b in got if b[0][0] == "a"]
     assert len(a) == 8 or len([b for b in got if b[0][0] == "b"]) == 20
+
+
+@pytest.mark.asyncio
+async def test_loaders_mixed_with_async_for_give_the_same_items() -> None:
+    with two_loaders("all_exhausted") as both:
+        expected = list(both)
+    with two_loaders("all_exhausted") as both:
+        got = [batch async for batch in both]
+        assert got == expected
+        both.set_epoch(0)
+        head = []
+        async for batch in both:
+            head.append(batch)
+            if len(head) == 5:
+                break
+        state = both.state_dict()
+    with two_loaders("all_exhausted") as both:
+        both.load_state_dict(state)
+        assert head + list(both) == expected
