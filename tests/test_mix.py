@@ -553,8 +553,23 @@ def test_loaders_mix_in_proportion_and_resume_exactly() -> None:
 def test_loaders_mixed_stop_when_the_first_runs_out() -> None:
     with two_loaders("first_exhausted") as both:
         got = list(both)
-    a = [b for b in got if b[0][0] == "a"]
-    assert len(a) == 8 or len([b for b in got if b[0][0] == "b"]) == 20
+    draws = mix([[0], [1]], [1, 3], seed=6).draws(0, 200)
+    left = {0: 8, 1: 20}  # batches per epoch of each loader
+    end = 0
+    while left[draws[end]]:  # the first draw that finds its loader empty ends the epoch
+        left[draws[end]] -= 1
+        end += 1
+    assert [0 if b[0][0] == "a" else 1 for b in got] == draws[:end]
+
+
+def test_a_state_of_other_loaders_weights_is_refused() -> None:
+    with two_loaders() as both:
+        state = both.state_dict()
+    a, b = (Loader(Squares(n, 4), batch_size=2) for n in "ab")
+    with mix([a, b], [1, 1], seed=6, stop="all_exhausted") as other:
+        with pytest.raises(StateError) as info:
+            other.load_state_dict(state)
+        assert info.value.field == "weights"
 
 
 @pytest.mark.asyncio
