@@ -7,7 +7,8 @@ median is kept, since the host is shared):
   `stop="cycle"`, read for N items): the pipeline's own per-sample cost is all there is, so this is
   the worst case for the mix's per-key work (a draw, a permutation lookup, a key object);
 - "w2": the W2 workload of `benchmarks/remote.py` (256 KiB objects over HTTP from a local server
-  that waits 20 ms per GET, `http` sources, concurrency 64, batches of 32).
+  that waits 20 ms per GET, batches of 32, the loader's concurrency 64): one `http` source with a
+  pool of 64 connections against a mix of two with 32 each (the same connections in all).
 Reported: mix/single items/s and CPU time per item. Then the time from `load_state_dict` to the
 first batch when resuming a cycle mix deep into its epoch. The last line is a JSON summary.
 
@@ -140,8 +141,8 @@ def w2(objects: int, repeats: int) -> dict[str, Any]:
         return compare("w2", lambda: Loader(
             http(base, keys, concurrency=64), concurrency=64, batch_size=BATCH, collate=None,
             shuffle=True,
-        ), lambda: Loader(mix([http(base, keys[::2], concurrency=64),
-                               http(base, keys[1::2], concurrency=64)], [1, 1], stop="cycle"),
+        ), lambda: Loader(mix([http(base, keys[::2], concurrency=32),
+                               http(base, keys[1::2], concurrency=32)], [1, 1], stop="cycle"),
                           concurrency=64, batch_size=BATCH, collate=None), objects, repeats)  # fmt: skip
     finally:
         proc.kill()
