@@ -28,7 +28,6 @@ from torch.utils.data import Sampler
 
 from ._arguments import is_map_style
 from ._exceptions import FetchError
-from ._pipeline.order import shard
 from ._resume.state import keys_digest
 from ._util.loops import is_async_callable
 from ._util.threads import LazyThreadPool
@@ -92,7 +91,9 @@ class Part:
 
 
 class _IndexedPass(Pass):
-    def __init__(self, epoch: int, keys: Sequence[Any], order: Sequence[int], index: int) -> None:
+    def __init__(
+        self, epoch: int, keys: Sequence[Any], order: np.ndarray[Any, Any], index: int
+    ) -> None:
         super().__init__(epoch)
         self._keys, self._order, self.index = keys, order, index
 
@@ -100,7 +101,7 @@ class _IndexedPass(Pass):
         if self.index >= len(self._order):
             return END
         self.index += 1
-        return self._keys[self._order[self.index - 1]]
+        return self._keys[int(self._order[self.index - 1])]
 
 
 class Indexed(Part):
@@ -117,15 +118,17 @@ class Indexed(Part):
             raise ValueError(f"{name}: it has no samples")
         self.keys, self.index, self.shuffle, self.seed = keys, index, shuffle, seed
 
-    def order(self, epoch: int) -> list[int]:
-        """Key positions this rank takes in `epoch`, in order."""
+    def order(self, epoch: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Key positions this rank takes in `epoch`, in order (8 bytes a key, not a list's 36)."""
         n, rank, world = len(self.keys), self.rank, self.world_size
-        if not self.shuffle:
-            return shard(range(n), rank, world, drop_last=False)
-        perm = np.random.default_rng([self.seed, self.index, epoch, _PERM_SALT]).permutation(n)
+        perm = (
+            np.random.default_rng([self.seed, self.index, epoch, _PERM_SALT]).permutation(n)
+            if self.shuffle
+            else np.arange(n, dtype=np.int64)
+        )
         if world > 1:  # as `shard` deals them: every world-th from `rank`, wrapping around
             perm = perm[np.arange(rank, self.length() * world, world) % n]
-        return perm.tolist()  # type: ignore[no-any-return]
+        return perm
 
     def open(self, epoch: int, index: int = 0) -> Pass:
         """A pass over `epoch`'s keys that has given `index` of them already."""

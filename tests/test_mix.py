@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 from aioloader import FetchError, Loader, Mix, MixedLoaders, MixKey, StateError, mix, sources
+from aioloader._pipeline.order import shard
 
 WEIGHTS = [0.6, 0.3, 0.1]
 
@@ -416,6 +417,17 @@ def test_ranks_share_each_source_and_take_equal_steps() -> None:
         seen += [s for b in got for s in b if s[0] == "b"]
     assert steps[0] == steps[1]
     assert sorted(i for _, i in seen) == [i * i for i in range(40)]  # each "b" sample once
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_ranks_share_is_dealt_as_the_order_stage_deals_keys(shuffle: bool) -> None:
+    for world in (2, 3, 7):
+        for rank in range(world):
+            m = mix([list(range(103))], [1], shuffle=shuffle, stop="first_exhausted")
+            m.bind(rank=rank, world_size=world)
+            unshared = mix([list(range(103))], [1], shuffle=shuffle, stop="first_exhausted")
+            order = [k.key for k in stream_keys(unshared, 5)]
+            assert [k.key for k in stream_keys(m, 5)] == shard(order, rank, world, False)
 
 
 def test_a_stream_without_a_share_of_its_own_cannot_span_ranks() -> None:
