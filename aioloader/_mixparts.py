@@ -64,6 +64,7 @@ class Part:
     def __init__(self, name: str, fetch: Callable[[Any], Any] | None, threads: LazyThreadPool):
         self.name = name
         self._fetch = fetch
+        self._async = fetch is not None and is_async_callable(fetch)
         self._threads = threads
         self.rank, self.world_size = 0, 1
         self.sizer: Callable[[Any], int | None] | None = None  # a source's `size`
@@ -81,7 +82,7 @@ class Part:
         fn = self._fetch
         if fn is None:  # the key is the sample
             return key
-        if is_async_callable(fn):
+        if self._async:
             return await fn(key)
         return await self._threads.run(fn, key)
 
