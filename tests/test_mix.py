@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from fakes import Boom
+from faultproxy import Origin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
@@ -401,6 +402,29 @@ def test_tar_shards_mix_and_resume(tmp_path: Path) -> None:
 
 def text(sample: Any) -> Any:
     return sample["txt"].decode() if isinstance(sample, dict) else sample
+
+
+def test_http_and_files_mix_over_a_real_server(origin: Origin, objects: dict[str, bytes],
+                                               tmp_path: Path) -> None:  # fmt: skip
+    for i in range(12):
+        (tmp_path / f"{i:02d}.txt").write_bytes(f"file {i}".encode())
+    names = sorted(objects)[:20]
+
+    def loader(keys: list[str]) -> Loader[Any]:
+        web = sources.http(origin.url + "/", keys=keys, attempts=1)
+        m = mix(
+            {"web": web, "disk": sources.files(tmp_path, "*.txt")}, [1, 1], stop="all_exhausted"
+        )
+        return Loader(m, batch_size=4, collate=None, concurrency=8)
+
+    with loader(names) as a:
+        got = [s for b in batches(a) for s in b]
+    assert sorted(s for s in got if not s.startswith(b"file")) == sorted(objects[n] for n in names)
+    assert {s for s in got if s.startswith(b"file")} == {f"file {i}".encode() for i in range(12)}
+    with loader([*names, "obj/missing.bin"]) as b, pytest.raises(FetchError) as info:
+        batches(b)
+    assert "sources['web'] failed to fetch key 'obj/missing.bin'" in str(info.value)
+    assert isinstance(info.value.__cause__, FetchError)  # the http source's own, with the status
 
 
 # -- ranks --------------------------------------------------------------------------------------------
