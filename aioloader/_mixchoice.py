@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,13 @@ class Choices:
             self._picks = self._draw(block).tolist()
             self._block = block
         return self._picks[offset]
+
+    def iter_from(self, start: int) -> Iterator[int]:
+        """The sources drawn by positions `start`, `start + 1`, ... (endless)."""
+        block, offset = divmod(start, BLOCK)
+        while True:
+            yield from self._draw(block).tolist()[offset:]
+            block, offset = block + 1, 0
 
     def counts(self, n: int) -> list[int]:
         """How often each source is drawn by positions 0..n-1 (block by block, not one by one)."""

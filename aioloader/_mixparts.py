@@ -42,7 +42,13 @@ END: Any = type("_End", (), {"__repr__": lambda self: "END"})()
 
 
 class Pass:
-    """One pass of a part over its keys, in its own epoch `epoch`; `index` keys given so far."""
+    """One pass of a part over its keys, in its own epoch `epoch`; `index` keys given so far.
+
+    `at_hand`: `take()` gives the next key without waiting (keys with a length), so the mix need
+    not await `next()`.
+    """
+
+    at_hand = False
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
@@ -50,6 +56,10 @@ class Pass:
 
     async def next(self) -> Any:
         """The next key, or `END` after the last."""
+        return self.take()
+
+    def take(self) -> Any:
+        """`next()` without waiting, where `at_hand`."""
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -57,14 +67,15 @@ class Pass:
 
 
 class Part:
-    """One input of a mix. `name` says which in errors; `fetch` turns a key into a sample."""
+    """One input of a mix. `name` says which in errors; `fetch_fn` turns a key into a sample (the
+    mix calls it: on the loop when `fetches_async`, else in its threads; None: the key is it)."""
 
     sized = False
 
     def __init__(self, name: str, fetch: Callable[[Any], Any] | None, threads: LazyThreadPool):
         self.name = name
-        self._fetch = fetch
-        self._async = fetch is not None and is_async_callable(fetch)
+        self.fetch_fn = fetch  # None: the key is the sample
+        self.fetches_async = fetch is not None and is_async_callable(fetch)
         self._threads = threads
         self.rank, self.world_size = 0, 1
         self.sizer: Callable[[Any], int | None] | None = None  # a source's `size`
@@ -78,14 +89,6 @@ class Part:
     def bind(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
 
-    async def fetch(self, key: Any) -> Any:
-        fn = self._fetch
-        if fn is None:  # the key is the sample
-            return key
-        if self._async:
-            return await fn(key)
-        return await self._threads.run(fn, key)
-
     def size(self, key: Any) -> int | None:
         """The bytes `fetch(key)` will give, where the part's source knows them (else None)."""
         return None if self.sizer is None else self.sizer(key)
@@ -98,7 +101,9 @@ class _IndexedPass(Pass):
         super().__init__(epoch)
         self._keys, self._order, self.index = keys, order, index
 
-    async def next(self) -> Any:
+    at_hand = True
+
+    def take(self) -> Any:
         if self.index >= len(self._order):
             return END
         self.index += 1

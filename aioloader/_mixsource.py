@@ -5,9 +5,7 @@ See `_mix.py` for the rule a mix follows; `_mixparts.py` for how each input give
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ._exceptions import FetchError, InvalidKeyError
@@ -21,19 +19,27 @@ __all__ = ["Mix", "MixEpochs", "MixKey", "label"]
 _FETCH_THREADS = 64  # the most threads for sync fetches (a map-style dataset's __getitem__)
 
 
-@dataclass(frozen=True, slots=True)
 class MixKey:
     """The key of one mixed sample: which source (`source`, its index; `name`, its mapping key or
     None), that source's own `epoch`, its `index` in that epoch, and the source's own `key`.
 
     A decode given the key (`Loader(..., decode_with_key=True)`) can tell the sources apart by it.
+    (A plain class with slots: one is made per sample, so it must be cheap; it pickles.)
     """
 
-    source: int
-    name: str | None
-    epoch: int
-    index: int
-    key: Any
+    __slots__ = ("epoch", "index", "key", "name", "source")
+
+    def __init__(self, source: int, name: str | None, epoch: int, index: int, key: Any) -> None:
+        self.source, self.name, self.epoch, self.index, self.key = source, name, epoch, index, key
+
+    def _fields(self) -> tuple[Any, ...]:
+        return self.source, self.name, self.epoch, self.index, self.key
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is MixKey and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
 
     def __repr__(self) -> str:
         which = self.source if self.name is None else repr(self.name)
@@ -114,8 +120,13 @@ class Mix:
         source and its key (the source's own error is its `__cause__`)."""
         if type(key) is not MixKey:
             raise InvalidKeyError(f"key: a mix fetches MixKeys, got {key!r}")
+        part = self.parts[key.source]
         try:
-            return await self.parts[key.source].fetch(key.key)
+            if part.fetch_fn is None:  # the key is the sample
+                return key.key
+            if part.fetches_async:  # (no coroutine of the part's own in between: one per sample)
+                return await part.fetch_fn(key.key)
+            return await self._threads.run(part.fetch_fn, key.key)
         except Exception as exc:
             raise FetchError(
                 f"mix: {self.parts[key.source].name} failed to fetch key {key.key!r} (its epoch "
@@ -192,10 +203,9 @@ class Mix:
         try:
             for i in sorted(live):  # all read ahead at once
                 await self._advance(i, epoch, passes, drawn[i], ran_out)
-            for position in itertools.count(start):
-                i = choices.at(position)
+            for i in choices.iter_from(start):
                 current = passes[i]
-                key = await current.next()
+                key = current.take() if current.at_hand else await current.next()
                 if key is END:
                     ran_out.add(i)
                     if self.stop == "first_exhausted" or (
