@@ -23,6 +23,7 @@ from faultproxy import Origin, ServerThread
 import aioloader
 from aioloader import FetchError, Loader, ProcessExecutor, WorkerDied
 from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR
+from aioloader._util import threads as _threads
 from aioloader.sources import http
 
 BODY = bytes(range(256)) * 128  # 32 KiB: in shared memory, not in the pipe
@@ -240,7 +241,14 @@ def stamp(raw: tuple[int, int, str]) -> tuple[int, int, str, int]:
     return (*raw, os.getpid())
 
 
-def test_a_plain_fetch_runs_in_worker_threads_with_its_decode() -> None:
+def test_a_plain_fetch_runs_in_worker_threads_with_its_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a worker's fetch threads grow only while the machine has a core idle: the workers (forked
+    # from this process) see one core idle whatever else runs on the machine
+    monkeypatch.setattr(
+        _threads, "idle_ticks", lambda: int(time.monotonic() * _threads.TICKS_PER_S)
+    )
     with Loader(
         range(32), sleepy_fetch, decode=stamp, executor="process", workers=2, concurrency=16,
         fetch_in_workers=True, collate=None, batch_size=8,
