@@ -1,7 +1,8 @@
 """Parquet bytes for the parquet source: footers, column-chunk byte ranges, row groups decoded from them.
 
 A file is read in two steps. Its footer: one request for the last `FOOTER_GUESS` bytes (a suffix Range
-request, which also tells the file's size), and a second only when the footer is longer. Then each row
+request, which also tells the file's size), and a second only when the footer is longer; the column
+chunks in those last bytes are kept and not asked for again. Then each row
 group the epoch needs: only the chosen columns' column chunks, adjacent chunks merged into one request,
 all requests of a row group at once; pyarrow decodes the row group from those bytes in a thread (it
 releases the GIL), reading them through `_Pieces`, a file whose only bytes are the ones fetched.
@@ -130,6 +131,7 @@ class FileMeta:
     label: str
     metadata: pq.FileMetaData
     size: int
+    tail: bytes  # the file's last bytes as read with the footer: chunks in it need no request
 
     @property
     def row_counts(self) -> list[int]:
@@ -194,15 +196,23 @@ async def read_footer(store: Store) -> FileMeta:
         raise ParquetError(
             f"parquet {store.label}: corrupt footer: {exc}", url=store.label
         ) from exc
-    return FileMeta(store.url, store.label, metadata, size)
+    return FileMeta(store.url, store.label, metadata, size, bytes(tail))
 
 
 async def fetch_row_group(
     store: Store, meta: FileMeta, row_group: int, leaves: Sequence[int]
 ) -> list[tuple[int, bytes]]:
-    """The column-chunk bytes of `row_group` for `leaves`, as (offset, bytes) pieces."""
+    """The column-chunk bytes of `row_group` for `leaves`, as (offset, bytes) pieces; those in
+    the tail read with the footer come from there."""
     ranges = meta.ranges(row_group, leaves)
-    bodies = await asyncio.gather(*(store.read(offset, n) for offset, n in ranges))
+    held = meta.size - len(meta.tail)
+
+    async def read(offset: int, n: int) -> bytes:
+        if offset >= held:
+            return meta.tail[offset - held : offset - held + n]
+        return await store.read(offset, n)
+
+    bodies = await asyncio.gather(*(read(offset, n) for offset, n in ranges))
     for (offset, n), body in zip(ranges, bodies, strict=True):
         if len(body) != n:
             raise ParquetError(

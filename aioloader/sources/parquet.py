@@ -58,8 +58,10 @@ class RowGroup:
     def start(self, source: Parquet) -> asyncio.Task[Any]:
         """Begin the read (once), on the running loop."""
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(source._load(self))
-            self.task.add_done_callback(_retrieve)
+            self.task = task = asyncio.get_running_loop().create_task(source._load(self))
+            source._reads.add(task)
+            task.add_done_callback(source._reads.discard)
+            task.add_done_callback(_retrieve)
         return self.task
 
     async def value(self, source: Parquet) -> Any:
@@ -187,6 +189,7 @@ class Parquet:
         self._epoch = 0
         self._cached: tuple[int, np.ndarray] | None = None
         self._live: dict[int, RowGroup] = {}
+        self._reads: set[asyncio.Task[Any]] = set()  # row groups being read
         self._counts = {"row_groups_read": 0, "bytes_read": 0}
 
     # -- footers and row groups ---------------------------------------------------------------------
@@ -375,7 +378,7 @@ class Parquet:
 
     async def aclose(self) -> None:
         """Stop the reads still going and close the remote files' connection pools. Idempotent."""
-        tasks = [g.task for g in list(self._live.values()) if g.task is not None]
+        tasks = list(self._reads)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
