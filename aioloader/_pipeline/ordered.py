@@ -9,8 +9,10 @@ loader's state and its resume (also elastic: `group_indices`) work as for any ke
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from .._util.ranges import Ranges
 from .order import KeyOrder, KeyPlan
@@ -38,7 +40,7 @@ class OrdersItself(Protocol):
 
     def samples_of(self, rows: int) -> int: ...
 
-    def refs(self, epoch: int, mine: Any) -> Iterable[tuple[int, Any]]: ...
+    def refs(self, epoch: int, mine: Any, skipped: Any = None) -> Iterable[tuple[int, Any]]: ...
 
 
 class OwnOrder(KeyOrder):
@@ -50,6 +52,7 @@ class OwnOrder(KeyOrder):
             world_size=source.slots, drop_last=drop_last,
         )  # fmt: skip
         self.source = source
+        self.skipped: tuple[int, Ranges, int] | None = None  # (epoch, groups, rows per group)
 
     def __len__(self) -> int:
         """Samples on this reader per epoch."""
@@ -59,7 +62,14 @@ class OwnOrder(KeyOrder):
         return self.source.share(consumed, self.drop_last)
 
     def pairs(self, epoch: int, consumed: Ranges) -> Iterable[tuple[int, Any]]:
-        return self.source.refs(epoch, self.mine(consumed))
+        mine = self.mine(consumed)
+        skipped, self.skipped = self.skipped, None
+        if skipped is None or skipped[0] != epoch:
+            return self.source.refs(epoch, mine)
+        mask = np.zeros(len(mine), bool)
+        for a, b in skipped[1].pairs:  # groups delivered before the resume: nothing to read
+            mask[a * skipped[2] : b * skipped[2]] = True
+        return self.source.refs(epoch, mine, mask)
 
 
 class OwnPlan(KeyPlan):
@@ -76,8 +86,18 @@ class OwnPlan(KeyPlan):
     def rank_and_world(self) -> tuple[int, int]:
         return self.order.source.slot, self.order.source.slots
 
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """A state of this rank: its delivered groups will be skipped, so the source need not read
+        the row groups only they hold."""
+        if (state.get("rank"), state.get("world_size")) == self.rank_and_world():
+            delivered = Ranges(state.get("delivered", []))
+            self.order.skipped = (int(state["epoch"]), delivered, self._rows_per_group())
+
+    def _rows_per_group(self) -> int:
+        return self.group_size * (self.order.source.rows_per_sample or 1)
+
     def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
         source = self.order.source
         mine = source.share(consumed, self.drop_last, rank, world_size)
-        rows = self.group_size * (source.rows_per_sample or 1)
+        rows = self._rows_per_group()
         return [int(i) for i in mine[group * rows : (group + 1) * rows]]

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import heapq
 import threading
-from collections.abc import AsyncIterator, Coroutine, Generator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -66,7 +66,10 @@ class RowGroup:
 
     async def value(self, source: Parquet) -> Any:
         """The decoded row group (a fetch that is cancelled leaves the read to the others)."""
-        return await asyncio.shield(self.start(source))
+        task = self.start(source)
+        if task.done():
+            return task.result()
+        return await asyncio.shield(task)
 
     def __del__(self) -> None:  # nothing needs it any more: stop a read still going
         task = self.task
@@ -148,7 +151,7 @@ class Parquet:
         world_size: int = 1,
         worker: int = 0,
         num_workers: int = 1,
-        row_groups_in_flight: int = 8,
+        row_groups_in_flight: int = 16,
         http_options: dict[str, Any] | None = None,
         s3_options: dict[str, Any] | None = None,
     ) -> None:
@@ -292,42 +295,47 @@ class Parquet:
         return -(-rows // k)
 
     def refs(
-        self, epoch: int, mine: np.ndarray
+        self, epoch: int, mine: np.ndarray, skipped: np.ndarray | None = None
     ) -> Generator[tuple[int, RowRef | RowsRef], None, None]:
         """(position, key) of each sample of `mine` (indices into the epoch's order), reading
-        row groups ahead as they come near."""
+        row groups ahead as they come near. Where `skipped` (a mask over `mine`) is set, the
+        samples were delivered before a resume: their keys come, but nothing is read for them."""
         rows = self.epoch_order(epoch)[mine]
-        return self._walk(mine, rows)
+        skip = np.zeros(len(rows), bool) if skipped is None else skipped
+        return self._walk(mine, rows, skip)
 
     def _walk(
-        self, mine: np.ndarray, rows: np.ndarray
+        self, mine: np.ndarray, rows: np.ndarray, skipped: np.ndarray
     ) -> Generator[tuple[int, RowRef | RowsRef], None, None]:
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         local = rows - self._starts[groups]
-        ahead = _Ahead(self, groups)
-        k = self.rows_per_sample
+        ahead = _Ahead(self, np.where(skipped, -1, groups))
+        k = self.rows_per_sample or 1
         try:
-            for a in range(0, len(rows), k or 1):
-                b = min(len(rows), a + (k or 1))
-                ahead.reach(a, b)
-                if k is None:
+            for a in range(0, len(rows), k):
+                b = min(len(rows), a + k)
+                get = RowGroup if skipped[a] else ahead.group  # a skipped one is never read
+                if not skipped[a]:
+                    ahead.reach(a, b)
+                if self.rows_per_sample is None:
                     g = int(groups[a])
                     file, rg = self.row_groups[g]
-                    ref: RowRef | RowsRef = RowRef(
-                        ahead.group(g), self.metas[file].label, rg, int(local[a])
-                    )
+                    label = self.metas[file].label
+                    ref: RowRef | RowsRef = RowRef(get(g), label, rg, int(local[a]))
                 else:
-                    ref = self._rows_ref(ahead, groups[a:b], local[a:b])
+                    ref = self._rows_ref(get, groups[a:b], local[a:b])
                 yield int(mine[a]), ref
         finally:
             ahead.close()
 
-    def _rows_ref(self, ahead: _Ahead, groups: np.ndarray, local: np.ndarray) -> RowsRef:
+    def _rows_ref(
+        self, get: Callable[[int], RowGroup], groups: np.ndarray, local: np.ndarray
+    ) -> RowsRef:
         cuts = np.flatnonzero(np.diff(groups)) + 1
         parts, where = [], []
         for start, stop in zip([0, *cuts.tolist()], [*cuts.tolist(), len(groups)], strict=True):
             g = int(groups[start])
-            parts.append((ahead.group(g), local[start:stop]))
+            parts.append((get(g), local[start:stop]))
             file, rg = self.row_groups[g]
             where.append((self.metas[file].label, rg))
         return RowsRef(parts, where)
@@ -393,9 +401,12 @@ class _Ahead:
 
     def __init__(self, source: Parquet, groups: np.ndarray) -> None:
         self.source = source
-        uniq, first = np.unique(groups, return_index=True)
-        _, last_rev = np.unique(groups[::-1], return_index=True)
-        self.last = dict(zip(uniq.tolist(), (len(groups) - 1 - last_rev).tolist(), strict=True))
+        at = np.flatnonzero(groups >= 0)  # the positions to read for (-1: skipped)
+        uniq, first_i = np.unique(groups[at], return_index=True)
+        _, last_rev = np.unique(groups[at][::-1], return_index=True)
+        last = at[len(at) - 1 - last_rev]
+        self.last = dict(zip(uniq.tolist(), last.tolist(), strict=True))
+        first = at[first_i]
         self.first = first[np.argsort(first)]  # first positions, in the order first needed
         self.need = uniq[np.argsort(first)].tolist()  # row groups in that order
         self.pinned: dict[int, RowGroup] = {}
@@ -518,7 +529,7 @@ def parquet(
     world_size: int = 1,
     worker: int = 0,
     num_workers: int = 1,
-    row_groups_in_flight: int = 8,
+    row_groups_in_flight: int = 16,
     http_options: dict[str, Any] | None = None,
     s3_options: dict[str, Any] | None = None,
 ) -> Parquet:

@@ -425,3 +425,21 @@ def test_early_break_and_cancel_leave_nothing_running(
 
 async def _drain(source: Parquet) -> int:
     return len([s async for s in source])
+
+
+def test_resume_reads_only_the_row_groups_still_due(files: list[str]) -> None:
+    def make() -> tuple[Parquet, Loader[Any]]:
+        source = parquet(files[:1], ["id"], shuffle=False)  # 500 rows in row groups of 64
+        return source, Loader(source, batch_size=8, collate=None)
+
+    source, ld = make()
+    with ld:
+        it = iter(ld)
+        head = [s["id"] for _ in range(16) for s in next(it)]  # two whole row groups
+        state = ld.state_dict()
+    source, ld = make()
+    with ld:
+        ld.load_state_dict(state)
+        rest = [s["id"] for b in ld for s in b]
+    assert head + rest == list(range(500))
+    assert source.stats()["row_groups_read"] == 8 - 2
