@@ -5,7 +5,8 @@ request, which also tells the file's size), and a second only when the footer is
 chunks in those last bytes are kept and not asked for again. Then each row
 group the epoch needs: only the chosen columns' column chunks, adjacent chunks merged into one request,
 all requests of a row group at once; pyarrow decodes the row group from those bytes in a thread (it
-releases the GIL), reading them through `_Pieces`, a file whose only bytes are the ones fetched.
+releases the GIL), reading them through `_Pieces`, a file whose only bytes are the ones fetched. A
+local file's row groups are read and decoded by pyarrow itself, in one call in a thread.
 """
 
 from __future__ import annotations
@@ -263,19 +264,20 @@ class _Pieces:
 
 
 def decode_row_group(
-    meta: FileMeta, row_group: int, columns: Sequence[str] | None, pieces: list[tuple[int, bytes]]
-) -> pa.Table:
-    """Row group `row_group` of the chosen `columns`, decoded from its fetched `pieces` (run in a
-    thread: pyarrow releases the GIL). A page that does not decode raises ParquetError naming the
-    file and the row group."""
+    meta: FileMeta, row_group: int, columns: Sequence[str] | None,
+    pieces: list[tuple[int, bytes]] | None, path: Path | None = None,
+) -> pa.Table:  # fmt: skip
+    """Row group `row_group` of the chosen `columns`, decoded from its fetched `pieces`, or read by
+    pyarrow from the local file `path` (run in a thread: pyarrow releases the GIL). A page that does
+    not decode raises ParquetError naming the file and the row group."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        f = pq.ParquetFile(
-            pa.PythonFile(_Pieces(pieces, meta.size), mode="r"), metadata=meta.metadata,
-            pre_buffer=False,
-        )  # fmt: skip
+        source: Any = (
+            path if pieces is None else pa.PythonFile(_Pieces(pieces, meta.size), mode="r")
+        )
+        f = pq.ParquetFile(source, metadata=meta.metadata, pre_buffer=False)
         return f.read_row_group(row_group, columns=columns, use_threads=False)
     except (pa.ArrowException, OSError, ValueError, IndexError) as exc:
         raise ParquetError(

@@ -20,6 +20,7 @@ import contextlib
 import heapq
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -235,14 +236,18 @@ class Parquet:
     async def _load(self, group: RowGroup) -> Any:
         file, rg = self.row_groups[group.index]
         meta, store = self.metas[file], self._stores[file]
-        pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
+        pieces = None
+        if store.path is None:  # remote: the chunks first; a local file is read by pyarrow
+            pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
+        value, group.nbytes = await asyncio.to_thread(self._decode, meta, rg, pieces, store.path)
         self._counts["row_groups_read"] += 1
-        self._counts["bytes_read"] += sum(len(body) for _, body in pieces)
-        value, group.nbytes = await asyncio.to_thread(self._decode, meta, rg, pieces)
+        self._counts["bytes_read"] += sum(n for _, n in meta.ranges(rg, self._leaves[file]))
         return value
 
-    def _decode(self, meta: FileMeta, rg: int, pieces: list[tuple[int, bytes]]) -> tuple[Any, int]:
-        table = decode_row_group(meta, rg, self.columns, pieces)
+    def _decode(
+        self, meta: FileMeta, rg: int, pieces: list[tuple[int, bytes]] | None, path: Path | None
+    ) -> tuple[Any, int]:
+        table = decode_row_group(meta, rg, self.columns, pieces, path)
         if self.rows_per_sample is not None:
             return table, table.nbytes
         return _python_columns(table), table.nbytes
