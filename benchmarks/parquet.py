@@ -1,6 +1,6 @@
 """W8, Parquet: rows/s reading 3 of 20 columns of a ~200 MB Parquet set, from S3 behind 20 ms and from disk.
 
-The set (8 files of ~25 MB, row groups of 4,096 rows, snappy; `--quick`: 4 files of ~6 MB) is written on
+The set (8 files of ~25 MB, row groups of 1,000 rows, snappy; `--quick`: 4 files of ~6 MB) is written on
 the first run into a cache folder (`$AIOLOADER_BENCH_CACHE`, else ~/.cache/aioloader-bench) and put into
 SeaweedFS (S3 API) on 127.0.0.1, reached through a proxy in a subprocess that holds every request
 20 ms (a far object store). Three columns are read: "id", "label" and "tokens" (a list column), about
@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from _delayproxy import counts, start_proxy
+from _delayproxy import Proxy
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from aioloader import Loader
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from s3server import ACCESS_KEY, REGION, SECRET_KEY, find_weed, start_seaweed
 
 COLUMNS = ["id", "label", "tokens"]
-ROW_GROUP = 4096
+ROW_GROUP = 1000
 BATCH_ROWS = 1024
 ROW_BATCH = 256  # rows per batch where samples are rows
 DELAY_MS = 20.0
@@ -88,7 +88,7 @@ def dataset(kind: str) -> list[Path]:
     """The set's files, written on first use into the cache folder."""
     files, rows = SETS[kind]
     root = Path(os.environ.get("AIOLOADER_BENCH_CACHE", Path.home() / ".cache" / "aioloader-bench"))
-    folder = root / f"parquet-w8-{files}x{rows}-v1"
+    folder = root / f"parquet-w8-{files}x{rows}-rg{ROW_GROUP}-v1"
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"part-{i:04d}.parquet" for i in range(files)]
     for i, path in enumerate(paths):
@@ -216,27 +216,26 @@ def put_files(server: Any, paths: list[Path]) -> list[str]:
 def run_s3(paths: list[Path]) -> tuple[list[Result], dict[str, int]]:
     workdir = Path(tempfile.mkdtemp(prefix="aioloader-w8-"))
     server = start_seaweed(workdir)
-    proxy, endpoint = None, ""
+    proxy = None
     try:
         keys = put_files(server, paths)
-        proxy, endpoint = start_proxy(server.endpoint, DELAY_MS)
+        proxy = Proxy(server.endpoint, DELAY_MS)
         urls = [f"s3://{server.bucket}/{k}" for k in keys]
-        options = {"endpoint_url": endpoint, "credentials": server.credentials}
+        options = {"endpoint_url": proxy.url, "credentials": server.credentials}
         buckets = [f"{server.bucket}/{k}" for k in keys]
-        results = [run_torch(endpoint, buckets, rows=False)]
-        before = counts(endpoint)
+        results = [run_torch(proxy.url, buckets, rows=False)]
+        before = proxy.counts()
         results.append(run_aio("aioloader sources.parquet (s3): record batches of 1,024", urls,
                                False, s3_options=options))  # fmt: skip
-        after = counts(endpoint)
+        after = proxy.counts()
         traffic = {k: after[k] - before[k] for k in after}
-        results.append(run_torch(endpoint, buckets, rows=True))
+        results.append(run_torch(proxy.url, buckets, rows=True))
         results.append(run_aio("aioloader sources.parquet (s3): rows, batches of 256", urls, True,
                                s3_options=options))  # fmt: skip
         return results, traffic
     finally:
         if proxy is not None:
-            proxy.kill()
-            proxy.wait()
+            proxy.stop()
         server.stop()
 
 
@@ -261,8 +260,9 @@ def main() -> None:
     print(f"{'configuration':<58} {'rows/s':>11} {'epoch s':>8} {'ttfb s':>7}")
     for r in [*s3_results, *local]:
         print(r.row())
-    print(f"aioloader over S3, per epoch: {traffic['requests'] / (TIMED_EPOCHS + 1):.0f} requests, "
-          f"{traffic['bytes'] / (TIMED_EPOCHS + 1) / 1e6:.1f} MB of {size / 1e6:.0f} MB")  # fmt: skip
+    epochs = TIMED_EPOCHS + 1  # and the footers, read once
+    print(f"aioloader over S3, per epoch: {traffic['requests'] / epochs:.0f} requests, "
+          f"{traffic['bytes'] / epochs / 1e6:.1f} MB of {size / 1e6:.0f} MB")  # fmt: skip
     torch_b, aio_b, torch_r, aio_r = s3_results
     summary = {
         "workload": "parquet",

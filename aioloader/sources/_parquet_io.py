@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,10 +275,11 @@ def decode_row_group(
     import pyarrow.parquet as pq
 
     try:
-        source: Any = (
-            path if pieces is None else pa.PythonFile(_Pieces(pieces, meta.size), mode="r")
-        )
-        f = pq.ParquetFile(source, metadata=meta.metadata, pre_buffer=False)
+        if pieces is None:
+            f = _local_file(meta, path)
+        else:
+            source = pa.PythonFile(_Pieces(pieces, meta.size), mode="r")
+            f = pq.ParquetFile(source, metadata=meta.metadata, pre_buffer=False)
         return f.read_row_group(row_group, columns=columns, use_threads=False)
     except (pa.ArrowException, OSError, ValueError, IndexError) as exc:
         raise ParquetError(
@@ -286,3 +288,21 @@ def decode_row_group(
             url=meta.label,
             row_group=row_group,
         ) from exc
+
+
+_OPEN_PER_THREAD = 8
+_opened = threading.local()  # each thread's open local files: a reader serves one thread at a time
+
+
+def _local_file(meta: FileMeta, path: Path | None) -> pq.ParquetFile:
+    """This thread's reader of the local file `path` (opened once per thread)."""
+    import pyarrow.parquet as pq
+
+    files: dict[str, tuple[FileMeta, pq.ParquetFile]] = _opened.__dict__.setdefault("files", {})
+    key = str(path)
+    held = files.get(key)
+    if held is None or held[0] is not meta:
+        if len(files) >= _OPEN_PER_THREAD:
+            del files[next(iter(files))]  # the longest open: descriptors stay few
+        held = files[key] = (meta, pq.ParquetFile(key, metadata=meta.metadata, pre_buffer=False))
+    return held[1]

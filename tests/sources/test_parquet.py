@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -410,8 +411,10 @@ def test_early_break_and_cancel_leave_nothing_running(
 
     async def cancel_mid_read() -> None:
         src = parquet(files, ["id", "extra"])
-        task = asyncio.create_task(_drain(src))
-        await asyncio.sleep(0.02)
+        first = asyncio.Event()
+        task = asyncio.create_task(_stuck_after_one(src, first))
+        await first.wait()  # row groups are being read ahead now
+        assert src._reads
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -423,8 +426,12 @@ def test_early_break_and_cancel_leave_nothing_running(
     asyncio.run(cancel_mid_read())
 
 
-async def _drain(source: Parquet) -> int:
-    return len([s async for s in source])
+async def _stuck_after_one(source: Parquet, first: asyncio.Event) -> None:
+    """Take one row, then wait forever (a consumer stuck in its step), closing the rows if ended."""
+    async with contextlib.aclosing(source.samples(0)) as rows:
+        async for _ in rows:
+            first.set()
+            await asyncio.Event().wait()
 
 
 def test_resume_reads_only_the_row_groups_still_due(files: list[str]) -> None:
