@@ -9,8 +9,9 @@ a fifth of the bytes. Measured in one run:
 - S3: torch DataLoader(num_workers=8, persistent workers) over an IterableDataset whose workers each
   read their share of the row groups with pyarrow's own S3FileSystem (`ParquetFile.iter_batches`,
   the usual user code), against `sources.parquet` over s3:// URLs in a Loader; both hand out record
-  batches of 1,024 rows, in the stored order. The same aioloader run without the proxy shows what
-  the local server itself delivers (its limit, not the client's). A second pair hands out rows
+  batches of 1,024 rows, in the stored order. The same aioloader run straight to the server (no
+  proxy, no 20 ms) shows where the local server itself stops: when it is no faster, the server's
+  throughput, not the wait, bounds aioloader here. A second pair hands out rows
   (dicts), batched by 256: the torch workers turn each record batch into rows (`to_pylist`),
   aioloader yields rows itself.
 - disk: `pyarrow.parquet.ParquetFile.iter_batches` alone, file after file (the reader's own limit),
@@ -233,7 +234,7 @@ def run_s3(paths: list[Path]) -> tuple[list[Result], dict[str, int]]:
         after = proxy.counts()
         traffic = {k: after[k] - before[k] for k in after}
         direct = {"endpoint_url": server.endpoint, "credentials": server.credentials}
-        results.append(run_aio("aioloader sources.parquet (s3, no proxy: the server's limit)",
+        results.append(run_aio("aioloader sources.parquet (s3, no proxy: no 20 ms)",
                                urls, False, s3_options=direct))  # fmt: skip
         results.append(run_torch(proxy.url, buckets, rows=True))
         results.append(run_aio("aioloader sources.parquet (s3): rows, batches of 256", urls, True,
@@ -269,13 +270,13 @@ def main() -> None:
     epochs = TIMED_EPOCHS + 1  # and the footers, read once
     print(f"aioloader over S3, per epoch: {traffic['requests'] / epochs:.0f} requests, "
           f"{traffic['bytes'] / epochs / 1e6:.1f} MB of {size / 1e6:.0f} MB")  # fmt: skip
-    torch_b, aio_b, server_limit, torch_r, aio_r = s3_results
+    torch_b, aio_b, no_delay, torch_r, aio_r = s3_results
     summary = {
         "workload": "parquet",
         "s3_ratio": round(aio_b.per_s / torch_b.per_s, 2),
         "s3_rows_ratio": round(aio_r.per_s / torch_r.per_s, 2),
         "local_ratio": round(local[1].per_s / local[0].per_s, 2),
-        "s3_server_limit_ratio": round(server_limit.per_s / torch_b.per_s, 2),
+        "s3_no_delay_ratio": round(no_delay.per_s / torch_b.per_s, 2),
         "rows_per_s": {r.name: round(r.per_s) for r in [*s3_results, *local]},
         "bytes_per_epoch": round(traffic["bytes"] / (TIMED_EPOCHS + 1)),
         "set_bytes": size,
