@@ -61,7 +61,9 @@ class OwnOrder(KeyOrder):
     def mine(self, consumed: Ranges) -> Any:
         return self.source.share(consumed, self.drop_last)
 
-    def pairs(self, epoch: int, consumed: Ranges) -> Iterable[tuple[int, Any]]:
+    def pairs(self, epoch: int, consumed: Ranges, start: int = 0) -> Iterable[tuple[int, Any]]:
+        """The source's keys of `epoch` (`start` is for keys that begin mid-epoch, which these do
+        not: their resume skips delivered groups without reading for them)."""
         mine = self.mine(consumed)
         skipped, self.skipped = self.skipped, None
         if skipped is None or skipped[0] != epoch:
