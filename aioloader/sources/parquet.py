@@ -178,6 +178,8 @@ class Parquet:
             raise ValueError(
                 f"need rank < world_size and worker < num_workers, got {rank}, {worker}"
             )
+        # what a Loader's refused shuffle=True says
+        self.shuffles_how = "its row-group order every epoch, its rows with shuffle_buffer=N"
         self.columns = _columns_arg(columns)
         self.rows_per_sample = rows_per_sample
         self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
