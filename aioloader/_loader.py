@@ -23,6 +23,7 @@ from ._pipeline.epoch import Epoch
 from ._pipeline.fetch import Fetcher
 from ._pipeline.handover import LoopThread
 from ._pipeline.order import KeyOrder, KeyPlan, Plan
+from ._pipeline.ordered import OrdersItself, OwnPlan
 from ._pipeline.stages import Stages
 from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
 from ._tuning.auto import resolve_concurrency, resolve_decoder
@@ -181,8 +182,11 @@ class Loader(Epochs[T]):
             fetch, decode, executor, owned = in_workers(
                 fetch, decode, executor, workers, concurrency, source
             )
+        plan = KeyPlan(order, batch_size, drop_last)
+        if keys is source and isinstance(source, OrdersItself):  # e.g. sources.parquet
+            plan = OwnPlan(source, batch_size, drop_last, max_bytes_in_flight)
         self._setup(
-            KeyPlan(order, batch_size, drop_last), fetch, decode=decode, collate=collate,
+            plan, fetch, decode=decode, collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
             workers=workers, timeout=timeout, use_caller_loop=use_caller_loop, source=source,
             seed=seed, device=make_device_stage(

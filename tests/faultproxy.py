@@ -107,6 +107,8 @@ class Origin(ServerThread):
         if ranged is None:
             return web.Response(body=body)
         first, _, last = ranged.removeprefix("bytes=").partition("-")
+        if not first:  # a suffix: the last `last` bytes
+            first, last = str(max(0, len(body) - int(last))), ""
         start, end = int(first), min(int(last) if last else len(body) - 1, len(body) - 1)
         if start >= len(body):
             return web.Response(status=416)

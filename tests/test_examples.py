@@ -94,3 +94,21 @@ def test_mix_resume_continues_the_uninterrupted_sequence_as_the_readme_shows() -
     opening = "prints:\n\n```\n"
     shown = section[section.index(opening) + len(opening) :]
     assert shown[: shown.index("```")] == out  # the README shows the example's own output
+
+
+def test_parquet_text_packs_token_batches_from_s3(seaweed: SeaweedServer) -> None:
+    key, secret = seaweed.credentials
+    env = {
+        "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
+    }  # fmt: skip
+    prefix = f"s3://{seaweed.bucket}/examples/parquet/"
+    out = run_example(
+        "parquet_text.py", prefix, "--endpoint-url", seaweed.endpoint, "--write-demo", env=env
+    )
+    counts = re.findall(r"epoch (\d): (\d+) batches of 8x64 tokens; (\d+) row groups", out)
+    assert [c[0] for c in counts] == ["0", "1"]
+    assert counts[0][1] == counts[1][1]  # the same tokens, packed anew
+    assert int(counts[0][1]) > 50
+    assert int(counts[1][2]) == 2 * 12  # 3 files of 4 row groups, read once per epoch

@@ -100,3 +100,13 @@ def test_remote_table_names_only_real_arguments() -> None:
     known = set(remote_defaults(sources.Http)) | set(remote_defaults(sources.S3))
     known |= set(inspect.signature(sources.S3).parameters)
     assert not stated.keys() - known, f"README lists arguments no remote source has: {stated}"
+
+
+def test_parquet_table_matches_the_signature() -> None:
+    stated = stated_defaults("### Parquet")
+    actual = signature_defaults(sources.parquet)["parquet"]
+    assert {"columns", "rows_per_sample", "shuffle", "row_groups_in_flight"} <= stated.keys()
+    wrong = {
+        k: (v, actual.get(k, "no such argument")) for k, v in stated.items() if actual.get(k) != v
+    }
+    assert not wrong, f"README says (stated, actual): {wrong}"

@@ -6,6 +6,9 @@ from .files import Files as Files
 from .files import files as files
 from .http import Http as Http
 from .http import http as http
+from .parquet import Parquet as Parquet
+from .parquet import ParquetError as ParquetError
+from .parquet import parquet as parquet
 from .s3 import S3 as S3
 from .s3 import s3 as s3
 from .tar import SampleRef as SampleRef
@@ -16,12 +19,15 @@ __all__ = [
     "S3",
     "Files",
     "Http",
+    "Parquet",
+    "ParquetError",
     "RemoteOptions",
     "SampleRef",
     "Source",
     "TarShards",
     "files",
     "http",
+    "parquet",
     "s3",
     "tar_shards",
 ]

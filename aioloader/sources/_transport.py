@@ -36,6 +36,7 @@ log = logging.getLogger("aioloader")
 # (method, url, headers) -> the headers to send; called once per attempt (signatures carry the time).
 Signer = Callable[[str, str, dict[str, str]], dict[str, str]]
 _THROTTLE_STATUSES = frozenset({429, 503})
+_SUFFIX = -1  # `_send`'s offset for a suffix Range ("the last n bytes"): 206, or 200 for all
 
 T = TypeVar("T")
 
@@ -162,6 +163,24 @@ class Transport:
 
         return await self._with_retries(url, key, attempt)
 
+    async def tail(self, url: str, *, key: Any, length: int) -> tuple[bytearray, int]:
+        """The last `length` bytes of `url` (all of a shorter object) and the object's size, in one
+        request (a suffix Range); retried as `get` is."""
+
+        async def attempt() -> tuple[bytearray, int]:
+            resp = await self._send(url, {"Range": f"bytes=-{length}"}, _SUFFIX)
+            try:
+                body = await read_body(resp)
+            except BaseException:
+                resp.close()
+                raise
+            resp.release()
+            self.counts["bytes"] += len(body)
+            total = (resp.headers.get("Content-Range") or "").rpartition("/")[2]
+            return body, int(total) if total.isdigit() else len(body)
+
+        return await self._with_retries(url, key, attempt)
+
     async def open(self, url: str, *, key: Any, offset: int = 0) -> aiohttp.ClientResponse:
         """A response to GET `url` from byte `offset` whose body is not read yet (retries included).
 
@@ -242,8 +261,14 @@ class Transport:
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise failure_from(exc, url) from None
         self._resolved.add(urlsplit(url).hostname or "")
-        if resp.status == (200 if offset is None else 206):
-            if offset is not None and not _range_ok(resp.headers.get("Content-Range"), offset):
+        if resp.status == (200 if offset is None else 206) or (
+            offset == _SUFFIX and resp.status == 200
+        ):
+            if (
+                offset is not None
+                and offset >= 0
+                and not _range_ok(resp.headers.get("Content-Range"), offset)
+            ):
                 resp.close()
                 raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
             return resp

@@ -1,0 +1,308 @@
+"""Parquet bytes for the parquet source: footers, column-chunk byte ranges, row groups decoded from them.
+
+A file is read in two steps. Its footer: one request for the last `FOOTER_GUESS` bytes (a suffix Range
+request, which also tells the file's size), and a second only when the footer is longer; the column
+chunks in those last bytes are kept and not asked for again. Then each row
+group the epoch needs: only the chosen columns' column chunks, adjacent chunks merged into one request,
+all requests of a row group at once; pyarrow decodes the row group from those bytes in a thread (it
+releases the GIL), reading them through `_Pieces`, a file whose only bytes are the ones fetched. A
+local file's row groups are read and decoded by pyarrow itself, in one call in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._exceptions import FetchError
+from ._redact import redact_url
+from ._shards import SCHEMES, Options
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+__all__ = [
+    "FOOTER_GUESS",
+    "FileMeta",
+    "ParquetError",
+    "Store",
+    "decode_row_group",
+    "need_pyarrow",
+    "store_for",
+]
+
+FOOTER_GUESS = 64 << 10  # bytes asked for a footer; a longer one costs a second request
+_MAGIC = b"PAR1"
+
+
+class ParquetError(FetchError):
+    """A Parquet file that cannot be read: a bad footer, or a row group whose pages do not decode.
+
+    Attributes:
+        url: the file (redacted).
+        row_group: the row group that failed (None: the footer).
+    """
+
+    def __init__(self, message: str, *, url: str, row_group: int | None = None) -> None:
+        super().__init__(message, key=url, stage="fetch")
+        self.url = url
+        self.row_group = row_group
+
+
+def need_pyarrow() -> None:
+    """Raise ImportError, saying what to install, when pyarrow is missing."""
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "sources.parquet needs pyarrow: pip install 'aioloader[parquet]'"
+        ) from exc
+
+
+class Store:
+    """Byte ranges of one file, local or remote."""
+
+    def __init__(self, url: str, remote: Any = None, remote_url: str = "") -> None:
+        self.url = url
+        self.label = redact_url(url)
+        self._remote = remote
+        self._remote_url = remote_url
+        self.path = None if remote is not None else Path(url.removeprefix("file://"))
+
+    async def tail(self, length: int) -> tuple[bytes, int]:
+        """The last `length` bytes (all of a shorter file) and the file's size: one request."""
+        if self._remote is not None:
+            body, size = await self._remote.transport.tail(
+                self._remote_url, key=self.label, length=length
+            )
+            return bytes(body), size
+        return await asyncio.to_thread(self._local_tail, length)
+
+    async def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length)."""
+        if self._remote is not None:
+            body = await self._remote.transport.get(
+                self._remote_url, key=self.label, offset=offset, length=length
+            )
+            return bytes(body)
+        return await asyncio.to_thread(self._local_read, offset, length)
+
+    def _local_tail(self, length: int) -> tuple[bytes, int]:
+        assert self.path is not None
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - length))
+                return f.read(), size
+        except OSError as exc:
+            raise ParquetError(
+                f"parquet {self.label}: {exc.strerror or exc}", url=self.label
+            ) from exc
+
+    def _local_read(self, offset: int, length: int) -> bytes:
+        assert self.path is not None
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+
+def store_for(url: str, remotes: dict[str, Any], options: Options) -> Store:
+    """The `Store` of `url`: a source of its scheme (made once, kept in `remotes`), else a path."""
+    scheme, sep, _ = url.partition("://")
+    reach = SCHEMES.get(scheme) if sep else None
+    if reach is None:
+        return Store(url)
+    remote, remote_url = reach(url, remotes, options)
+    return Store(url, remote, remote_url)
+
+
+@dataclass(frozen=True)
+class FileMeta:
+    """A file's footer, as needed: its metadata, row counts and each row group's chunk ranges."""
+
+    url: str
+    label: str
+    metadata: pq.FileMetaData
+    size: int
+    tail: bytes  # the file's last bytes as read with the footer: chunks in it need no request
+
+    @property
+    def row_counts(self) -> list[int]:
+        md = self.metadata
+        return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+
+    def leaves(self, columns: Sequence[str] | None) -> list[int]:
+        """The leaf columns (indices) that make up the top-level `columns` (None: all)."""
+        schema = self.metadata.schema
+        return [
+            j
+            for j in range(len(schema))
+            if columns is None or schema.column(j).path.split(".")[0] in columns
+        ]
+
+    def ranges(self, row_group: int, leaves: Sequence[int]) -> list[tuple[int, int]]:
+        """(offset, length) requests for `leaves` of `row_group`, adjacent chunks merged."""
+        rg = self.metadata.row_group(row_group)
+        spans = []
+        for j in leaves:
+            col = rg.column(j)
+            start = col.data_page_offset
+            if col.has_dictionary_page and 0 < col.dictionary_page_offset < start:
+                start = col.dictionary_page_offset
+            spans.append((start, start + col.total_compressed_size))
+        return coalesce(spans)
+
+
+def coalesce(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, stop) spans as (offset, length) requests, overlapping or adjacent ones merged."""
+    merged: list[list[int]] = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return [(a, b - a) for a, b in merged]
+
+
+async def read_footer(store: Store) -> FileMeta:
+    """The footer of `store`'s file: one request, or two when it is longer than `FOOTER_GUESS`."""
+    tail, size = await store.tail(FOOTER_GUESS)
+    if size < 12 or tail[-4:] != _MAGIC:
+        raise ParquetError(
+            f"parquet {store.label}: not a Parquet file (no PAR1 at its end; {size} bytes)",
+            url=store.label,
+        )
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (length,) = struct.unpack("<I", tail[-8:-4])
+    if length + 8 > size - 4:
+        raise ParquetError(
+            f"parquet {store.label}: corrupt footer (says {length} bytes in a file of {size})",
+            url=store.label,
+        )
+    if length + 8 > len(tail):
+        tail = await store.read(size - length - 8, length + 8)
+    try:
+        metadata = pq.read_metadata(pa.BufferReader(tail[-(length + 8) :]))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ParquetError(
+            f"parquet {store.label}: corrupt footer: {exc}", url=store.label
+        ) from exc
+    return FileMeta(store.url, store.label, metadata, size, bytes(tail))
+
+
+async def fetch_row_group(
+    store: Store, meta: FileMeta, row_group: int, leaves: Sequence[int]
+) -> list[tuple[int, bytes]]:
+    """The column-chunk bytes of `row_group` for `leaves`, as (offset, bytes) pieces; those in
+    the tail read with the footer come from there."""
+    ranges = meta.ranges(row_group, leaves)
+    held = meta.size - len(meta.tail)
+
+    async def read(offset: int, n: int) -> bytes:
+        if offset >= held:
+            return meta.tail[offset - held : offset - held + n]
+        return await store.read(offset, n)
+
+    bodies = await asyncio.gather(*(read(offset, n) for offset, n in ranges))
+    for (offset, n), body in zip(ranges, bodies, strict=True):
+        if len(body) != n:
+            raise ParquetError(
+                f"parquet {meta.label}: row group {row_group}: {len(body)} of {n} bytes at "
+                f"offset {offset} (the file is shorter than its footer says)",
+                url=meta.label,
+                row_group=row_group,
+            )
+    return [(offset, body) for (offset, _), body in zip(ranges, bodies, strict=True)]
+
+
+class _Pieces:
+    """A read-only file of `size` bytes of which only `pieces` exist; reading elsewhere fails."""
+
+    def __init__(self, pieces: list[tuple[int, bytes]], size: int) -> None:
+        self._pieces = pieces
+        self._size = size
+        self._pos = 0
+        self.closed = False
+
+    def read(self, n: int = -1) -> bytes:
+        start = self._pos
+        stop = self._size if n < 0 else min(self._size, start + n)
+        for offset, body in self._pieces:
+            if offset <= start and stop <= offset + len(body):
+                self._pos = stop
+                return body[start - offset : stop - offset]
+        raise OSError(f"bytes {start}-{stop} were not fetched (outside the column chunks)")
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._size + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def decode_row_group(
+    meta: FileMeta, row_group: int, columns: Sequence[str] | None,
+    pieces: list[tuple[int, bytes]] | None, path: Path | None = None,
+) -> pa.Table:  # fmt: skip
+    """Row group `row_group` of the chosen `columns`, decoded from its fetched `pieces`, or read by
+    pyarrow from the local file `path` (run in a thread: pyarrow releases the GIL). A page that does
+    not decode raises ParquetError naming the file and the row group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if pieces is None:
+            f = _local_file(meta, path)
+        else:
+            source = pa.PythonFile(_Pieces(pieces, meta.size), mode="r")
+            f = pq.ParquetFile(source, metadata=meta.metadata, pre_buffer=False)
+        return f.read_row_group(row_group, columns=columns, use_threads=False)
+    except (pa.ArrowException, OSError, ValueError, IndexError) as exc:
+        raise ParquetError(
+            f"parquet {meta.label}: row group {row_group} does not decode: "
+            f"{type(exc).__name__}: {exc}",
+            url=meta.label,
+            row_group=row_group,
+        ) from exc
+
+
+_OPEN_PER_THREAD = 8
+_opened = threading.local()  # each thread's open local files: a reader serves one thread at a time
+
+
+def _local_file(meta: FileMeta, path: Path | None) -> pq.ParquetFile:
+    """This thread's reader of the local file `path` (opened once per thread)."""
+    import pyarrow.parquet as pq
+
+    files: dict[str, tuple[FileMeta, pq.ParquetFile]] = _opened.__dict__.setdefault("files", {})
+    key = str(path)
+    held = files.get(key)
+    if held is None or held[0] is not meta:
+        if len(files) >= _OPEN_PER_THREAD:
+            del files[next(iter(files))]  # the longest open: descriptors stay few
+        held = files[key] = (meta, pq.ParquetFile(key, metadata=meta.metadata, pre_buffer=False))
+    return held[1]

@@ -1,0 +1,581 @@
+"""Parquet files as a source: rows (or record batches) read by row group from disk, HTTP(S) or S3.
+
+The footers are read when the source is made (see `_parquet_io.py`); a row group is fetched when the
+epoch first needs it, with only the chosen columns' column chunks, and decoded by pyarrow in a thread.
+The epoch's order (`_parquet_order.py`) follows from the footers alone: row groups shuffled from
+(seed, epoch), rows mixed within `shuffle_buffer` places, one contiguous share per rank.
+
+A `Loader` over this source runs that order as its order stage (batches of whole samples, equal step
+counts on every rank, `state_dict()` / `load_state_dict()` and elastic resume as for any keys): the keys
+are `RowRef`s (one row) or `RowsRef`s (`rows_per_sample` rows) that name their row group and rows, and
+`fetch` turns one into its sample. A row group is held while the order has rows of it to hand out and
+while any sample of it is in flight; at most `row_groups_in_flight` are read ahead of the rows handed
+out, fewer when their decoded bytes would pass half of the loader's `max_bytes_in_flight`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from .._util.ranges import Ranges
+from .._util.validate import check_int
+from ._parquet_io import (
+    FileMeta,
+    ParquetError,
+    decode_row_group,
+    fetch_row_group,
+    need_pyarrow,
+    read_footer,
+    store_for,
+)
+from ._parquet_order import epoch_rows, remaining, share
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["Parquet", "ParquetError", "RowRef", "RowsRef", "parquet"]
+
+T = TypeVar("T")
+
+
+class RowGroup:
+    """One row group of one file: loading, then loaded; shared by the samples that need it."""
+
+    __slots__ = ("__weakref__", "index", "nbytes", "task")
+
+    def __init__(self, index: int) -> None:
+        self.index = index  # among all the files' row groups
+        self.task: asyncio.Task[Any] | None = None
+        self.nbytes = 0
+
+    def start(self, source: Parquet) -> asyncio.Task[Any]:
+        """Begin the read (once), on the running loop."""
+        if self.task is None:
+            self.task = task = asyncio.get_running_loop().create_task(source._load(self))
+            source._reads.add(task)
+            task.add_done_callback(source._reads.discard)
+            task.add_done_callback(_retrieve)
+        return self.task
+
+    async def value(self, source: Parquet) -> Any:
+        """The decoded row group (a fetch that is cancelled leaves the read to the others)."""
+        task = self.start(source)
+        if task.done():
+            return task.result()
+        return await asyncio.shield(task)
+
+    def __del__(self) -> None:  # nothing needs it any more: stop a read still going
+        task = self.task
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # read by the fetches that awaited it; a read-ahead nobody took is dropped
+
+
+class RowRef:
+    """The key of one row: its file, row group and row (and, while the epoch runs, its row group)."""
+
+    __slots__ = ("group", "label", "row", "row_group")
+
+    def __init__(self, group: RowGroup, label: str, row_group: int, row: int) -> None:
+        self.group, self.label, self.row_group, self.row = group, label, row_group, row
+
+    def __repr__(self) -> str:
+        return f"<row {self.row} of row group {self.row_group} of {self.label}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to a decode in a worker: where, without the data
+        return (tuple, ((self.label, self.row_group, self.row),))
+
+
+class RowsRef:
+    """The key of `rows_per_sample` rows: (row group, rows in it) parts, in the epoch's order."""
+
+    __slots__ = ("parts", "where")
+
+    def __init__(self, parts: list[tuple[RowGroup, np.ndarray]], where: list[tuple[str, int]]):
+        self.parts = parts
+        self.where = where  # (file, row group) of each part
+
+    def __repr__(self) -> str:
+        n = sum(len(rows) for _, rows in self.parts)
+        (label, rg), more = self.where[0], len(self.where) - 1
+        tail = f" and {more} more row groups" if more else ""
+        return f"<{n} rows from row group {rg} of {label}{tail}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        rows = [rows.tolist() for _, rows in self.parts]
+        return (tuple, ((tuple(self.where), tuple(rows)),))
+
+
+class _AllRows(Sequence[tuple[str, int, int]]):
+    """Every row as (file, row group, row): the keys as the loader's state fingerprints them."""
+
+    def __init__(self, source: Parquet) -> None:
+        self._source = source
+
+    def __len__(self) -> int:
+        return self._source.num_rows
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        g, row = self._source.locate(int(i))
+        file, rg = self._source.row_groups[g]
+        return (self._source.metas[file].label, rg, row)
+
+
+class Parquet:
+    """Rows of Parquet files, as a source. See `parquet()` for the arguments."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        columns: Sequence[str] | None = None,
+        *,
+        rows_per_sample: int | None = None,
+        shuffle: bool = True,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        worker: int = 0,
+        num_workers: int = 1,
+        row_groups_in_flight: int = 16,
+        http_options: dict[str, Any] | None = None,
+        s3_options: dict[str, Any] | None = None,
+    ) -> None:
+        need_pyarrow()
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls or not all(isinstance(u, str) for u in self.urls):
+            raise ValueError(f"urls: expected paths or URLs of Parquet files, got {urls!r}")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+        for name, value, low in (("world_size", world_size, 1), ("num_workers", num_workers, 1),
+                                 ("rank", rank, 0), ("worker", worker, 0), ("seed", seed, 0),
+                                 ("shuffle_buffer", shuffle_buffer, 0),
+                                 ("row_groups_in_flight", row_groups_in_flight, 1)):  # fmt: skip
+            check_int(name, value, minimum=low)
+        if rows_per_sample is not None:
+            check_int("rows_per_sample", rows_per_sample, minimum=1)
+        if not shuffle and shuffle_buffer:
+            raise ValueError(
+                f"shuffle_buffer={shuffle_buffer} mixes rows, but shuffle=False asks for the "
+                "stored order: drop one of them"
+            )
+        if rank >= world_size or worker >= num_workers:
+            raise ValueError(
+                f"need rank < world_size and worker < num_workers, got {rank}, {worker}"
+            )
+        # what a Loader's refused shuffle=True says
+        self.shuffles_how = "its row-group order every epoch, its rows with shuffle_buffer=N"
+        self.columns = _columns_arg(columns)
+        self.rows_per_sample = rows_per_sample
+        self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
+        self.slot, self.slots = rank * num_workers + worker, world_size * num_workers
+        self._worker, self._num_workers = worker, num_workers
+        self.row_groups_in_flight = row_groups_in_flight
+        self.max_bytes_ahead: int | None = None  # set by a loader: half its max_bytes_in_flight
+        self._options = {"http": dict(http_options or {}), "s3": dict(s3_options or {})}
+        self._remotes: dict[str, Any] = {}
+        self._stores = [store_for(u, self._remotes, self._options_of) for u in self.urls]
+        self.metas: list[FileMeta] = _run(self._footers())
+        self._index_row_groups()
+        self._epoch = 0
+        self._cached: tuple[int, np.ndarray] | None = None
+        self._live: dict[int, RowGroup] = {}
+        self._reads: set[asyncio.Task[Any]] = set()  # row groups being read
+        self._counts = {"row_groups_read": 0, "bytes_read": 0}
+
+    # -- footers and row groups ---------------------------------------------------------------------
+
+    def _options_of(self, kind: str) -> dict[str, Any]:
+        return self._options["s3" if kind == "s3" else "http"]
+
+    async def _footers(self) -> list[FileMeta]:
+        try:
+            return list(await asyncio.gather(*(read_footer(s) for s in self._stores)))
+        finally:
+            for remote in self._remotes.values():  # made on this loop; a later read opens anew
+                await remote.aclose()
+
+    def _index_row_groups(self) -> None:
+        self.row_groups: list[tuple[int, int]] = []  # (file, row group) of each global row group
+        counts: list[int] = []
+        self._leaves: list[list[int]] = []
+        for i, meta in enumerate(self.metas):
+            names = meta.metadata.schema.to_arrow_schema().names
+            missing = [c for c in self.columns or () if c not in names]
+            if missing:
+                raise ValueError(
+                    f"columns: {missing[0]!r} is not a column of {meta.label} (its columns: "
+                    f"{', '.join(names)})"
+                )
+            self._leaves.append(meta.leaves(self.columns))
+            for rg, n in enumerate(meta.row_counts):
+                self.row_groups.append((i, rg))
+                counts.append(n)
+        self.row_counts = counts
+        self._starts = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
+        self.num_rows = int(self._starts[-1])
+
+    def locate(self, row: int) -> tuple[int, int]:
+        """(global row group, row within it) of global row `row`."""
+        g = int(np.searchsorted(self._starts, row, side="right")) - 1
+        return g, row - int(self._starts[g])
+
+    async def _load(self, group: RowGroup) -> Any:
+        file, rg = self.row_groups[group.index]
+        meta, store = self.metas[file], self._stores[file]
+        pieces = None
+        if store.path is None:  # remote: the chunks first; a local file is read by pyarrow
+            pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
+        value, group.nbytes = await asyncio.to_thread(self._decode, meta, rg, pieces, store.path)
+        self._counts["row_groups_read"] += 1
+        self._counts["bytes_read"] += sum(n for _, n in meta.ranges(rg, self._leaves[file]))
+        return value
+
+    def _decode(
+        self, meta: FileMeta, rg: int, pieces: list[tuple[int, bytes]] | None, path: Path | None
+    ) -> tuple[Any, int]:
+        table = decode_row_group(meta, rg, self.columns, pieces, path)
+        if self.rows_per_sample is not None:
+            return table, table.nbytes
+        return _python_columns(table), table.nbytes
+
+    # -- the order -----------------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        cols = "all columns" if self.columns is None else f"columns={list(self.columns)}"
+        mixing = f", shuffle_buffer={self.shuffle_buffer}" if self.shuffle_buffer else ""
+        return (
+            f"parquet([{len(self.urls)} files, {len(self.row_groups)} row groups, "
+            f"{self.num_rows} rows], {cols}, shuffle={self.shuffle}{mixing}, "
+            f"slot {self.slot} of {self.slots})"
+        )
+
+    def bind(self, *, rank: int, world_size: int) -> None:
+        """Take the loader's rank and world size, unless this source was given its own share."""
+        if self.slots == self._num_workers:  # built for rank 0 of 1: use the loader's
+            self.slot = rank * self._num_workers + self._worker
+            self.slots = world_size * self._num_workers
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next direct iteration (`async for`) read `epoch`."""
+        self._epoch = check_int("epoch", epoch, minimum=0)
+
+    def keys(self) -> Sequence[tuple[str, int, int]]:
+        """Every row as (file, row group, row), in stored order (a loader orders them itself)."""
+        return _AllRows(self)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The global row numbers of the epoch, in its order (kept for the last epoch asked)."""
+        if self._cached is None or self._cached[0] != epoch:
+            order = epoch_rows(self.row_counts, self.shuffle, self.shuffle_buffer, self.seed, epoch)
+            self._cached = (epoch, order)
+        return self._cached[1]
+
+    def share(
+        self, consumed: Ranges, drop_last: bool = False, slot: int | None = None,
+        slots: int | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """Indices into the epoch's order that reader `slot` of `slots` (default: this one)
+        delivers, once the indices in `consumed` are taken out."""
+        left = remaining(consumed, self.num_rows)
+        slot = self.slot if slot is None else slot
+        return share(left, slot, self.slots if slots is None else slots, drop_last)
+
+    def samples_of(self, rows: int) -> int:
+        """How many samples `rows` rows make."""
+        k = self.rows_per_sample or 1
+        return -(-rows // k)
+
+    def refs(
+        self, epoch: int, mine: np.ndarray, skipped: np.ndarray | None = None
+    ) -> Generator[tuple[int, RowRef | RowsRef], None, None]:
+        """(position, key) of each sample of `mine` (indices into the epoch's order), reading
+        row groups ahead as they come near. Where `skipped` (a mask over `mine`) is set, the
+        samples were delivered before a resume: their keys come, but nothing is read for them."""
+        rows = self.epoch_order(epoch)[mine]
+        skip = np.zeros(len(rows), bool) if skipped is None else skipped
+        return self._walk(mine, rows, skip)
+
+    def _walk(
+        self, mine: np.ndarray, rows: np.ndarray, skipped: np.ndarray
+    ) -> Generator[tuple[int, RowRef | RowsRef], None, None]:
+        groups = np.searchsorted(self._starts, rows, side="right") - 1
+        local = rows - self._starts[groups]
+        ahead = _Ahead(self, np.where(skipped, -1, groups))
+        k = self.rows_per_sample or 1
+        try:
+            for a in range(0, len(rows), k):
+                b = min(len(rows), a + k)
+                get = RowGroup if skipped[a] else ahead.group  # a skipped one is never read
+                if not skipped[a]:
+                    ahead.reach(a, b)
+                if self.rows_per_sample is None:
+                    g = int(groups[a])
+                    file, rg = self.row_groups[g]
+                    label = self.metas[file].label
+                    ref: RowRef | RowsRef = RowRef(get(g), label, rg, int(local[a]))
+                else:
+                    ref = self._rows_ref(get, groups[a:b], local[a:b])
+                yield int(mine[a]), ref
+        finally:
+            ahead.close()
+
+    def _rows_ref(
+        self, get: Callable[[int], RowGroup], groups: np.ndarray, local: np.ndarray
+    ) -> RowsRef:
+        cuts = np.flatnonzero(np.diff(groups)) + 1
+        parts, where = [], []
+        for start, stop in zip([0, *cuts.tolist()], [*cuts.tolist(), len(groups)], strict=True):
+            g = int(groups[start])
+            parts.append((get(g), local[start:stop]))
+            file, rg = self.row_groups[g]
+            where.append((self.metas[file].label, rg))
+        return RowsRef(parts, where)
+
+    def group(self, index: int) -> RowGroup:
+        """The row group `index` while anything holds it, else a new one (not read yet)."""
+        group = self._live.get(index)
+        if group is None:
+            group = self._live[index] = RowGroup(index)
+        return group
+
+    # -- samples -------------------------------------------------------------------------------------
+
+    async def fetch(self, ref: RowRef | RowsRef) -> Any:
+        """The sample of `ref`: a dict of column values (list columns as numpy arrays, binary ones
+        as bytes), or with `rows_per_sample` a pyarrow RecordBatch of those rows."""
+        import pyarrow as pa
+
+        if isinstance(ref, RowRef):
+            columns = await ref.group.value(self)
+            return {name: values[ref.row] for name, values in columns.items()}
+        tables = []
+        for group, rows in ref.parts:
+            table = await group.value(self)
+            tables.append(_take(table, rows))
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        return table.combine_chunks().to_batches()[0]
+
+    async def samples(self, epoch: int) -> AsyncIterator[Any]:
+        """The samples of `epoch` for this reader, one after the other (row groups read ahead)."""
+        walk = self.refs(epoch, self.share(Ranges()))
+        try:
+            for _, ref in walk:
+                yield await self.fetch(ref)
+        finally:
+            walk.close()
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        return self.samples(epoch)
+
+    def stats(self) -> dict[str, float]:
+        """Row groups and bytes read, and the requests and retries of the remote files' sources."""
+        counts: dict[str, float] = dict(self._counts)
+        for name in ("requests", "retries", "throttles"):
+            counts[name] = sum(r.transport.counts.get(name, 0) for r in self._remotes.values())
+        return counts
+
+    async def aclose(self) -> None:
+        """Stop the reads still going and close the remote files' connection pools. Idempotent."""
+        tasks = list(self._reads)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._live.clear()
+        for remote in self._remotes.values():
+            await remote.aclose()
+
+
+class _Ahead:
+    """The row groups one walk over an epoch holds: those it has handed rows of out and will hand
+    out more of, and up to `row_groups_in_flight` read ahead of that (in the order first needed)."""
+
+    def __init__(self, source: Parquet, groups: np.ndarray) -> None:
+        self.source = source
+        at = np.flatnonzero(groups >= 0)  # the positions to read for (-1: skipped)
+        uniq, first_i = np.unique(groups[at], return_index=True)
+        _, last_rev = np.unique(groups[at][::-1], return_index=True)
+        last = at[len(at) - 1 - last_rev]
+        self.last = dict(zip(uniq.tolist(), last.tolist(), strict=True))
+        first = at[first_i]
+        self.first = first[np.argsort(first)]  # first positions, in the order first needed
+        self.need = uniq[np.argsort(first)].tolist()  # row groups in that order
+        self.pinned: dict[int, RowGroup] = {}
+        self.ends: list[tuple[int, int]] = []  # (last position, row group) of the pinned ones
+        self.next = 0  # in `need`: the next to pin
+
+    def reach(self, a: int, b: int) -> None:
+        """The walk hands out positions [a, b): pin what they need and read ahead; let go of the
+        row groups whose last position is behind."""
+        reached = int(np.searchsorted(self.first, b, side="left"))  # needed by positions < b
+        while self.next < len(self.need) and (self.next < reached or self._room(reached)):
+            g = self.need[self.next]
+            group = self.pinned[g] = self.source.group(g)
+            heapq.heappush(self.ends, (self.last[g], g))
+            with contextlib.suppress(RuntimeError):  # no running loop: read when fetched
+                group.start(self.source)
+            self.next += 1
+        while self.ends and self.ends[0][0] < a:
+            _, g = heapq.heappop(self.ends)
+            self._let_go(g)
+
+    def _room(self, reached: int) -> bool:
+        """Whether one more row group may be read ahead."""
+        ahead = self.next - reached
+        if ahead >= self.source.row_groups_in_flight:
+            return False
+        limit = self.source.max_bytes_ahead
+        if limit is None or ahead == 0:
+            return True
+        sizes = [g.nbytes for g in self.pinned.values() if g.nbytes]
+        return not sizes or (ahead + 1) * sum(sizes) / len(sizes) <= limit
+
+    def group(self, g: int) -> RowGroup:
+        return self.pinned[g]
+
+    def _let_go(self, g: int) -> None:
+        group = self.pinned.pop(g)
+        live = self.source._live
+        if live.get(g) is group:
+            del live[g]  # the samples that hold it keep it until they are done
+
+    def close(self) -> None:
+        for g in list(self.pinned):
+            self._let_go(g)
+        self.ends.clear()
+
+
+def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """`rows` of `table`: a slice when they run in order, else a gather."""
+    import pyarrow as pa
+
+    n = len(rows)
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool(np.all(np.diff(rows) == 1))):
+        return table.slice(int(rows[0]), n)
+    return table.take(pa.array(rows))
+
+
+def _python_columns(table: pa.Table) -> dict[str, list[Any]]:
+    """Each column as a list of Python values; list columns' values as numpy arrays."""
+    import pyarrow as pa
+
+    out: dict[str, list[Any]] = {}
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        kind = column.type
+        if pa.types.is_dictionary(kind):
+            kind = kind.value_type
+        if (
+            pa.types.is_list(kind)
+            or pa.types.is_large_list(kind)
+            or pa.types.is_fixed_size_list(kind)
+        ):
+            out[name] = list(column.to_numpy(zero_copy_only=False))
+        else:
+            out[name] = column.to_pylist()
+    return out
+
+
+def _columns_arg(columns: Sequence[str] | None) -> tuple[str, ...] | None:
+    if columns is None:
+        return None
+    if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+        raise TypeError(f"columns: expected a list of column names, got {columns!r}")
+    if not columns:
+        raise ValueError("columns: an empty list selects nothing; pass None for all columns")
+    return tuple(columns)
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to its end from sync code, also when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    out: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(asyncio.run(coro))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="aioloader-parquet-footers")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+def parquet(
+    urls: str | Sequence[str],
+    columns: Sequence[str] | None = None,
+    *,
+    rows_per_sample: int | None = None,
+    shuffle: bool = True,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: int = 0,
+    num_workers: int = 1,
+    row_groups_in_flight: int = 16,
+    http_options: dict[str, Any] | None = None,
+    s3_options: dict[str, Any] | None = None,
+) -> Parquet:
+    """A source of the rows of Parquet files, read by row group with only `columns` fetched.
+
+    Shuffled by default: every epoch reads the row groups in a new order (from `seed` and the
+    epoch), and `shuffle_buffer` also mixes rows across neighbouring row groups; `shuffle=False`
+    keeps the stored order (validation). The source orders itself, so a `Loader` over it takes no
+    `shuffle=True`; it shares the rows among the loader's ranks (contiguous shares of equal length,
+    padded by wrapping around), and resumes from `state_dict()` exactly, on another world size too.
+
+    Args:
+        urls: paths, file://, http(s):// or s3:// URLs of .parquet files (one schema for all).
+        columns: the top-level columns to read (None: all); only their bytes are fetched.
+        rows_per_sample: None: one sample per row, a dict of column values (list columns as numpy
+            arrays, binary columns as bytes, nulls as None). N: one pyarrow RecordBatch of N rows
+            per sample (the last of an epoch may be shorter); use the loader's `batch_size=None`.
+        shuffle: a new row group order every epoch (True) or the stored order (False).
+        shuffle_buffer: rows move up to this many places from their row-group order (0: none);
+            a reader then holds the row groups those places span.
+        seed: what every epoch's order derives from (with the epoch).
+        rank, world_size, worker, num_workers: read only this reader's share when iterating the
+            source directly (a Loader gives its own rank and world size).
+        row_groups_in_flight: row groups read ahead of the rows handed out, at most.
+        http_options: passed to `http()` for http(s) files (timeouts, retries, headers, ssl).
+        s3_options: passed to `s3()` for s3:// files (endpoint_url, credentials, region, ...).
+
+    Raises:
+        ParquetError: (a FetchError) a file whose footer cannot be read, naming it; later, a row
+            group whose pages do not decode, naming the file and the row group.
+        ValueError: a column that one of the files does not have, naming it and the file.
+
+    Example:
+        >>> rows = parquet("s3://bucket/train/part-0000.parquet", ["text", "label"],
+        ...                shuffle_buffer=10_000)  # doctest: +SKIP
+    """
+    return Parquet(
+        urls, columns, rows_per_sample=rows_per_sample, shuffle=shuffle,
+        shuffle_buffer=shuffle_buffer, seed=seed, rank=rank, world_size=world_size, worker=worker,
+        num_workers=num_workers, row_groups_in_flight=row_groups_in_flight,
+        http_options=http_options, s3_options=s3_options,
+    )  # fmt: skip

@@ -1,0 +1,451 @@
+"""Parquet: rows equal to pyarrow's own reading (disk, HTTP, S3), only the chosen columns fetched,
+sharding and resume (exact and elastic), errors naming file and row group, early break."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from aiohttp import web
+from faultproxy import Fault, FaultProxy, Origin
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from s3server import SeaweedServer
+
+from aioloader import FetchError, Loader
+from aioloader._util.ranges import Ranges
+from aioloader.sources import Parquet, ParquetError, parquet
+from aioloader.sources._parquet_io import FOOTER_GUESS
+from aioloader.sources._parquet_order import epoch_rows, remaining, share
+
+COLUMNS = ["id", "score", "label", "tokens", "image", "name", "extra"]
+# (file name, rows, row group size, codec)
+FILES = [("a.parquet", 500, 64, "snappy"), ("b.parquet", 230, 100, "zstd"),
+         ("c.parquet", 97, 97, "gzip"), ("d.parquet", 40, 7, "none")]  # fmt: skip
+
+
+def make_table(rows: int, first_id: int) -> pa.Table:
+    """Nulls, nested lists, a binary image column, a dictionary-encoded string column."""
+    rng = np.random.default_rng(first_id)
+    ids = np.arange(first_id, first_id + rows)
+    return pa.table({
+        "id": ids,
+        "score": pa.array([None if i % 11 == 0 else float(v)
+                           for i, v in zip(ids, rng.random(rows), strict=True)]),
+        "label": pa.array([int(i % 5) for i in ids], pa.int32()),
+        "tokens": pa.array([None if i % 13 == 0 else rng.integers(0, 1000, i % 9).tolist() for i in ids],
+                           pa.list_(pa.int64())),
+        "image": pa.array([None if i % 17 == 0 else rng.bytes(int(i % 50) * 20) for i in ids], pa.binary()),
+        "name": pa.array([f"class-{i % 4}" for i in ids]).dictionary_encode(),
+        "extra": pa.array([rng.bytes(2000) for _ in ids], pa.binary()),
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    folder = tmp_path_factory.mktemp("parquet")
+    paths, first = [], 0
+    for name, rows, group, codec in FILES:
+        path = folder / name
+        pq.write_table(make_table(rows, first), path, row_group_size=group, compression=codec)
+        paths.append(str(path))
+        first += rows
+    return paths
+
+
+def expected(paths: list[str], columns: list[str] | None) -> list[dict[str, Any]]:
+    return [row for p in paths for row in pq.read_table(p, columns=columns).to_pylist()]
+
+
+def plain(sample: dict[str, Any]) -> dict[str, Any]:
+    """Numpy arrays (list columns) as lists, to compare with pyarrow's `to_pylist`."""
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+
+
+def rows_of(source: Parquet, **loader: Any) -> list[dict[str, Any]]:
+    with Loader(source, batch_size=None, collate=None, **loader) as ld:
+        return [plain(s) for s in ld]
+
+
+@pytest.mark.parametrize("columns", [None, ["id", "tokens", "image", "name"], ["score"]])
+def test_rows_equal_pyarrow_read_table(files: list[str], columns: list[str] | None) -> None:
+    got = rows_of(parquet(files, columns, shuffle=False))
+    assert got == expected(files, columns)
+    sample = got[1]
+    assert set(sample) == set(columns or COLUMNS)
+
+
+def test_list_columns_are_numpy_arrays_and_binary_bytes(files: list[str]) -> None:
+    with Loader(parquet(files[:1], ["tokens", "image"], shuffle=False), collate=None) as ld:
+        samples = list(ld)
+    assert isinstance(samples[1]["tokens"], np.ndarray)
+    assert samples[0]["tokens"] is None
+    assert isinstance(samples[1]["image"], bytes)
+    assert samples[0]["image"] is None
+
+
+def test_shuffled_epochs_hold_every_row_once_in_new_orders(files: list[str]) -> None:
+    source = parquet(files, ["id", "label"], shuffle_buffer=50, seed=5)
+    with Loader(source, batch_size=None, collate=None) as ld:
+        first, second = [[s["id"] for s in ld] for _ in range(2)]
+    n = sum(f[1] for f in FILES)
+    assert sorted(first) == sorted(second) == list(range(n))
+    assert first != second
+    assert first != sorted(first)
+
+
+def test_record_batches(files: list[str]) -> None:
+    source = parquet(files, ["id", "tokens", "name"], rows_per_sample=64, shuffle=False)
+    with Loader(source, batch_size=None, collate=None) as ld:
+        batches = list(ld)
+    assert all(isinstance(b, pa.RecordBatch) for b in batches)
+    assert [b.num_rows for b in batches[:-1]] == [64] * (len(batches) - 1)
+    assert pa.Table.from_batches(batches).to_pylist() == expected(files, ["id", "tokens", "name"])
+
+
+def test_shuffled_record_batches_hold_every_row(files: list[str]) -> None:
+    source = parquet(files, ["id"], rows_per_sample=50, shuffle_buffer=80, seed=1)
+    with Loader(source, batch_size=None, collate=None) as ld:
+        ids = [i for b in ld for i in b.column("id").to_pylist()]
+    assert sorted(ids) == list(range(sum(f[1] for f in FILES)))
+
+
+class RangeOrigin(Origin):
+    """An `Origin` that records the byte ranges it served: (name, first byte, bytes)."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        super().__init__(objects)
+        self.served: list[tuple[str, int, int]] = []
+
+    async def _get(self, request: web.Request) -> web.StreamResponse:
+        resp = await super()._get(request)
+        if isinstance(resp, web.Response) and resp.status == 206 and resp.body is not None:
+            first = int(resp.headers["Content-Range"].split()[1].split("-")[0])
+            self.served.append((request.match_info["name"], first, len(resp.body)))  # type: ignore[arg-type]
+        return resp
+
+
+@pytest.fixture
+def served(files: list[str]) -> Iterator[tuple[RangeOrigin, FaultProxy]]:
+    origin = RangeOrigin({Path(p).name: Path(p).read_bytes() for p in files})
+    proxy = FaultProxy(origin.url)
+    yield origin, proxy
+    proxy.stop()
+    origin.stop()
+
+
+def chunk_bytes(path: str, columns: list[str], before: int) -> int:
+    """The bytes of `columns`' column chunks in `path` that start before byte `before`."""
+    md = pq.read_metadata(path)
+    total = 0
+    for g in range(md.num_row_groups):
+        for j in range(md.num_columns):
+            col = md.row_group(g).column(j)
+            start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+            if col.path_in_schema.split(".")[0] in columns and start < before:
+                total += col.total_compressed_size
+    return total
+
+
+def test_http_fetches_only_the_chosen_columns(
+    files: list[str], served: tuple[RangeOrigin, FaultProxy]
+) -> None:
+    origin, proxy = served
+    proxy.plan = lambda path, n: Fault("503") if n == 2 else None  # one retry per file
+    columns = ["id", "name"]  # "id" first, "name" after four columns not read
+    urls = [f"{proxy.url}/{Path(p).name}" for p in files]
+    got = rows_of(parquet(urls, columns, shuffle=False, http_options={"backoff": 0.01}))
+    assert got == expected(files, columns)
+    per_file = collections.defaultdict(int)
+    for name, _first, n in origin.served:
+        per_file[name] += n
+    for path in files:
+        size = Path(path).stat().st_size
+        tail = min(size, FOOTER_GUESS)  # read with the footer: the chunks in it are not asked for
+        chunks = chunk_bytes(path, columns, size - tail)
+        assert per_file[Path(path).name] == tail + chunks < size / 2
+        assert chunks > 0
+    assert proxy.injected["503"] == len(files)
+
+
+def test_adjacent_columns_are_one_request(
+    files: list[str], served: tuple[RangeOrigin, FaultProxy]
+) -> None:
+    origin, _ = served
+    rows_of(parquet([f"{origin.url}/a.parquet"], ["id", "score", "label"], shuffle=False))
+    size = Path(files[0]).stat().st_size
+    md = pq.read_metadata(files[0])
+    far = [g for g in range(md.num_row_groups) if md.row_group(g).column(2).data_page_offset
+           < size - FOOTER_GUESS]  # fmt: skip
+    assert origin.hits["a.parquet"] == 1 + len(far)
+    assert len(far) > 3
+
+
+def test_long_footer_takes_a_second_request(tmp_path: Path) -> None:
+    table = pa.table({f"column_{i:04d}_{'x' * 40}": [i] for i in range(1500)})
+    path = tmp_path / "wide.parquet"
+    pq.write_table(table, path)
+    footer_len = int.from_bytes(path.read_bytes()[-8:-4], "little")
+    assert footer_len > FOOTER_GUESS
+    origin = RangeOrigin({"wide.parquet": path.read_bytes()})
+    try:
+        got = rows_of(parquet([f"{origin.url}/wide.parquet"], ["column_0007_" + "x" * 40]))
+        assert got == [{"column_0007_" + "x" * 40: 7}]
+        assert len(origin.served) == 3  # the tail, the rest of the footer, the one column chunk
+    finally:
+        origin.stop()
+
+
+def test_s3(seaweed: SeaweedServer, files: list[str]) -> None:
+    urls = []
+    for path in files:
+        seaweed.put(f"parquet/{Path(path).name}", Path(path).read_bytes())
+        urls.append(f"s3://{seaweed.bucket}/parquet/{Path(path).name}")
+    options = {"endpoint_url": seaweed.endpoint, "credentials": seaweed.credentials}
+    columns = ["id", "tokens", "image"]
+    source = parquet(urls, columns, shuffle=False, s3_options=options)
+    assert rows_of(source) == expected(files, columns)
+    assert source.stats()["requests"] > len(files)  # footers, then column chunks
+
+
+# -- sharding and resume ----------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    world=st.integers(1, 5),
+    buffer=st.integers(0, 30),
+    epoch=st.integers(0, 3),
+    drop_last=st.booleans(),
+)
+def test_shares_hold_every_row_once_with_equal_lengths(
+    counts: list[int], world: int, buffer: int, epoch: int, drop_last: bool
+) -> None:
+    n = sum(counts)
+    order = epoch_rows(counts, True, buffer, 9, epoch)
+    assert sorted(order.tolist()) == list(range(n))
+    if buffer:
+        plain_order = epoch_rows(counts, True, 0, 9, epoch)
+        where = {row: i for i, row in enumerate(plain_order.tolist())}
+        assert all(abs(where[row] - i) < buffer for i, row in enumerate(order.tolist()))
+    shares = [share(remaining(Ranges(), n), r, world, drop_last) for r in range(world)]
+    assert len({len(s) for s in shares}) == 1  # equal step counts
+    taken = collections.Counter(i for s in shares for i in s.tolist())
+    if drop_last:
+        assert sum(taken.values()) == (n // world) * world
+        assert max(taken.values(), default=1) == 1
+    else:
+        assert set(taken) == set(range(n))  # every row, and only padding twice
+        assert sum(taken.values()) - n == len(shares[0]) * world - n < world
+
+
+@settings(max_examples=25, deadline=None)
+@given(consumed=st.sets(st.integers(0, 99), max_size=60), world=st.integers(1, 4))
+def test_shares_after_consumed_hold_the_rest_once(consumed: set[int], world: int) -> None:
+    left = remaining(Ranges.of(consumed), 100)
+    taken = collections.Counter(i for r in range(world) for i in share(left, r, world, False))
+    assert set(taken) == set(range(100)) - consumed
+
+
+def ids_per_rank(files: list[str], world: int, **kw: Any) -> list[list[list[int]]]:
+    out = []
+    for rank in range(world):
+        with Loader(parquet(files, ["id"], **kw), batch_size=16, rank=rank, world_size=world) as ld:
+            out.append([b["id"].tolist() for b in ld])
+    return out
+
+
+def test_ranks_split_rows_without_overlap_and_with_equal_steps(files: list[str]) -> None:
+    per_rank = ids_per_rank(files, 3, shuffle_buffer=40, seed=2)
+    assert len({len(batches) for batches in per_rank}) == 1
+    ids = [i for batches in per_rank for b in batches for i in b]
+    n = sum(f[1] for f in FILES)
+    assert set(ids) == set(range(n))
+    assert len(ids) - n == -(-n // 3) * 3 - n
+
+
+@pytest.mark.parametrize("rows_per_sample", [None, 30])
+def test_mid_epoch_resume_gives_the_same_rest(
+    files: list[str], rows_per_sample: int | None
+) -> None:
+    def make() -> Loader[Any]:
+        source = parquet(files, ["id", "tokens"], shuffle_buffer=60, seed=4,
+                         rows_per_sample=rows_per_sample)  # fmt: skip
+        batch = 8 if rows_per_sample is None else None
+        return Loader(source, batch_size=batch, collate=None, rank=1, world_size=2)
+
+    def ids(batch: Any) -> list[int]:
+        if rows_per_sample is None:
+            return [s["id"] for s in batch]
+        return list(batch.column("id").to_pylist())
+
+    with make() as ld:
+        list(ld)  # epoch 0
+        it = iter(ld)
+        head = [ids(next(it)) for _ in range(5)]
+        state = ld.state_dict()
+        rest = [ids(b) for b in it]
+    with make() as ld:
+        ld.load_state_dict(state)
+        resumed = [ids(b) for b in ld]
+        after = [ids(b) for b in ld]  # and the next epoch goes on as usual
+    assert resumed == rest
+    assert len(head) == 5
+    assert state["epoch"] == 1
+    with make() as ld:
+        ld.set_epoch(2)
+        assert [ids(b) for b in ld] == after
+
+
+def test_elastic_resume_delivers_the_rest_once(files: list[str]) -> None:
+    kw = {"shuffle_buffer": 30, "seed": 8}
+    states, seen = [], []
+    for rank in range(2):
+        with Loader(parquet(files, ["id"], **kw), batch_size=10, rank=rank, world_size=2) as ld:
+            it = iter(ld)
+            seen += [i for _ in range(4 + rank) for i in next(it)["id"].tolist()]
+            states.append(ld.state_dict())
+    rest = []
+    for rank in range(3):
+        with Loader(parquet(files, ["id"], **kw), batch_size=10, rank=rank, world_size=3) as ld:
+            ld.load_state_dict(states)
+            rest += [i for b in ld for i in b["id"].tolist()]
+    n = sum(f[1] for f in FILES)
+    assert set(seen) | set(rest) == set(range(n))
+    assert not set(seen) & set(rest)
+    assert len(rest) - len(set(rest)) < 3  # wrap-around padding only
+
+
+# -- errors and bounds -------------------------------------------------------------------------------
+
+
+def test_corrupt_footer_names_the_file(tmp_path: Path, files: list[str]) -> None:
+    data = bytearray(Path(files[1]).read_bytes())
+    data[-40:-8] = b"\xff" * 32
+    bad = tmp_path / "bad-footer.parquet"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ParquetError, match=r"bad-footer\.parquet: corrupt footer") as info:
+        parquet([files[0], str(bad)])
+    assert info.value.row_group is None
+    assert info.value.url == str(bad)
+    (tmp_path / "short.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ParquetError, match=r"short\.parquet: not a Parquet file"):
+        parquet(str(tmp_path / "short.parquet"))
+
+
+def test_corrupt_page_names_file_and_row_group(tmp_path: Path, files: list[str]) -> None:
+    data = bytearray(Path(files[0]).read_bytes())
+    col = pq.read_metadata(files[0]).row_group(3).column(0)
+    start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+    data[start : start + 24] = b"\xff" * 24  # the first page header of row group 3's "id"
+    bad = tmp_path / "bad-page.parquet"
+    bad.write_bytes(bytes(data))
+    with Loader(parquet(str(bad), ["id", "label"], shuffle=False), collate=None) as ld:
+        got: list[Any] = []
+        with pytest.raises(
+            ParquetError, match=r"bad-page.parquet: row group 3 does not decode"
+        ) as e:
+            got.extend(ld)
+    assert e.value.row_group == 3
+    assert isinstance(e.value, FetchError)
+    assert [s["id"] for s in got] == list(range(3 * 64))
+    with Loader(parquet(str(bad), ["label"], shuffle=False), collate=None) as ld:
+        assert len(list(ld)) == 500  # the broken column is not read
+
+
+def test_bad_arguments_are_named(files: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"columns: 'nope' is not a column of .*a\.parquet"):
+        parquet(files, ["id", "nope"])
+    with pytest.raises(TypeError, match="columns"):
+        parquet(files, "id")
+    with pytest.raises(ValueError, match="rows_per_sample"):
+        parquet(files, rows_per_sample=0)
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        parquet(files, shuffle=False, shuffle_buffer=10)
+    with pytest.raises(ValueError, match=r"shuffle=True: .*\(its row-group order every epoch"):
+        Loader(parquet(files), shuffle=True)
+    with pytest.raises(ParquetError, match=r"missing\.parquet"):
+        parquet([*files, str(Path(files[0]).with_name("missing.parquet"))])
+
+
+def test_row_groups_held_stay_bounded(files: list[str]) -> None:
+    source = parquet(files[:1], ["id"], shuffle=False, row_groups_in_flight=2)
+    peak = 0
+    for _ in source.refs(0, source.share(Ranges())):  # the order alone (no loop: nothing read)
+        peak = max(peak, len(source._live))
+    assert peak == 1 + 2  # the row group being handed out and two read ahead
+    assert source._live == {}
+
+    async def watch(ref: Any) -> Any:
+        nonlocal peak
+        peak = max(peak, len(source._live))
+        return await source.fetch(ref)
+
+    peak = 0
+    with Loader(source, watch, batch_size=4, collate=None, concurrency=8) as ld:
+        assert sum(len(b) for b in ld) == 500
+    # and the one or two row groups that the samples in flight (8 fetches, 2 batches) come from
+    assert 3 <= peak <= 2 + 3
+    assert source._live == {}
+
+
+def test_early_break_and_cancel_leave_nothing_running(
+    files: list[str], loop_tasks_left: Callable[..., set[Any]]
+) -> None:
+    source = parquet(files, ["id", "extra"], shuffle_buffer=20)
+    with Loader(source, batch_size=8, collate=None) as ld:
+        for i, _ in enumerate(ld):
+            if i == 3:
+                break
+        assert len(list(ld)) == len(ld)  # the next epoch runs whole
+    assert source._live == {}
+
+    async def cancel_mid_read() -> None:
+        src = parquet(files, ["id", "extra"])
+        first = asyncio.Event()
+        task = asyncio.create_task(_stuck_after_one(src, first))
+        await first.wait()  # row groups are being read ahead now (unless all were read already)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await src.aclose()
+        await asyncio.sleep(0)
+        assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert src._live == {}
+
+    asyncio.run(cancel_mid_read())
+
+
+async def _stuck_after_one(source: Parquet, first: asyncio.Event) -> None:
+    """Take one row, then wait forever (a consumer stuck in its step), closing the rows if ended."""
+    async with contextlib.aclosing(source.samples(0)) as rows:
+        async for _ in rows:
+            first.set()
+            await asyncio.Event().wait()
+
+
+def test_resume_reads_only_the_row_groups_still_due(files: list[str]) -> None:
+    def make() -> tuple[Parquet, Loader[Any]]:
+        source = parquet(files[:1], ["id"], shuffle=False)  # 500 rows in row groups of 64
+        return source, Loader(source, batch_size=8, collate=None)
+
+    source, ld = make()
+    with ld:
+        it = iter(ld)
+        head = [s["id"] for _ in range(16) for s in next(it)]  # two whole row groups
+        state = ld.state_dict()
+    source, ld = make()
+    with ld:
+        ld.load_state_dict(state)
+        rest = [s["id"] for b in ld for s in b]
+    assert head + rest == list(range(500))
+    assert source.stats()["row_groups_read"] == 8 - 2
