@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -35,3 +37,23 @@ def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
     assert b["ratio_per_workers"]["2"] > 0
     assert b["main_cpu_s_per_batch"]["torch"]["2"] > 0
     assert b["pipe_share_max"] < 0.01  # the lists of arrays came back in shared memory
+
+
+def test_cloud_azure_runs_torch_with_the_sdk_and_aioloader_through_azurite() -> None:
+    # A small set, no client comparison: Azurite, the latency proxy, torch's 8 workers and two loaders.
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cloud_azure.py"), "--quick", "--objects", "64",
+         "--no-clients"],
+        capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skipped" in summary:
+        pytest.skip(f"cloud_azure: {summary['skipped']}")
+    assert summary["workload"] == "cloud_azure"
+    assert summary["torch_items_per_s"] > 0
+    assert summary["aioloader_items_per_s"] > 0
+    assert set(summary["cpu_s_per_1k"]) == {
+        "torch DataLoader(num_workers=8) + SDK",
+        "aioloader azure aiohttp (concurrency 256)",
+        "aioloader azure fast (concurrency 256)",
+    }
