@@ -180,9 +180,14 @@ def find_credentials(
 
 
 def _from_connection_string(text: str, name: str) -> Found:
+    """A connection string's credentials: its AccountKey when it has one (its SAS is then unused,
+    as in the SDK), else its SharedAccessSignature."""
     cs = parse_connection_string(text, name)
-    key = None if cs.key is None else _check_key(cs.key, f"{name} (AccountKey)")
-    return Found(cs.account, cs.endpoint, key=key, sas=cs.sas, source=name)
+    if cs.key is not None:
+        key = _check_key(cs.key, f"{name} (AccountKey)")
+        return Found(cs.account, cs.endpoint, key=key, source=name)
+    return Found(cs.account, cs.endpoint, sas=_check_sas(cs.sas, f"{name} (SharedAccessSignature)"),
+                 source=name)  # fmt: skip
 
 
 def _from_environment(account: str | None, env: Mapping[str, str]) -> Found:

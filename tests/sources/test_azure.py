@@ -166,6 +166,30 @@ def test_sas_token_reads_and_is_never_shown(
         assert secret not in shown
 
 
+def test_a_sas_signature_stays_out_of_retry_logs_and_errors(
+    azurite: AzuriteServer,
+    stored: dict[str, bytes],
+    az_proxy: FaultProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sas = container_sas(azurite, read=True, list=True)
+    az_proxy.plan = lambda path, n: (
+        Fault("server-busy") if path.endswith("0004.bin") or n == 1 else None
+    )
+    keys = [k for k in sorted(stored) if "/0" in k][:8]
+    src = azure(f"az://{azurite.container}/{PREFIX}", keys, sas_token=sas,
+                endpoint_url=f"{az_proxy.url}/{ACCOUNT}", attempts=3, **FAST)  # fmt: skip
+    caplog.set_level(logging.DEBUG, logger="aioloader")
+    with Loader(src, collate=None, on_error="skip", max_skipped=None) as loader:
+        got = [bytes(x) for x in loader]
+        skipped = repr(loader.stats().skipped)
+    assert got == [stored[k] for k in keys if not k.endswith("0004.bin")]  # the SAS was accepted
+    assert "retrying" in caplog.text
+    assert "sig=REDACTED" in caplog.text
+    for shown in (caplog.text, skipped, repr(src)):
+        assert sig_of(sas) not in shown
+
+
 def test_connection_strings_from_argument_and_environment(
     azurite: AzuriteServer, stored: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -406,6 +430,8 @@ def test_credential_precedence_and_bad_credentials(monkeypatch: pytest.MonkeyPat
     assert find(sas_token="sv=1&sig=abcd").source == "sas_token"  # an argument beats the variables
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"AccountName=cs;AccountKey={KEY}")
     assert find().source == "AZURE_STORAGE_CONNECTION_STRING"
+    both = find(connection_string=f"AccountName=cs;AccountKey={KEY};SharedAccessSignature=sig=x")
+    assert (both.key, both.sas) == (KEY, None)  # the key signs; the SAS is not sent too
     assert find(credential={"account_name": "n", "account_key": KEY}).account == "n"
     assert find(credential="sv=1&sig=abcd").sas == "sv=1&sig=abcd"
     with pytest.raises(ValueError, match="give one of account_key, sas_token"):
