@@ -30,8 +30,11 @@ from email.utils import formatdate
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
 
+from ._redact import redact_url
+
 __all__ = [
     "API_VERSION",
+    "AzUrl",
     "AzureSigner",
     "Listing",
     "find_credentials",
@@ -58,26 +61,42 @@ _SIGNED_STANDARD = (
 )  # fmt: skip
 
 
-def parse_az_url(url: str) -> tuple[str | None, str | None, str, str]:
-    """(account or None, endpoint or None, container, prefix) of an Azure Blob URL.
+@dataclass(frozen=True)
+class AzUrl:
+    """What an Azure Blob URL names: the container and prefix, and (an https URL) the account, its
+    endpoint and a SAS token in its query."""
 
-    Takes "az://container/prefix" (the account and endpoint come from the arguments or the
-    environment) and "https://ACCOUNT.blob.core.windows.net/container/prefix".
-    """
+    container: str
+    prefix: str
+    account: str | None = None
+    endpoint: str | None = None
+    sas: str | None = None
+
+    def __repr__(self) -> str:
+        sas = ", sas=***" if self.sas else ""
+        return f"AzUrl({self.container!r}, {self.prefix!r}, account={self.account!r}{sas})"
+
+
+def parse_az_url(url: str) -> AzUrl:
+    """Parse "az://container/prefix" (the account and endpoint come from the arguments or the
+    environment) or "https://ACCOUNT.blob.core.windows.net/container/prefix[?SAS]"."""
     if not isinstance(url, str):
-        raise TypeError(f"url must be a str such as 'az://container/prefix', got {url!r}")
+        raise TypeError(
+            f"url must be a str such as 'az://container/prefix', got {type(url).__name__}"
+        )
     parts = urlsplit(url)
-    if parts.scheme == "az" and parts.netloc:
-        return None, None, parts.netloc, parts.path.lstrip("/")
+    if parts.scheme == "az" and parts.netloc and not parts.query:
+        return AzUrl(parts.netloc, parts.path.lstrip("/"))
     host = parts.hostname or ""
     if parts.scheme in ("http", "https") and ".blob." in host:
         container, _, prefix = parts.path.lstrip("/").partition("/")
         if container:
-            account = host.split(".", 1)[0]
-            return account, f"{parts.scheme}://{parts.netloc}", container, prefix
+            sas = _check_sas(parts.query, "url's query") if parts.query else None
+            endpoint = f"{parts.scheme}://{parts.netloc}"
+            return AzUrl(container, prefix, host.split(".", 1)[0], endpoint, sas)
     raise ValueError(
         "url: expected 'az://container/prefix' or "
-        f"'https://ACCOUNT.blob.core.windows.net/container/prefix', got {url!r}"
+        f"'https://ACCOUNT.blob.core.windows.net/container/prefix', got {redact_url(url)!r}"
     )
 
 

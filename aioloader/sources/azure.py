@@ -73,16 +73,19 @@ class Azure(Remote):
         timeouts, retries, TLS, engine), one by one or together as `remote`."""
         shared = RemoteOptions.of(remote, options, "azure")
         check_int("page_size", page_size, minimum=1)
-        url_account, url_endpoint, self.container, self.prefix = parse_az_url(url)
+        where = parse_az_url(url)
+        self.container, self.prefix = where.container, where.prefix
         for name, value in (("account_name", account_name), ("endpoint_url", endpoint_url)):
             if value is not None and (not isinstance(value, str) or not value):
                 raise TypeError(f"{name} must be a non-empty str, got {value!r}")
+        if where.sas is not None and sas_token is not None:
+            raise ValueError("a SAS token is in both url and sas_token: give one")
         found = find_credentials(
-            account_name=account_name or url_account, account_key=account_key,
-            sas_token=sas_token, credential=credential, connection_string=connection_string,
-            anonymous=anonymous,
+            account_name=account_name or where.account, account_key=account_key,
+            sas_token=sas_token or where.sas, credential=credential,
+            connection_string=connection_string, anonymous=anonymous,
         )  # fmt: skip
-        endpoint, endpoint_from = _endpoint(endpoint_url, url_endpoint, found)
+        endpoint, endpoint_from = _endpoint(endpoint_url, where.endpoint, found)
         if found.account is None:
             found.account = _path_account(endpoint)
         self.signer = AzureSigner(found)
@@ -133,6 +136,8 @@ class Azure(Remote):
             except ValueError as exc:  # ParseError is a SyntaxError; bad ints are ValueErrors
                 raise FetchError(f"bad List Blobs answer for {where}: {exc}", key=where) from None
             for name, size in sorted(page.objects, key=lambda o: o[0].encode()):
+                if name.endswith("/") and size == 0:
+                    continue  # a "folder" marker
                 if name.encode() <= last.encode():
                     raise FetchError(f"listing of {where} out of name order at {name!r}", key=where)
                 last = name
@@ -238,8 +243,9 @@ def azure(url: str, keys: Sequence[str] | None = None, **options: Any) -> Azure:
     """A source of the blobs under `url` in Azure Blob Storage (or an emulator such as Azurite).
 
     Args:
-        url: "az://container/prefix" or "https://ACCOUNT.blob.core.windows.net/container/prefix";
-            keys are full blob names starting with the prefix.
+        url: "az://container/prefix" or "https://ACCOUNT.blob.core.windows.net/container/prefix"
+            (with a SAS token as its query, if you like); keys are full blob names starting with
+            the prefix.
         keys: the keys to read, when known (a manifest); None lists the prefix.
         account_name: the storage account (None: from the url, the connection string or
             AZURE_STORAGE_ACCOUNT).

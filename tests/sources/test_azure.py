@@ -22,6 +22,7 @@ from aioloader import FetchError, InvalidKeyError, Loader
 from aioloader.sources import azure, tar_shards
 from aioloader.sources._azauth import (
     AzureSigner,
+    AzUrl,
     find_credentials,
     list_query,
     parse_az_url,
@@ -154,6 +155,9 @@ def test_sas_token_reads_and_is_never_shown(
     src = azure(f"az://{azurite.container}/{PREFIX}", sas_token=sas, endpoint_url=azurite.endpoint)
     with Loader(src, collate=None) as loader:
         assert [bytes(x) for x in loader] == [stored[k] for k in sorted(stored, key=str.encode)]
+    # the SAS as the query of an https URL (the endpoint overridden: Azurite is not on Azure's hosts)
+    in_url = f"https://{ACCOUNT}.blob.core.windows.net/{azurite.container}/{PREFIX}?{sas}"
+    assert azure(in_url, endpoint_url=azurite.endpoint).keys() == sorted(stored, key=str.encode)
     read_only = container_sas(azurite, read=True)  # may not list
     caplog.set_level(logging.DEBUG, logger="aioloader")
     bad = azure(f"az://{azurite.container}/{PREFIX}", sas_token=read_only,
@@ -376,18 +380,22 @@ def test_a_source_pickles_and_reads_in_a_fresh_loop(
 
 
 def test_urls_and_endpoints() -> None:
-    assert parse_az_url("az://c/p/x") == (None, None, "c", "p/x")
-    assert parse_az_url("https://acct.blob.core.windows.net/c/p/") == (
-        "acct", "https://acct.blob.core.windows.net", "c", "p/",
-    )  # fmt: skip
+    assert parse_az_url("az://c/p/x") == AzUrl("c", "p/x")
+    assert parse_az_url("https://acct.blob.core.windows.net/c/p/") == AzUrl(
+        "c", "p/", "acct", "https://acct.blob.core.windows.net"
+    )
+    with_sas = parse_az_url("https://acct.blob.core.windows.net/c/p/?sv=1&sig=s3cr3t")
+    assert with_sas.sas == "sv=1&sig=s3cr3t"
+    assert "s3cr3t" not in repr(with_sas)
     src = azure("https://acct.blob.core.windows.net/data/train/", account_key="a2V5")
     assert src.url("train/a b.jpg") == "https://acct.blob.core.windows.net/data/train/a%20b.jpg"
     assert azure("az://c/", account_name="acct", anonymous=True).base == (
         "https://acct.blob.core.windows.net/c/"
     )
-    for bad in ("s3://b/p", "az:///p", "https://example.com/c/p"):
-        with pytest.raises(ValueError, match="url: expected"):
+    for bad in ("s3://b/p", "az:///p", "https://example.com/c/p?sig=s3cr3t"):
+        with pytest.raises(ValueError, match="url: expected") as err:
             parse_az_url(bad)
+        assert "s3cr3t" not in str(err.value)
     with pytest.raises(ValueError, match="no Azure storage account"):
         azure("az://c/", anonymous=True)
     with pytest.raises(ValueError, match="endpoint_url must be an http"):
