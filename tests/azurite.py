@@ -84,8 +84,9 @@ class AzuriteServer:
                 self.proc.wait()
 
 
-def start_azurite(workdir: Path) -> AzuriteServer:
-    """Start Azurite (in memory; its log and debris in `workdir`); skip if node or azurite is missing."""
+def start_azurite(workdir: Path, in_memory: bool = True) -> AzuriteServer:
+    """Start Azurite (blobs kept in memory, or with `in_memory=False` in files under `workdir`; its
+    log in `workdir`); skip if node or azurite is missing."""
     if shutil.which("node") is None:
         pytest.skip("Azure tests need node (for Azurite); none on PATH")
     exe = find_azurite()
@@ -93,9 +94,9 @@ def start_azurite(workdir: Path) -> AzuriteServer:
         pytest.skip("Azure tests need Azurite: `make setup` installs it into .azurite/")
     pytest.importorskip("azure.storage.blob", reason="pip install azure-storage-blob (dev extra)")
     port = _free_port()
-    cmd = [exe, "--blobHost", "127.0.0.1", "--blobPort", str(port),
-           "--inMemoryPersistence", "--disableTelemetry", "--disableProductStyleUrl",
-           "--skipApiVersionCheck", "--loose", "--silent"]  # fmt: skip
+    cmd = [exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--disableTelemetry",
+           "--disableProductStyleUrl", "--skipApiVersionCheck", "--loose", "--silent"]  # fmt: skip
+    cmd += ["--inMemoryPersistence"] if in_memory else ["--location", str(workdir / "data")]
     log = (workdir / "azurite.out").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
     log.close()
