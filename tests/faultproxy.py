@@ -171,11 +171,8 @@ class FaultProxy(ServerThread):
     async def _forward(self, request: web.Request) -> tuple[int, dict[str, str], bytes]:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        keep = (
-            "authorization",
-            "range",
-            "host",
-        )  # and x-amz-*, x-ms-*: signed requests pass intact
+        # and x-amz-*, x-ms-*: a signed request must pass intact
+        keep = ("authorization", "range", "host")
         headers = {
             k: v
             for k, v in request.headers.items()

@@ -1,6 +1,6 @@
 """Streams for the tar-shard source: shard bytes from anywhere, round-robin merging, a shuffle buffer.
 
-`open_shard` yields a shard's bytes in chunks from a local file, an http(s) URL, an s3:// or az:// URL. A
+`open_shard` yields a shard's bytes in chunks from a local file, an http(s), s3:// or az:// URL. A
 remote stream that breaks part-way is resumed with a Range request from the byte it stopped at (up to
 the source's `attempts`), so a reset costs a reconnect, not a re-read of the whole shard.
 
@@ -39,9 +39,8 @@ CHUNK = 1 << 20
 _READ_AHEAD = 32
 
 
-Options = Callable[
-    [str], dict[str, Any]
-]  # a scheme's kind ("http", "s3", "az") -> its source's options
+# a scheme's kind ("http", "s3", "az") -> its source's options
+Options = Callable[[str], dict[str, Any]]
 
 
 def _http(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
