@@ -19,6 +19,7 @@ transport with the SharedKey signer (both engines), obstore's AzureStore and adl
 (azure-storage-blob's aio client), the latter two when installed.
 
 Usage: python benchmarks/cloud_azure.py [--quick] [--objects N] [--blobs N] [--no-clients]
+(W7_DISK=1 in the environment: Azurite keeps its blobs in files instead of memory.)
 The last line printed is a JSON summary (ratio: the best aioloader row over torch's).
 """
 
