@@ -3,19 +3,27 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+AZURITE := .azurite/.installed
 TORCH   ?= torch==2.13.0
 
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads mix parquet
 
 .PHONY: setup test lint demo bench bench-quick soak clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(AZURITE)
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH)"
 	$(VPY) -m pip install -q -e ".[dev,uvloop]"
 	touch $(STAMP)
+
+# Azurite (Azure Blob's emulator, for the Azure tests and benchmark) from npm into .azurite/, once;
+# without npm the Azure tests skip, saying so.
+$(AZURITE):
+	@if command -v npm >/dev/null; then \
+		npm install --prefix .azurite --no-audit --no-fund --silent azurite@3 && touch $(AZURITE); \
+	else echo "npm not found: the Azure tests will skip"; fi
 
 lint: setup
 	$(VPY) -m ruff format --check aioloader tests benchmarks examples

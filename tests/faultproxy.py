@@ -28,6 +28,14 @@ KINDS = ("503", "503-retry-after", "429", "reset", "reset-mid-body", "truncate",
 SLOWDOWN = (
     b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 )
+# Azure's throttling answers (kinds "server-busy" and "500-timed-out"): status, then the XML body
+AZURE_BUSY = {
+    "server-busy": (503, b"<Error><Code>ServerBusy</Code><Message>Too busy.</Message></Error>"),
+    "500-timed-out": (
+        500,
+        b"<Error><Code>OperationTimedOut</Code><Message>Not done in time.</Message></Error>",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -165,11 +173,12 @@ class FaultProxy(ServerThread):
     async def _forward(self, request: web.Request) -> tuple[int, dict[str, str], bytes]:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        keep = ("authorization", "range", "host")  # and x-amz-*: a signed request must pass intact
+        # and x-amz-*, x-ms-*: a signed request must pass intact
+        keep = ("authorization", "range", "host")
         headers = {
             k: v
             for k, v in request.headers.items()
-            if k.lower() in keep or k.lower().startswith("x-amz-")
+            if k.lower() in keep or k.lower().startswith(("x-amz-", "x-ms-"))
         }
         async with self._session.get(
             self.upstream + request.path_qs, headers=headers, allow_redirects=False
@@ -181,6 +190,9 @@ class FaultProxy(ServerThread):
     async def _inject(self, request: web.Request, fault: Fault) -> web.StreamResponse:
         if fault.kind in ("503", "429"):
             return web.Response(status=int(fault.kind), text="busy")
+        if fault.kind in AZURE_BUSY:
+            status, body = AZURE_BUSY[fault.kind]
+            return web.Response(status=status, body=body, content_type="application/xml")
         if fault.kind == "slowdown":
             return web.Response(status=503, body=SLOWDOWN, content_type="application/xml")
         if fault.kind == "503-retry-after":

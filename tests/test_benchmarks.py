@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -47,3 +49,24 @@ def test_mix_runs_both_sides_and_ends_with_its_json() -> None:
     assert summary["small"]["single_items_per_s"] > 0
     assert summary["small"]["mix_items_per_s"] > 0
     assert summary["resume"]["first_batch_s"] > 0
+
+
+def test_cloud_azure_runs_torch_with_the_sdk_and_aioloader_through_azurite() -> None:
+    # A small set, no client comparison: Azurite, the latency proxy, torch's 8 workers and two loaders.
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cloud_azure.py"), "--quick", "--objects", "64",
+         "--no-clients"],
+        capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skipped" in summary:
+        pytest.skip(f"cloud_azure: {summary['skipped']}")
+    assert summary["workload"] == "cloud_azure"
+    assert summary["torch_items_per_s"] > 0
+    assert summary["aioloader_items_per_s"] > 0
+    assert summary["cpu_ratio"] > 0
+    assert set(summary["cpu_s_per_1k"]) == {
+        "torch DataLoader(num_workers=8) + SDK",
+        "aioloader azure aiohttp (concurrency 64)",
+        "aioloader azure fast (concurrency 64)",
+    }

@@ -2,6 +2,8 @@
 
 from ._base import Source as Source
 from ._remote import RemoteOptions as RemoteOptions
+from .azure import Azure as Azure
+from .azure import azure as azure
 from .files import Files as Files
 from .files import files as files
 from .http import Http as Http
@@ -17,6 +19,7 @@ from .tar import tar_shards as tar_shards
 
 __all__ = [
     "S3",
+    "Azure",
     "Files",
     "Http",
     "Parquet",
@@ -25,6 +28,7 @@ __all__ = [
     "SampleRef",
     "Source",
     "TarShards",
+    "azure",
     "files",
     "http",
     "parquet",

@@ -1,6 +1,6 @@
 """Streams for the tar-shard source: shard bytes from anywhere, round-robin merging, a shuffle buffer.
 
-`open_shard` yields a shard's bytes in chunks from a local file, an http(s) URL or an s3:// URL. A
+`open_shard` yields a shard's bytes in chunks from a local file, an http(s), s3:// or az:// URL. A
 remote stream that breaks part-way is resumed with a Range request from the byte it stopped at (up to
 the source's `attempts`), so a reset costs a reconnect, not a re-read of the whole shard.
 
@@ -39,7 +39,8 @@ CHUNK = 1 << 20
 _READ_AHEAD = 32
 
 
-Options = Callable[[str], dict[str, Any]]  # a scheme's kind ("http", "s3") -> its source's options
+# a scheme's kind ("http", "s3", "az") -> its source's options
+Options = Callable[[str], dict[str, Any]]
 
 
 def _http(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
@@ -60,12 +61,23 @@ def _s3(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, 
     return src, src.url(key)
 
 
+def _az(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+    container, _, key = shard[5:].partition("/")
+    if f"az:{container}" not in remotes:
+        from .azure import Azure
+
+        remotes[f"az:{container}"] = Azure(f"az://{container}/", **options("az"))
+    src = remotes[f"az:{container}"]
+    return src, src.url(key)
+
+
 # URL scheme -> (the remote source that reads such shards, made once and kept in `remotes`; the
 # shard's URL there). A shard of another scheme, or a bare path, is a local file.
 SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]] = {
     "http": _http,
     "https": _http,
     "s3": _s3,
+    "az": _az,
 }
 
 

@@ -51,6 +51,8 @@ class Transport:
         headers: sent with every request.
         sign: called per attempt to add authentication headers (S3's SigV4).
         limiter: an `Aimd` limit on requests in flight that 429/503 answers shrink.
+        throttle_codes: error codes (from the XML error body) that count as throttling too, with
+            any status (Azure's "OperationTimedOut" comes as a 500).
         redirects: follow redirects (never for signed requests).
         dns_hint: added to the error when a host that never resolved does not (where it came from).
     """
@@ -68,6 +70,7 @@ class Transport:
         redirects: bool = True,
         engine: str = "aiohttp",
         dns_hint: str = "",
+        throttle_codes: frozenset[str] = frozenset(),
     ) -> None:
         if engine not in ("aiohttp", "fast"):
             raise ValueError(f"engine must be 'aiohttp' or 'fast', got {engine!r}")
@@ -84,6 +87,7 @@ class Transport:
         self.counts = {"requests": 0, "retries": 0, "failures": 0, "bytes": 0}
         self.engine = engine
         self.dns_hint = dns_hint
+        self.throttle_codes = throttle_codes
         self._resolved: set[str] = set()  # hosts that answered once: a DNS failure may pass
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -242,10 +246,16 @@ class Transport:
         try:
             return await attempt()
         except Failure as failure:
-            throttled = failure.status in _THROTTLE_STATUSES
+            throttled = failure.status in _THROTTLE_STATUSES or self._throttle_code(failure)
             raise
         finally:
             self.limiter.release(ticket, throttled=throttled)
+
+    def _throttle_code(self, failure: Failure) -> bool:
+        """Whether `failure` is an error answer whose code is one of `throttle_codes`."""
+        return failure.status is not None and any(
+            f": {code}:" in failure.reason + ":" for code in self.throttle_codes
+        )
 
     async def _send(
         self, url: str, headers: dict[str, str], offset: int | None

@@ -1,0 +1,116 @@
+"""A real Azure Blob endpoint for the tests: Azurite (npm's `azurite`, in .azurite/) on 127.0.0.1.
+
+`start_azurite(dir)` starts `azurite-blob` on a free port (in memory, no telemetry, account taken
+from the URL's path), waits until it answers, creates the container CONTAINER with the official SDK
+and returns an `AzuriteServer` whose `blobs()` is that SDK's container client, to write objects.
+Azurite checks SharedKey signatures, so a wrong key is refused. `make setup` installs it into
+.azurite/ (`npm install azurite@3`); without node or azurite the tests that need it skip, saying so.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["ACCOUNT", "CONTAINER", "KEY", "AzuriteServer", "find_azurite", "start_azurite"]
+
+ROOT = Path(__file__).resolve().parent.parent
+# Azurite's own development account: its name and key are published with the emulator.
+ACCOUNT = "devstoreaccount1"
+KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+CONTAINER = "test-container"
+START_DEADLINE_S = 30.0
+# Between readiness probes: nothing signals that the server in another process is ready.
+PROBE_INTERVAL_S = 0.1
+STOP_WAIT_S = 3.0
+
+
+def find_azurite() -> str | None:
+    """`azurite-blob`: the project's .azurite/ install (make setup), else on PATH."""
+    local = ROOT / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+    return str(local) if local.exists() else shutil.which("azurite-blob")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class AzuriteServer:
+    """A running Azurite; `endpoint` is the account's blob endpoint (http://127.0.0.1:P/ACCOUNT)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self.account = ACCOUNT
+        self.key = KEY
+        self.container = CONTAINER
+        self.endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
+
+    def connection_string(self, endpoint: str | None = None, key: str = KEY) -> str:
+        """A connection string for this server (or for `endpoint`, a proxy in front of it)."""
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={key};"
+            f"BlobEndpoint={endpoint or self.endpoint};"
+        )
+
+    def service(self) -> Any:
+        """The official SDK's BlobServiceClient for this server."""
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(self.connection_string())
+
+    def blobs(self) -> Any:
+        """The official SDK's ContainerClient for CONTAINER."""
+        return self.service().get_container_client(self.container)
+
+    def put(self, name: str, body: bytes) -> None:
+        self.blobs().upload_blob(name, body, overwrite=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_azurite(workdir: Path, in_memory: bool = True) -> AzuriteServer:
+    """Start Azurite (blobs kept in memory, or with `in_memory=False` in files under `workdir`; its
+    log in `workdir`); skip if node or azurite is missing."""
+    if shutil.which("node") is None:
+        pytest.skip("Azure tests need node (for Azurite); none on PATH")
+    exe = find_azurite()
+    if exe is None:
+        pytest.skip("Azure tests need Azurite: `make setup` installs it into .azurite/")
+    pytest.importorskip("azure.storage.blob", reason="pip install azure-storage-blob (dev extra)")
+    port = _free_port()
+    cmd = [exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--disableTelemetry",
+           "--disableProductStyleUrl", "--skipApiVersionCheck", "--loose", "--silent"]  # fmt: skip
+    cmd += ["--inMemoryPersistence"] if in_memory else ["--location", str(workdir / "data")]
+    log = (workdir / "azurite.out").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    log.close()
+    server = AzuriteServer(proc, port)
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                pass
+        except OSError:
+            time.sleep(PROBE_INTERVAL_S)
+            continue
+        server.service().create_container(CONTAINER)
+        return server
+    server.stop()
+    tail = (workdir / "azurite.out").read_text(errors="replace")[-2000:]
+    pytest.fail(f"Azurite did not start within {START_DEADLINE_S} s: {tail}")

@@ -1,0 +1,509 @@
+"""The Azure Blob source against a real Azurite (SharedKey, SAS, connection strings) and its parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import pickle
+import random
+import tarfile
+import time
+import zlib
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from azurite import ACCOUNT, KEY, AzuriteServer, start_azurite
+from faultproxy import Fault, FaultProxy
+
+from aioloader import FetchError, InvalidKeyError, Loader
+from aioloader.sources import azure, tar_shards
+from aioloader.sources._azauth import (
+    AzureSigner,
+    AzUrl,
+    find_credentials,
+    list_query,
+    parse_az_url,
+    parse_connection_string,
+    parse_listing,
+)
+
+PREFIX = "aztest/"
+FAST = {"backoff": 0.01, "max_backoff": 0.05}
+AZURE_VARIABLES = [
+    "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def no_azure_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sees no Azure variables but the ones it sets itself."""
+    for name in AZURE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteServer]:
+    """One Azurite for the session (skips, saying why, when node or azurite is missing)."""
+    server = start_azurite(tmp_path_factory.mktemp("azurite"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stored(azurite: AzuriteServer) -> dict[str, bytes]:
+    """Blobs under PREFIX written with the official SDK (odd names included), one outside it."""
+    rng = random.Random(5)
+    names = [f"{PREFIX}{i:04d}.bin" for i in range(24)]
+    names += [f"{PREFIX}dir a/ü+x=1.bin", f"{PREFIX}z~tilde&amp.bin"]
+    objects = {name: rng.randbytes(1500 + 89 * i) for i, name in enumerate(names)}
+    for name, body in objects.items():
+        azurite.put(name, body)
+    azurite.put("elsewhere/x.bin", b"not listed")
+    return objects
+
+
+@pytest.fixture
+def az_proxy(azurite: AzuriteServer) -> Iterator[FaultProxy]:
+    """A fault proxy in front of Azurite; its URL + /ACCOUNT is an endpoint (Host is the proxy's)."""
+    server = FaultProxy(f"http://127.0.0.1:{azurite.port}")
+    yield server
+    server.stop()
+
+
+def source(server: AzuriteServer, **options: Any) -> Any:
+    options.setdefault("account_key", KEY)
+    options.setdefault("account_name", ACCOUNT)
+    return azure(f"az://{server.container}/{PREFIX}", endpoint_url=server.endpoint, **options)
+
+
+def container_sas(server: AzuriteServer, **permission: bool) -> str:
+    """A container SAS made by the official SDK, valid for an hour."""
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    return str(
+        generate_container_sas(
+            ACCOUNT,
+            server.container,
+            account_key=KEY,
+            permission=ContainerSasPermissions(**permission),
+            expiry=datetime.now(UTC) + timedelta(hours=1),
+        )
+    )
+
+
+def sig_of(sas: str) -> str:
+    return next(p.partition("=")[2] for p in sas.split("&") if p.startswith("sig="))
+
+
+# -- against Azurite -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+def test_sdk_written_blobs_come_back_byte_for_byte(
+    engine: str, azurite: AzuriteServer, stored: dict[str, bytes]
+) -> None:
+    src = source(azurite, engine=engine, page_size=5)
+    expected = sorted(stored, key=str.encode)
+    assert src.keys() == expected  # sorted, the prefix only, across 6 pages
+    assert {k: src.size(k) for k in expected} == {k: len(stored[k]) for k in expected}
+    with Loader(src, batch_size=4, collate=None, concurrency=8) as loader:
+        got = [bytes(x) for batch in loader for x in batch]
+    assert got == [stored[k] for k in expected]
+    assert src.stats()["failures"] == 0
+
+
+def test_streamed_listing_goes_page_by_page(
+    azurite: AzuriteServer, stored: dict[str, bytes]
+) -> None:
+    src = source(azurite, page_size=10, stream_keys=True)
+    with Loader(src, collate=None) as loader:
+        got = [bytes(x) for x in loader]
+    assert got == [stored[k] for k in sorted(stored, key=str.encode)]
+    assert src.stats()["requests"] == 3 + len(stored)  # 26 names in pages of 10, then the GETs
+
+
+@pytest.mark.asyncio
+async def test_ranges_and_missing_blobs(azurite: AzuriteServer, stored: dict[str, bytes]) -> None:
+    src = source(azurite, attempts=2, **FAST)
+    key = f"{PREFIX}0003.bin"
+    body = stored[key]
+    try:
+        assert bytes(await src.fetch_range(key, 100, 50)) == body[100:150]
+        assert bytes(await src.fetch_range(key, 1000)) == body[1000:]
+        assert (
+            bytes(await src.fetch_range(f"{PREFIX}dir a/ü+x=1.bin", 0, 7))
+            == stored[f"{PREFIX}dir a/ü+x=1.bin"][:7]
+        )
+        with pytest.raises(FetchError, match=r"status 404.*BlobNotFound") as missing:
+            await src.fetch(f"{PREFIX}nope.bin")
+        assert missing.value.key == f"{PREFIX}nope.bin"
+        assert src.stats()["retries"] == 0  # a 404 is not retried
+        with pytest.raises(InvalidKeyError):
+            src.url("")
+    finally:
+        await src.aclose()
+
+
+def test_sas_token_reads_and_is_never_shown(
+    azurite: AzuriteServer, stored: dict[str, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    sas = container_sas(azurite, read=True, list=True)
+    src = azure(f"az://{azurite.container}/{PREFIX}", sas_token=sas, endpoint_url=azurite.endpoint)
+    with Loader(src, collate=None) as loader:
+        assert [bytes(x) for x in loader] == [stored[k] for k in sorted(stored, key=str.encode)]
+    # the SAS as the query of an https URL (the endpoint overridden: Azurite is not on Azure's hosts)
+    in_url = f"https://{ACCOUNT}.blob.core.windows.net/{azurite.container}/{PREFIX}?{sas}"
+    assert azure(in_url, endpoint_url=azurite.endpoint).keys() == sorted(stored, key=str.encode)
+    read_only = container_sas(azurite, read=True)  # may not list
+    caplog.set_level(logging.DEBUG, logger="aioloader")
+    bad = azure(f"az://{azurite.container}/{PREFIX}", sas_token=read_only,
+                endpoint_url=azurite.endpoint)  # fmt: skip
+    with pytest.raises(FetchError, match="status 403") as refused:
+        bad.keys()
+    shown = f"{refused.value} {refused.value.key} {bad!r} {src!r} {caplog.text}"
+    assert "sig=REDACTED" in str(refused.value)  # the URL is named, its signature is not
+    for secret in (sig_of(sas), sig_of(read_only), read_only):
+        assert secret not in shown
+
+
+def test_a_sas_signature_stays_out_of_retry_logs_and_errors(
+    azurite: AzuriteServer,
+    stored: dict[str, bytes],
+    az_proxy: FaultProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sas = container_sas(azurite, read=True, list=True)
+    az_proxy.plan = lambda path, n: (
+        Fault("server-busy") if path.endswith("0004.bin") or n == 1 else None
+    )
+    keys = [k for k in sorted(stored) if "/0" in k][:8]
+    src = azure(f"az://{azurite.container}/{PREFIX}", keys, sas_token=sas,
+                endpoint_url=f"{az_proxy.url}/{ACCOUNT}", attempts=3, **FAST)  # fmt: skip
+    caplog.set_level(logging.DEBUG, logger="aioloader")
+    with Loader(src, collate=None, on_error="skip", max_skipped=None) as loader:
+        got = [bytes(x) for x in loader]
+        skipped = repr(loader.stats().skipped)
+    assert got == [stored[k] for k in keys if not k.endswith("0004.bin")]  # the SAS was accepted
+    assert "retrying" in caplog.text
+    assert "sig=REDACTED" in caplog.text
+    for shown in (caplog.text, skipped, repr(src)):
+        assert sig_of(sas) not in shown
+
+
+def test_connection_strings_from_argument_and_environment(
+    azurite: AzuriteServer, stored: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"az://{azurite.container}/{PREFIX}"
+    expected = sorted(stored, key=str.encode)
+    assert azure(url, connection_string=azurite.connection_string()).keys() == expected
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    from_env = azure(url)
+    assert from_env.keys() == expected
+    assert from_env.signer.source == "AZURE_STORAGE_CONNECTION_STRING"
+    sas = container_sas(azurite, read=True, list=True)
+    with_sas = f"BlobEndpoint={azurite.endpoint};SharedAccessSignature={sas}"
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", with_sas)
+    assert azure(url).keys() == expected
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT", ACCOUNT)
+    monkeypatch.setenv("AZURE_STORAGE_KEY", KEY)
+    assert azure(url, endpoint_url=azurite.endpoint).keys() == expected
+
+
+def test_a_wrong_key_is_refused_naming_the_url_and_no_secret(
+    azurite: AzuriteServer, stored: dict[str, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    wrong = "d3Jvbmcta2V5LW9mLXRoZS1yaWdodC1sZW5ndGgtMDEyMzQ1Njc4OWFiY2RlZg=="
+    src = azure(f"az://{azurite.container}/{PREFIX}",
+                connection_string=azurite.connection_string(key=wrong))  # fmt: skip
+    with pytest.raises(FetchError, match="status 403") as refused:
+        src.keys()
+    text = str(refused.value)
+    assert f"{azurite.endpoint}/{azurite.container}?restype=container&comp=list" in text
+    assert "AuthorizationFailure" in text
+    assert "after 1 attempt" in text  # a refusal is not retried
+    for shown in (text, repr(src), caplog.text):
+        assert wrong not in shown
+        assert KEY not in shown
+
+    async def fetch() -> None:
+        try:
+            await src.fetch(f"{PREFIX}0001.bin")
+        finally:
+            await src.aclose()
+
+    with pytest.raises(FetchError, match=r"0001\.bin.*status 403"):
+        asyncio.run(fetch())
+
+
+def test_tar_shards_over_az(azurite: AzuriteServer) -> None:
+    shards = []
+    for s in range(3):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for i in range(4):
+                for ext, data in (("txt", f"{s}-{i}".encode()), ("cls", str(i).encode())):
+                    info = tarfile.TarInfo(f"sample{s}{i}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        azurite.put(f"shards/train-{s}.tar", buf.getvalue())
+        shards.append(f"az://{azurite.container}/shards/train-{s}.tar")
+    options = {"connection_string": azurite.connection_string()}
+    src = tar_shards(shards, shuffle=False, parallel=1, azure_options=options)
+    with Loader(src, collate=None) as loader:
+        got = [(x["__key__"], bytes(x["txt"])) for x in loader]
+    assert got == [(f"sample{s}{i}", f"{s}-{i}".encode()) for s in range(3) for i in range(4)]
+
+
+# -- faults, through the proxy ---------------------------------------------------------------------
+
+
+def proxied(azurite: AzuriteServer, proxy: FaultProxy, keys: list[str], **options: Any) -> Any:
+    options = {"concurrency": 8, **FAST, **options}
+    return azure(f"az://{azurite.container}/{PREFIX}", keys,
+                 connection_string=azurite.connection_string(f"{proxy.url}/{ACCOUNT}"),
+                 **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+def test_storms_resets_truncation_and_stalls_still_deliver_every_key_once(
+    engine: str, azurite: AzuriteServer, stored: dict[str, bytes], az_proxy: FaultProxy
+) -> None:
+    kinds = ["server-busy", "500-timed-out", "429", "503", "reset", "truncate", "reset-mid-body",
+             "stall"]  # fmt: skip
+    keys = [k for k in sorted(stored) if "/0" in k]  # simple names: the proxy keeps their quoting
+
+    def plan(path: str, n: int) -> Fault | None:
+        if n > 2:
+            return None
+        kind = kinds[(zlib.crc32(path.encode()) + n) % len(kinds)]
+        return Fault(kind, seconds=2.0 if kind == "stall" else 0.0)
+
+    az_proxy.plan = plan
+    src = proxied(azurite, az_proxy, keys, engine=engine, read_timeout=0.3)
+    with Loader(src, collate=None, concurrency=8) as loader:
+        got = [bytes(x) for x in loader]
+    assert got == [stored[k] for k in keys]  # each once, in order, whole
+    assert sum(az_proxy.injected.values()) == 2 * len(keys)
+    # each blob was asked for after its two faults (a reset of a kept-alive connection is resent
+    # by the client's connection layer, so not every fault is one of the transport's retries)
+    assert all(az_proxy.seen[path] >= 3 for path in az_proxy.seen)
+    stats = src.stats()
+    assert stats["retries"] >= len(keys)
+    assert stats["throttles"] >= 1  # ServerBusy, OperationTimedOut, 429 and 503 count
+    assert stats["failures"] == 0
+
+
+def test_operation_timed_out_shrinks_the_whole_sources_concurrency(
+    azurite: AzuriteServer, stored: dict[str, bytes], az_proxy: FaultProxy
+) -> None:
+    az_proxy.plan = lambda path, n: Fault("500-timed-out") if az_proxy.seen.total() <= 8 else None
+    keys = sorted(stored)[:12]  # few enough that the limit has not grown back to 8 by the end
+    src = proxied(azurite, az_proxy, keys)
+    with Loader(src, concurrency=8, collate=None, max_bytes_in_flight=None) as loader:
+        assert [bytes(x) for x in loader] == [stored[k] for k in keys]
+    stats = src.stats()
+    assert stats["throttles"] == 8
+    assert stats["decreases"] == 1
+    assert stats["concurrency_limit"] < 8
+
+
+def test_a_storm_that_never_ends_names_the_key(
+    azurite: AzuriteServer, stored: dict[str, bytes], az_proxy: FaultProxy
+) -> None:
+    bad = f"{PREFIX}0005.bin"
+    az_proxy.plan = lambda path, n: Fault("server-busy") if path.endswith("0005.bin") else None
+    keys = [k for k in sorted(stored) if "/0" in k]
+    src = proxied(azurite, az_proxy, keys, attempts=3)
+    with Loader(src, collate=None) as loader, pytest.raises(FetchError) as failed:
+        list(loader)
+    assert failed.value.key == bad
+    assert "after 3 attempt(s) (status 503)" in str(failed.value)
+    assert "ServerBusy" in str(failed.value)
+
+
+def test_cancel_deadline_and_early_break(
+    azurite: AzuriteServer, stored: dict[str, bytes], az_proxy: FaultProxy
+) -> None:
+    keys = [k for k in sorted(stored) if "/0" in k]
+    az_proxy.plan = lambda path, n: Fault("stall", 5.0) if path.endswith("0001.bin") else None
+    src = proxied(azurite, az_proxy, keys, deadline=0.5, read_timeout=10.0)
+
+    async def cancel_then_deadline() -> None:
+        try:
+            stalled = asyncio.create_task(src.fetch(keys[1]))
+            await asyncio.sleep(0.1)
+            stalled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stalled
+            assert src.stats()["in_flight"] == 0  # the cancelled request gave its slot back
+            assert bytes(await src.fetch(keys[0])) == stored[keys[0]]
+            start = time.monotonic()
+            with pytest.raises(FetchError, match=r"deadline of 0\.5 s"):
+                await src.fetch(keys[1])
+            assert time.monotonic() - start < 3.0
+        finally:
+            await src.aclose()
+
+    asyncio.run(cancel_then_deadline())
+    az_proxy.plan = lambda path, n: Fault("latency", 0.05)
+    early = proxied(azurite, az_proxy, keys)
+    with Loader(early, collate=None, concurrency=8) as loader:
+        for i, x in enumerate(loader):
+            assert bytes(x) == stored[keys[i]]
+            if i == 2:
+                break
+    assert az_proxy.seen.total() < 2 * len(keys)
+
+
+def test_a_source_pickles_and_reads_in_a_fresh_loop(
+    azurite: AzuriteServer, stored: dict[str, bytes]
+) -> None:
+    src = source(azurite)
+    key = f"{PREFIX}0002.bin"
+    copy = pickle.loads(pickle.dumps(src))
+
+    async def read() -> bytes:
+        try:
+            return bytes(await copy.fetch(key))
+        finally:
+            await copy.aclose()
+
+    assert asyncio.run(read()) == stored[key]
+
+
+# -- without a server ------------------------------------------------------------------------------
+
+
+def test_urls_and_endpoints() -> None:
+    assert parse_az_url("az://c/p/x") == AzUrl("c", "p/x")
+    assert parse_az_url("https://acct.blob.core.windows.net/c/p/") == AzUrl(
+        "c", "p/", "acct", "https://acct.blob.core.windows.net"
+    )
+    with_sas = parse_az_url("https://acct.blob.core.windows.net/c/p/?sv=1&sig=s3cr3t")
+    assert with_sas.sas == "sv=1&sig=s3cr3t"
+    assert "s3cr3t" not in repr(with_sas)
+    src = azure("https://acct.blob.core.windows.net/data/train/", account_key="a2V5")
+    assert src.url("train/a b.jpg") == "https://acct.blob.core.windows.net/data/train/a%20b.jpg"
+    assert azure("az://c/", account_name="acct", anonymous=True).base == (
+        "https://acct.blob.core.windows.net/c/"
+    )
+    for bad in ("s3://b/p", "az:///p", "https://example.com/c/p?sig=s3cr3t"):
+        with pytest.raises(ValueError, match="url: expected") as err:
+            parse_az_url(bad)
+        assert "s3cr3t" not in str(err.value)
+    with pytest.raises(ValueError, match="no Azure storage account"):
+        azure("az://c/", anonymous=True)
+    with pytest.raises(ValueError, match="endpoint_url must be an http"):
+        azure("az://c/", anonymous=True, endpoint_url="ftp://x")
+    with pytest.raises(TypeError, match="azure\\(\\) got an unexpected keyword argument 'regio'"):
+        azure("az://c/", anonymous=True, account_name="a", regio="x")
+
+
+def test_connection_string_parsing_never_quotes_the_secret() -> None:
+    cs = parse_connection_string(
+        f"AccountName=acct;AccountKey={KEY};EndpointSuffix=core.chinacloudapi.cn"
+    )
+    assert (cs.account, cs.endpoint) == ("acct", "https://acct.blob.core.chinacloudapi.cn")
+    assert KEY not in repr(cs)
+    dev = parse_connection_string("UseDevelopmentStorage=true")
+    assert (dev.account, dev.key, dev.endpoint) == (
+        ACCOUNT,
+        KEY,
+        "http://127.0.0.1:10000/devstoreaccount1",
+    )
+    for bad, says in (("AccountName=a;no-equals-sign", "not Name=value"),
+                      ("AccountName=a", "neither AccountKey"),
+                      (f"AccountKey={KEY}", "neither AccountName")):  # fmt: skip
+        with pytest.raises(ValueError, match=says) as err:
+            parse_connection_string(bad, "AZURE_STORAGE_CONNECTION_STRING")
+        assert KEY not in str(err.value)
+        assert "AZURE_STORAGE_CONNECTION_STRING" in str(err.value)
+
+
+def test_credential_precedence_and_bad_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    def find(**given: Any) -> Any:
+        args: dict[str, Any] = dict.fromkeys(
+            ("account_name", "account_key", "sas_token", "credential", "connection_string"), None
+        )
+        return find_credentials(**{**args, "anonymous": False, **given})
+
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT", "envacct")
+    monkeypatch.setenv("AZURE_STORAGE_KEY", KEY)
+    assert find().source == "AZURE_STORAGE_KEY"
+    assert find(sas_token="sv=1&sig=abcd").source == "sas_token"  # an argument beats the variables
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"AccountName=cs;AccountKey={KEY}")
+    assert find().source == "AZURE_STORAGE_CONNECTION_STRING"
+    both = find(connection_string=f"AccountName=cs;AccountKey={KEY};SharedAccessSignature=sig=x")
+    assert (both.key, both.sas) == (KEY, None)  # the key signs; the SAS is not sent too
+    assert find(credential={"account_name": "n", "account_key": KEY}).account == "n"
+    assert find(credential="sv=1&sig=abcd").sas == "sv=1&sig=abcd"
+    with pytest.raises(ValueError, match="give one of account_key, sas_token"):
+        find(account_key=KEY, sas_token="sig=x")
+    with pytest.raises(ValueError, match="account_key is not base64") as err:
+        find(account_key="not base64!")
+    assert "not base64!" not in str(err.value)
+    with pytest.raises(ValueError, match="sas_token must be a SAS token"):
+        find(sas_token="sv=1")
+    with pytest.raises(TypeError, match="credential must be"):
+        find(credential=42)
+
+
+def test_default_azure_credential_is_the_last_resort() -> None:
+    pytest.importorskip("azure.identity")
+    found = find_credentials(account_name="acct", account_key=None, sas_token=None,
+                             credential=None, connection_string=None, anonymous=False, env={})  # fmt: skip
+    assert found.source == "DefaultAzureCredential"  # made, not asked for a token (no network here)
+
+
+class CountingToken:
+    """A token credential (anything with get_token) whose tokens expire after `life` seconds."""
+
+    def __init__(self, life: float) -> None:
+        self.life, self.calls = life, 0
+
+    def get_token(self, *scopes: str) -> Any:
+        self.calls += 1
+        from types import SimpleNamespace
+
+        return SimpleNamespace(token=f"tok{self.calls}", expires_on=time.time() + self.life)
+
+
+def test_bearer_tokens_are_reused_then_refreshed_before_expiry() -> None:
+    lasting, expiring = CountingToken(3600), CountingToken(60)
+    for cred, tokens in ((lasting, ["tok1", "tok1"]), (expiring, ["tok1", "tok2"])):
+        signer = AzureSigner(find_credentials(account_name="a", account_key=None, sas_token=None,
+                             credential=cred, connection_string=None, anonymous=False))  # fmt: skip
+        sent = [signer("GET", "https://a.blob.core.windows.net/c/x", {})["Authorization"]
+                for _ in range(2)]  # fmt: skip
+        assert sent == [f"Bearer {t}" for t in tokens]
+    assert "tok1" not in repr(signer)
+
+
+def test_signer_headers_and_listing_parse() -> None:
+    signer = AzureSigner(find_credentials(account_name="a", account_key=KEY, sas_token=None,
+                         credential=None, connection_string=None, anonymous=False))  # fmt: skip
+    headers = signer("GET", "https://a.blob.core.windows.net/c/x?comp=list", {"Range": "bytes=0-9"})
+    assert headers["x-ms-range"] == "bytes=0-9"
+    assert "Range" not in headers
+    assert headers["Authorization"].startswith("SharedKey a:")
+    assert KEY not in repr(signer)
+    assert (
+        list_query("p/", 10, "m 1")
+        == "restype=container&comp=list&maxresults=10&prefix=p%2F&marker=m%201"
+    )
+    page = parse_listing(
+        b"<?xml version='1.0'?><EnumerationResults><Blobs><Blob><Name>b</Name><Properties>"
+        b"<Content-Length>12</Content-Length></Properties></Blob><Blob><Name>a</Name><Properties>"
+        b"<Content-Length>3</Content-Length></Properties></Blob></Blobs><NextMarker>n2</NextMarker>"
+        b"</EnumerationResults>"
+    )
+    assert (page.objects, page.next_marker) == ([("b", 12), ("a", 3)], "n2")
+    assert (
+        parse_listing(b"<EnumerationResults><Blobs/><NextMarker/></EnumerationResults>").next_marker
+        is None
+    )
