@@ -1,0 +1,350 @@
+"""A local disk cache for remote objects and tar shards: written once, checked, LRU-evicted, shared.
+
+`Cache(directory, limit)` keeps each object it is given whole in `directory` (see `_cachefiles` for
+the files and `_cacheindex` for the index). Reading an object that is cached costs no request: its
+size and sidecar are checked (and its ETag against the source's listing, when it has one) and the
+file is read in a thread into a recycled buffer. A miss takes the object's lock (`flock`), so that
+of several processes sharing the directory (the ranks of a torchrun job) one downloads while the
+others wait for it and then read its file; the download is written to a temporary name and renamed
+into place, then the least recently used objects are evicted while the total is over `limit`.
+
+Files are not fsync'd: a file cut short by a crash fails the size check and is fetched again.
+Cancelling a read at any point leaves no temporary file behind once its thread has finished (and
+one left by a process that died is deleted when the next process opens the cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .._util.bytearrays import Bytearrays
+from .._util.validate import check_int
+from ._cachefiles import (
+    Expect,
+    Paths,
+    create_temp,
+    leftovers,
+    lock_is_current,
+    open_lock,
+    open_valid,
+    publish,
+    read_range,
+    remove_if_free,
+    try_lock,
+    write_all,
+)
+from ._cacheindex import Index
+
+__all__ = ["Cache", "Expect", "check_cache_args"]
+
+T = TypeVar("T")
+# Waits between tries of a lock another process (or task) holds: the first, and the longest.
+_LOCK_POLL_S = 0.002
+_LOCK_POLL_MAX_S = 0.05
+# Uses recorded in memory before they are written to the index, or seconds between writes.
+_TOUCH_EVERY = 512
+_TOUCH_S = 2.0
+_BUFFER_BYTES = 64 << 20  # recycled read buffers kept
+CHUNK = 1 << 20  # bytes per read of a cached shard, and per write of a downloading one
+
+Download = Callable[[dict[str, str]], Awaitable[bytearray]]  # fills the version, returns the body
+Opener = Callable[
+    [dict[str, str]], AsyncGenerator[bytes, None]
+]  # fills the version, streams the body
+
+
+def check_cache_args(cache_dir: Any, cache_limit: Any) -> None:
+    """TypeError / ValueError naming `cache_dir` or `cache_limit` when they are not usable."""
+    if cache_limit is not None:
+        check_int("cache_limit", cache_limit, minimum=0)
+        if cache_dir is None:
+            raise ValueError("cache_limit is given without cache_dir: give both, or neither")
+    if cache_dir is None:
+        return
+    if not isinstance(cache_dir, str | os.PathLike):
+        raise TypeError(f"cache_dir must be a path (str or os.PathLike), got {cache_dir!r}")
+    path = Path(cache_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cache_dir {str(path)!r} is not a directory")
+
+
+class _Held:
+    """Descriptors a read or download holds (the lock, a file) and the temporary file it writes;
+    `release` closes and deletes them, once no thread of theirs is running any more."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.temp: str | None = None
+        self._busy: asyncio.Future[Any] | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a thread. Cancelling the caller does not cut the thread short."""
+        self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return await asyncio.shield(self._busy)
+
+    def release(self) -> None:
+        busy = self._busy
+        if busy is not None and not busy.done():
+            busy.add_done_callback(self._release_after)
+        else:
+            self._release_now()
+
+    def _release_after(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled():
+            fut.exception()  # seen: a failure after its caller left is not logged as unretrieved
+        self._release_now()
+
+    def _release_now(self) -> None:
+        fds, self.fds = self.fds, []
+        temp, self.temp = self.temp, None
+        if temp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        for fd in fds:
+            os.close(fd)
+
+    def open_lock(self, paths: Paths) -> int:
+        fd = open_lock(paths)
+        self.fds.append(fd)
+        return fd
+
+    def open_valid(self, paths: Paths, expect: Expect) -> tuple[int, int] | None:
+        opened = open_valid(paths, expect)
+        if opened is not None:
+            self.fds.append(opened[0])
+        return opened
+
+    def create_temp(self, paths: Paths) -> int:
+        fd, self.temp = create_temp(paths)
+        self.fds.append(fd)
+        return fd
+
+
+class Cache:
+    """Objects kept whole in `directory`, at most `limit` bytes of them (None: no limit).
+
+    Coroutines, safe to cancel. See the module's docstring for what is checked and shared.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], limit: int | None = None) -> None:
+        check_cache_args(directory, limit)
+        self.root = Path(directory).expanduser()
+        self.limit = limit
+        self.counts = dict.fromkeys(("cache_hits", "cache_misses", "cache_waits",
+                                     "cache_evictions", "cache_bytes_read"), 0)  # fmt: skip
+        self._setup()
+
+    def _setup(self) -> None:
+        self._index = Index(self.root)
+        self._bodies = Bytearrays(_BUFFER_BYTES)
+        self._used: dict[str, float] = {}
+        self._touched = time.monotonic()
+        self._opened = False
+        self._opening = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (for a process worker) as its directory and limit; the copy counts from zero."""
+        return {"root": self.root, "limit": self.limit, "counts": dict.fromkeys(self.counts, 0)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.root)!r}, limit={self.limit})"
+
+    def _open(self) -> None:
+        """Make the directory; delete what dead downloads left; make the index agree with it."""
+        with self._opening:
+            if self._opened:
+                return
+            try:
+                (self.root / "data").mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"cache_dir {str(self.root)!r}: {exc.strerror}") from None
+            found = list(leftovers(self.root))
+            self._index.reconcile(found, lambda i: os.path.exists(Paths.of_id(self.root, i).data))
+            self._opened = True
+
+    async def _ready(self, name: str) -> Paths:
+        if not self._opened:
+            await asyncio.to_thread(self._open)
+        return Paths.of(self.root, name)
+
+    async def fetch(self, name: str, label: str, expect: Expect, download: Download) -> bytearray:
+        """The object `name` from the cache, else from `download` (then kept). `label` (no
+        secrets) is kept in its sidecar."""
+        paths = await self._ready(name)
+        data = await asyncio.to_thread(read_range, paths, expect, self._bodies.take)
+        if data is not None:
+            await self._hit(paths, len(data))
+            return data
+        held = await self._claim(paths)
+        try:
+            data = await held.run(read_range, paths, expect, self._bodies.take)
+            if data is not None:  # another process downloaded it while this one waited
+                await self._hit(paths, len(data))
+                return data
+            version: dict[str, str] = {}
+            data = await download(version)
+            self.counts["cache_misses"] += 1
+            if self.limit is None or len(data) <= self.limit:
+                meta = self._meta(label, len(data), version, expect)
+                self.counts["cache_evictions"] += await held.run(
+                    self._write, held, paths, data, meta
+                )
+            return data
+        finally:
+            held.release()
+
+    async def fetch_range(
+        self, name: str, expect: Expect, offset: int, length: int | None
+    ) -> bytearray | None:
+        """Bytes of the cached object `name` (see `read_range`); None when it is not cached."""
+        paths = await self._ready(name)
+        data = await asyncio.to_thread(read_range, paths, expect, self._bodies.take, offset, length)
+        if data is not None:
+            await self._hit(paths, len(data))
+        return data
+
+    async def stream(
+        self, name: str, label: str, opener: Opener
+    ) -> AsyncGenerator[bytes | bytearray, None]:
+        """The object `name` chunk by chunk: from its cached file, else from `opener` while it is
+        written to the cache. Close the generator (`aclose`) to stop early: a download given up
+        leaves no file."""
+        paths = await self._ready(name)
+        reader = _Held()
+        try:
+            opened = await reader.run(reader.open_valid, paths, Expect())
+            if opened is None:
+                held = await self._claim(paths)
+                try:
+                    opened = await held.run(held.open_valid, paths, Expect())
+                    if opened is None:
+                        download = self._download(held, paths, label, opener)
+                        async with contextlib.aclosing(download):
+                            async for chunk in download:
+                                yield chunk
+                        return
+                    held.fds.remove(opened[0])
+                    reader.fds.append(opened[0])
+                finally:
+                    held.release()
+            pieces = self._chunks(reader, paths, *opened)
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    yield piece
+        finally:
+            reader.release()
+
+    async def _chunks(
+        self, reader: _Held, paths: Paths, fd: int, size: int
+    ) -> AsyncGenerator[bytearray, None]:
+        pos = 0
+        while pos < size:
+            buf = self._bodies.take(min(CHUNK, size - pos))
+            n = await reader.run(os.preadv, fd, [buf], pos)
+            if n < len(buf):
+                raise OSError(f"cached file {paths.data} was cut short at byte {pos + n}")
+            pos += n
+            yield buf
+        await self._hit(paths, size)
+
+    async def _download(
+        self, held: _Held, paths: Paths, label: str, opener: Opener
+    ) -> AsyncGenerator[bytes, None]:
+        fd = await held.run(held.create_temp, paths)
+        version: dict[str, str] = {}
+        pending: list[bytes] = []
+        written = waiting = 0
+        async with contextlib.aclosing(opener(version)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+                pending.append(chunk)
+                waiting += len(chunk)
+                if waiting >= CHUNK:
+                    written += await held.run(write_all, fd, pending)
+                    pending, waiting = [], 0
+        written += await held.run(write_all, fd, pending)
+        self.counts["cache_misses"] += 1
+        whole = version.get("content-length")
+        fits = self.limit is None or written <= self.limit
+        if fits and (whole is None or int(whole) == written):
+            held.fds.remove(fd)
+            os.close(fd)
+            meta = self._meta(label, written, version, Expect())
+            self.counts["cache_evictions"] += await held.run(self._commit, held, paths, meta)
+
+    async def _claim(self, paths: Paths) -> _Held:
+        """The object's lock, once no one else holds it (polled: it may be held by another process)."""
+        while True:
+            held = _Held()
+            try:
+                fd = await held.run(held.open_lock, paths)
+                delay = _LOCK_POLL_S
+                if not try_lock(fd):
+                    self.counts["cache_waits"] += 1
+                    while not try_lock(fd):
+                        await asyncio.sleep(delay)
+                        delay = min(2 * delay, _LOCK_POLL_MAX_S)
+                if await held.run(lock_is_current, fd, paths):
+                    return held
+            except BaseException:
+                held.release()
+                raise
+            held.release()  # evicted while this one waited: take the new lock file's
+
+    def _write(self, held: _Held, paths: Paths, data: bytearray, meta: dict[str, Any]) -> int:
+        fd = held.create_temp(paths)
+        write_all(fd, [data])
+        held.fds.remove(fd)
+        os.close(fd)
+        return self._commit(held, paths, meta)
+
+    def _commit(self, held: _Held, paths: Paths, meta: dict[str, Any]) -> int:
+        """Put the complete temporary file in place and in the index, evicting (how many: the
+        result) while over the limit; in a thread."""
+        assert held.temp is not None
+        publish(paths, held.temp, meta)
+        held.temp = None
+        self._flush_uses()
+        return self._index.add(paths.id, meta["size"], self.limit, self._evict)
+
+    def _evict(self, id: str) -> bool:
+        return remove_if_free(Paths.of_id(self.root, id))
+
+    @staticmethod
+    def _meta(label: str, size: int, version: dict[str, str], expect: Expect) -> dict[str, Any]:
+        meta: dict[str, Any] = {"source": label, "size": size}
+        for name in ("etag", "last-modified", "x-goog-generation"):
+            if name in version:
+                meta[name] = version[name]
+        if "etag" not in meta and expect.etag is not None:
+            meta["etag"] = expect.etag  # the listing's, when the response had none
+        return meta
+
+    async def _hit(self, paths: Paths, nbytes: int) -> None:
+        """Count a read of `nbytes` from the cached object, and record its use."""
+        self.counts["cache_hits"] += 1
+        self.counts["cache_bytes_read"] += nbytes
+        self._used[paths.id] = time.time()
+        if len(self._used) >= _TOUCH_EVERY or time.monotonic() - self._touched > _TOUCH_S:
+            await asyncio.to_thread(self._flush_uses)
+
+    def _flush_uses(self) -> None:
+        used, self._used = self._used, {}
+        self._touched = time.monotonic()
+        self._index.touch(used)
+
+    async def aclose(self) -> None:
+        """Write the uses recorded so far to the index and close it. Idempotent."""
+        await asyncio.to_thread(self._flush_uses)
+        await asyncio.to_thread(self._index.close)

@@ -1,0 +1,245 @@
+"""The cache's files: where an object lives, its sidecar and lock, and reading and writing them.
+
+Each object named `name` (its URL) lives under `ROOT/data/<h[:2]>/<h>`, `h` the SHA-256 of the
+name, with `<h>.json` beside it (the sidecar: its size, ETag, Last-Modified, generation, and where
+it came from, redacted) and `<h>.lock` (the lock a download holds, `flock`). A download writes
+`<h>.<random>.part` and renames it over `<h>`, so a reader sees either no file or a complete one; a
+file already open stays readable when another process replaces or evicts it (POSIX unlink). A
+file whose size differs from its sidecar's, or whose sidecar differs from what the source's
+listing says, is not used.
+
+Every function here blocks: the cache calls them in threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Expect",
+    "Paths",
+    "create_temp",
+    "leftovers",
+    "lock_is_current",
+    "open_lock",
+    "open_valid",
+    "publish",
+    "read_range",
+    "remove_if_free",
+    "try_lock",
+    "write_all",
+]
+
+# Bytes of the sidecar read at most (it holds a few short fields).
+_META_MAX = 1 << 14
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The files of one cached object."""
+
+    id: str
+    data: str
+    meta: str
+    lock: str
+
+    @classmethod
+    def of(cls, root: Path, name: str) -> Paths:
+        return cls.of_id(root, hashlib.sha256(name.encode()).hexdigest())
+
+    @classmethod
+    def of_id(cls, root: Path, id: str) -> Paths:
+        base = str(root / "data" / id[:2] / id)
+        return cls(id, base, base + ".json", base + ".lock")
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the source knows of the object without reading it (from its listing); None: unknown."""
+
+    size: int | None = None
+    etag: str | None = None
+
+
+def _bare_etag(etag: Any) -> str | None:
+    return etag.removeprefix("W/").strip('"') if isinstance(etag, str) else None
+
+
+def _read_meta(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read(_META_MAX))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _fits(meta: dict[str, Any] | None, size: int, expect: Expect) -> bool:
+    if meta is None or meta.get("size") != size:
+        return False
+    if expect.size is not None and expect.size != size:
+        return False
+    return expect.etag is None or _bare_etag(meta.get("etag")) == _bare_etag(expect.etag)
+
+
+def open_valid(paths: Paths, expect: Expect) -> tuple[int, int] | None:
+    """A descriptor of the complete cached object and its size; None when there is none, it is
+    partial or corrupt (its size is not its sidecar's), or stale (not what `expect` says)."""
+    try:
+        fd = os.open(paths.data, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if _fits(_read_meta(paths.meta), size, expect):
+            return fd, size
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def read_range(
+    paths: Paths, expect: Expect, take: Callable[[int], bytearray], offset: int = 0,
+    length: int | None = None,
+) -> bytearray | None:  # fmt: skip
+    """Bytes [offset, offset+length) of the cached object (to its end when `length` is None) in a
+    buffer from `take`; None when it is not cached whole (see `open_valid`). Raises ValueError for
+    an offset past its end."""
+    opened = open_valid(paths, expect)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if offset > size or (offset == size and size > 0):
+            raise ValueError(f"offset {offset} is past the end of the object ({size} bytes)")
+        n = size - offset if length is None else min(length, size - offset)
+        buf = take(n)
+        return buf if _read_into(fd, buf, offset) else None
+    finally:
+        os.close(fd)
+
+
+def _read_into(fd: int, buf: bytearray, offset: int) -> bool:
+    """Fill `buf` from `offset`; False when the file ends first (cut short after it was opened)."""
+    view, done = memoryview(buf), 0
+    while done < len(buf):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            return False
+        done += n
+    return True
+
+
+def open_lock(paths: Paths) -> int:
+    """A descriptor of the object's lock file (made, with its folder, when missing)."""
+    os.makedirs(os.path.dirname(paths.lock), exist_ok=True)
+    return os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
+def try_lock(fd: int) -> bool:
+    """Take the exclusive lock on `fd` if no one holds it (never blocks)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def lock_is_current(fd: int, paths: Paths) -> bool:
+    """Whether the locked `fd` is still the object's lock file (an eviction removes it: a lock
+    taken on the removed file guards nothing, and the taker opens the new one)."""
+    try:
+        now = os.stat(paths.lock)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_ino, held.st_dev) == (now.st_ino, now.st_dev)
+
+
+def create_temp(paths: Paths) -> tuple[int, str]:
+    """A new temporary file beside the object: (descriptor, path)."""
+    path = f"{paths.data}.{secrets.token_hex(8)}.part"
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), path
+
+
+def write_all(fd: int, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
+    """Write every chunk to `fd`; the bytes written."""
+    total = 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+            total += n
+    return total
+
+
+def publish(paths: Paths, temp: str, meta: dict[str, Any]) -> None:
+    """Rename the complete `temp` into place, then its sidecar (written to a temporary name too).
+
+    In between, a reader may see the new file with the old sidecar: a mismatch it treats as a
+    miss (it then waits for this writer's lock), never a torn file.
+    """
+    os.rename(temp, paths.data)
+    side = f"{paths.meta}.{secrets.token_hex(8)}.part"
+    try:
+        with open(side, "x") as f:
+            json.dump(meta, f)
+        os.rename(side, paths.meta)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(side)
+        raise
+
+
+def remove_if_free(paths: Paths) -> bool:
+    """Delete the object's files unless a download holds its lock; whether they are gone."""
+    try:
+        fd = os.open(paths.lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = -1
+    try:
+        if fd >= 0 and not try_lock(fd):
+            return False
+        for path in (paths.meta, paths.data, paths.lock):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def leftovers(root: Path) -> Iterator[tuple[str, int]]:
+    """(id, size) of every complete cached object under `root`, deleting on the way the temporary
+    files no download holds any more (left by a process that died mid-download)."""
+    for folder in sorted((root / "data").glob("??")):
+        for entry in os.scandir(folder):
+            name = entry.name
+            if name.endswith(".part"):
+                _drop_orphan(root, name.partition(".")[0], entry.path)
+            elif "." not in name:
+                with contextlib.suppress(FileNotFoundError):
+                    yield name, entry.stat().st_size
+
+
+def _drop_orphan(root: Path, id: str, path: str) -> None:
+    paths = Paths.of_id(root, id)
+    fd = open_lock(paths)
+    try:
+        if try_lock(fd):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    finally:
+        os.close(fd)
