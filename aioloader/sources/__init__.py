@@ -4,6 +4,8 @@ from ._base import Source as Source
 from ._remote import RemoteOptions as RemoteOptions
 from .files import Files as Files
 from .files import files as files
+from .fsspec import Fsspec as Fsspec
+from .fsspec import fsspec as fsspec
 from .http import Http as Http
 from .http import http as http
 from .s3 import S3 as S3
@@ -15,12 +17,14 @@ from .tar import tar_shards as tar_shards
 __all__ = [
     "S3",
     "Files",
+    "Fsspec",
     "Http",
     "RemoteOptions",
     "SampleRef",
     "Source",
     "TarShards",
     "files",
+    "fsspec",
     "http",
     "s3",
     "tar_shards",
