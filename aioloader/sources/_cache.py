@@ -30,6 +30,8 @@ from ._cachefiles import (
     Expect,
     Paths,
     create_temp,
+    has_xattrs,
+    label,
     leftovers,
     lock_is_current,
     open_lock,
@@ -48,9 +50,10 @@ T = TypeVar("T")
 # Waits between tries of a lock another process (or task) holds: the first, and the longest.
 _LOCK_POLL_S = 0.002
 _LOCK_POLL_MAX_S = 0.05
-# Uses recorded in memory before they are written to the index, or seconds between writes.
-_TOUCH_EVERY = 512
-_TOUCH_S = 2.0
+# Uses (and, without a limit, additions) kept in memory before they are written to the index, or
+# seconds between two writes.
+_RECORD_EVERY = 512
+_RECORD_S = 2.0
 _BUFFER_BYTES = 64 << 20  # recycled read buffers kept
 CHUNK = 1 << 20  # bytes per read of a cached shard, and per write of a downloading one
 
@@ -115,8 +118,8 @@ class _Held:
         self.fds.append(fd)
         return fd
 
-    def open_valid(self, paths: Paths, expect: Expect) -> tuple[int, int] | None:
-        opened = open_valid(paths, expect)
+    def open_valid(self, paths: Paths, expect: Expect, xattr: bool) -> tuple[int, int] | None:
+        opened = open_valid(paths, expect, xattr)
         if opened is not None:
             self.fds.append(opened[0])
         return opened
@@ -144,10 +147,13 @@ class Cache:
     def _setup(self) -> None:
         self._index = Index(self.root)
         self._bodies = Bytearrays(_BUFFER_BYTES)
-        self._used: dict[str, float] = {}
-        self._touched = time.monotonic()
+        self._used: dict[str, float] = {}  # id -> last use, not yet in the index
+        self._added: dict[str, int] = {}  # id -> size, kept but not yet in the index
+        self._pending = threading.Lock()
+        self._recorded = time.monotonic()
         self._opened = False
         self._opening = threading.Lock()
+        self._xattr = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (for a process worker) as its directory and limit; the copy counts from zero."""
@@ -165,10 +171,13 @@ class Cache:
         with self._opening:
             if self._opened:
                 return
+            data = self.root / "data"
             try:
-                (self.root / "data").mkdir(parents=True, exist_ok=True)
+                for i in range(256):
+                    (data / f"{i:02x}").mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise ValueError(f"cache_dir {str(self.root)!r}: {exc.strerror}") from None
+            self._xattr = has_xattrs(data)
             found = list(leftovers(self.root))
             self._index.reconcile(found, lambda i: os.path.exists(Paths.of_id(self.root, i).data))
             self._opened = True
@@ -182,13 +191,13 @@ class Cache:
         """The object `name` from the cache, else from `download` (then kept). `label` (no
         secrets) is kept in its sidecar."""
         paths = await self._ready(name)
-        data = await asyncio.to_thread(read_range, paths, expect, self._bodies.take)
+        data = await asyncio.to_thread(read_range, paths, expect, self._xattr, self._bodies.take)
         if data is not None:
             await self._hit(paths, len(data))
             return data
         held = await self._claim(paths)
         try:
-            data = await held.run(read_range, paths, expect, self._bodies.take)
+            data = await held.run(read_range, paths, expect, self._xattr, self._bodies.take)
             if data is not None:  # another process downloaded it while this one waited
                 await self._hit(paths, len(data))
                 return data
@@ -209,7 +218,8 @@ class Cache:
     ) -> bytearray | None:
         """Bytes of the cached object `name` (see `read_range`); None when it is not cached."""
         paths = await self._ready(name)
-        data = await asyncio.to_thread(read_range, paths, expect, self._bodies.take, offset, length)
+        take = self._bodies.take
+        data = await asyncio.to_thread(read_range, paths, expect, self._xattr, take, offset, length)
         if data is not None:
             await self._hit(paths, len(data))
         return data
@@ -223,11 +233,11 @@ class Cache:
         paths = await self._ready(name)
         reader = _Held()
         try:
-            opened = await reader.run(reader.open_valid, paths, Expect())
+            opened = await reader.run(reader.open_valid, paths, Expect(), self._xattr)
             if opened is None:
                 held = await self._claim(paths)
                 try:
-                    opened = await held.run(held.open_valid, paths, Expect())
+                    opened = await held.run(held.open_valid, paths, Expect(), self._xattr)
                     if opened is None:
                         download = self._download(held, paths, label, opener)
                         async with contextlib.aclosing(download):
@@ -278,10 +288,9 @@ class Cache:
         whole = version.get("content-length")
         fits = self.limit is None or written <= self.limit
         if fits and (whole is None or int(whole) == written):
-            held.fds.remove(fd)
-            os.close(fd)
             meta = self._meta(label, written, version, Expect())
-            self.counts["cache_evictions"] += await held.run(self._commit, held, paths, meta)
+            self.counts["cache_evictions"] += await held.run(self._seal, held, fd, paths, meta)
+            await self._record_later()
 
     async def _claim(self, paths: Paths) -> _Held:
         """The object's lock, once no one else holds it (polled: it may be held by another process)."""
@@ -305,18 +314,21 @@ class Cache:
     def _write(self, held: _Held, paths: Paths, data: bytearray, meta: dict[str, Any]) -> int:
         fd = held.create_temp(paths)
         write_all(fd, [data])
+        return self._seal(held, fd, paths, meta)
+
+    def _seal(self, held: _Held, fd: int, paths: Paths, meta: dict[str, Any]) -> int:
+        """Label the complete temporary file `fd`, close it and put it in place; then, with a
+        limit, in the index at once, evicting (how many: the result) while over the limit (without
+        one, the index learns of it in the next batch). In a thread."""
+        assert held.temp is not None
+        label(fd, meta, self._xattr)
         held.fds.remove(fd)
         os.close(fd)
-        return self._commit(held, paths, meta)
-
-    def _commit(self, held: _Held, paths: Paths, meta: dict[str, Any]) -> int:
-        """Put the complete temporary file in place and in the index, evicting (how many: the
-        result) while over the limit; in a thread."""
-        assert held.temp is not None
-        publish(paths, held.temp, meta)
+        publish(paths, held.temp, meta, self._xattr)
         held.temp = None
-        self._flush_uses()
-        return self._index.add(paths.id, meta["size"], self.limit, self._evict)
+        with self._pending:
+            self._added[paths.id] = meta["size"]
+        return self._record() if self.limit is not None else 0
 
     def _evict(self, id: str) -> bool:
         return remove_if_free(Paths.of_id(self.root, id))
@@ -335,16 +347,24 @@ class Cache:
         """Count a read of `nbytes` from the cached object, and record its use."""
         self.counts["cache_hits"] += 1
         self.counts["cache_bytes_read"] += nbytes
-        self._used[paths.id] = time.time()
-        if len(self._used) >= _TOUCH_EVERY or time.monotonic() - self._touched > _TOUCH_S:
-            await asyncio.to_thread(self._flush_uses)
+        with self._pending:
+            self._used[paths.id] = time.time()
+        await self._record_later()
 
-    def _flush_uses(self) -> None:
-        used, self._used = self._used, {}
-        self._touched = time.monotonic()
-        self._index.touch(used)
+    async def _record_later(self) -> None:
+        """Write what the index has not learnt yet, once enough of it waits or has waited long."""
+        waiting = len(self._used) + len(self._added)
+        if waiting >= _RECORD_EVERY or time.monotonic() - self._recorded > _RECORD_S:
+            self.counts["cache_evictions"] += await asyncio.to_thread(self._record)
+
+    def _record(self) -> int:
+        """Write the uses and additions not yet in the index; the number evicted. In a thread."""
+        with self._pending:
+            used, added, self._used, self._added = self._used, self._added, {}, {}
+            self._recorded = time.monotonic()
+        return self._index.record(added, used, self.limit, self._evict)
 
     async def aclose(self) -> None:
-        """Write the uses recorded so far to the index and close it. Idempotent."""
-        await asyncio.to_thread(self._flush_uses)
+        """Write what the index has not learnt yet and close it. Idempotent."""
+        self.counts["cache_evictions"] += await asyncio.to_thread(self._record)
         await asyncio.to_thread(self._index.close)

@@ -1,12 +1,13 @@
 """The cache's files: where an object lives, its sidecar and lock, and reading and writing them.
 
 Each object named `name` (its URL) lives under `ROOT/data/<h[:2]>/<h>`, `h` the SHA-256 of the
-name, with `<h>.json` beside it (the sidecar: its size, ETag, Last-Modified, generation, and where
-it came from, redacted) and `<h>.lock` (the lock a download holds, `flock`). A download writes
-`<h>.<random>.part` and renames it over `<h>`, so a reader sees either no file or a complete one; a
-file already open stays readable when another process replaces or evicts it (POSIX unlink). A
-file whose size differs from its sidecar's, or whose sidecar differs from what the source's
-listing says, is not used.
+name, with its metadata (its size, ETag, Last-Modified, generation, and where it came from,
+redacted) beside it: in an extended attribute of the file (`user.aioloader`) where the file system
+has them, set before the file gets its name, else in a sidecar file `<h>.json`; and `<h>.lock`
+(the lock a download holds, `flock`). A download writes `<h>.<random>.part` and renames it over
+`<h>`, so a reader sees either no file or a complete one; a file already open stays readable when
+another process replaces or evicts it (POSIX unlink). A file whose size differs from its
+metadata's, or whose metadata differs from what the source's listing says, is not used.
 
 Every function here blocks: the cache calls them in threads.
 """
@@ -25,9 +26,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ATTR",
     "Expect",
     "Paths",
     "create_temp",
+    "has_xattrs",
+    "label",
     "leftovers",
     "lock_is_current",
     "open_lock",
@@ -39,8 +43,9 @@ __all__ = [
     "write_all",
 ]
 
-# Bytes of the sidecar read at most (it holds a few short fields).
+# Bytes of the metadata read at most (it holds a few short fields).
 _META_MAX = 1 << 14
+ATTR = "user.aioloader"
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,29 @@ def _bare_etag(etag: Any) -> str | None:
     return etag.removeprefix("W/").strip('"') if isinstance(etag, str) else None
 
 
-def _read_meta(path: str) -> dict[str, Any] | None:
+def has_xattrs(root: Path) -> bool:
+    """Whether files under `root` take user extended attributes (else: sidecar files)."""
+    probe = root / f"probe.{secrets.token_hex(8)}.part"
     try:
-        with open(path, "rb") as f:
-            meta = json.loads(f.read(_META_MAX))
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.setxattr(fd, ATTR, b"{}")
+            return os.getxattr(fd, ATTR) == b"{}"
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except (OSError, AttributeError):  # ENOTSUP, EPERM; no os.setxattr off Linux
+        return False
+
+
+def _read_meta(paths: Paths, fd: int, xattr: bool) -> dict[str, Any] | None:
+    try:
+        if xattr:
+            raw = os.getxattr(fd, ATTR)
+        else:
+            with open(paths.meta, "rb") as f:
+                raw = f.read(_META_MAX)
+        meta = json.loads(raw)
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
@@ -91,16 +115,17 @@ def _fits(meta: dict[str, Any] | None, size: int, expect: Expect) -> bool:
     return expect.etag is None or _bare_etag(meta.get("etag")) == _bare_etag(expect.etag)
 
 
-def open_valid(paths: Paths, expect: Expect) -> tuple[int, int] | None:
+def open_valid(paths: Paths, expect: Expect, xattr: bool) -> tuple[int, int] | None:
     """A descriptor of the complete cached object and its size; None when there is none, it is
-    partial or corrupt (its size is not its sidecar's), or stale (not what `expect` says)."""
+    partial or corrupt (its size is not its metadata's), or stale (not what `expect` says).
+    `xattr`: the metadata is in the file's extended attribute, else in its sidecar."""
     try:
         fd = os.open(paths.data, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     try:
         size = os.fstat(fd).st_size
-        if _fits(_read_meta(paths.meta), size, expect):
+        if _fits(_read_meta(paths, fd, xattr), size, expect):
             return fd, size
     except BaseException:
         os.close(fd)
@@ -110,13 +135,13 @@ def open_valid(paths: Paths, expect: Expect) -> tuple[int, int] | None:
 
 
 def read_range(
-    paths: Paths, expect: Expect, take: Callable[[int], bytearray], offset: int = 0,
+    paths: Paths, expect: Expect, xattr: bool, take: Callable[[int], bytearray], offset: int = 0,
     length: int | None = None,
 ) -> bytearray | None:  # fmt: skip
     """Bytes [offset, offset+length) of the cached object (to its end when `length` is None) in a
     buffer from `take`; None when it is not cached whole (see `open_valid`). Raises ValueError for
     an offset past its end."""
-    opened = open_valid(paths, expect)
+    opened = open_valid(paths, expect, xattr)
     if opened is None:
         return None
     fd, size = opened
@@ -143,8 +168,11 @@ def _read_into(fd: int, buf: bytearray, offset: int) -> bool:
 
 def open_lock(paths: Paths) -> int:
     """A descriptor of the object's lock file (made, with its folder, when missing)."""
-    os.makedirs(os.path.dirname(paths.lock), exist_ok=True)
-    return os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        return os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(paths.lock), exist_ok=True)
+        return os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
 
 def try_lock(fd: int) -> bool:
@@ -185,13 +213,22 @@ def write_all(fd: int, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
     return total
 
 
-def publish(paths: Paths, temp: str, meta: dict[str, Any]) -> None:
-    """Rename the complete `temp` into place, then its sidecar (written to a temporary name too).
+def label(fd: int, meta: dict[str, Any], xattr: bool) -> None:
+    """Give the temporary file `fd` its metadata, when it goes in an extended attribute."""
+    if xattr:
+        os.setxattr(fd, ATTR, json.dumps(meta).encode())
+
+
+def publish(paths: Paths, temp: str, meta: dict[str, Any], xattr: bool) -> None:
+    """Rename the complete `temp` into place (its metadata with it: `label`), or, without
+    extended attributes, then its sidecar (written to a temporary name too).
 
     In between, a reader may see the new file with the old sidecar: a mismatch it treats as a
     miss (it then waits for this writer's lock), never a torn file.
     """
     os.rename(temp, paths.data)
+    if xattr:
+        return
     side = f"{paths.meta}.{secrets.token_hex(8)}.part"
     try:
         with open(side, "x") as f:

@@ -2,7 +2,7 @@
 
 One SQLite file (`ROOT/index.sqlite`, WAL) shared by every process using the cache directory: a
 write transaction (`BEGIN IMMEDIATE`) serialises adding and evicting across processes. The last
-use is the cache's own record (wall-clock seconds, written in batches by `touch`), not the file
+use is the cache's own record (wall-clock seconds, written in batches by `record`), not the file
 system's atime. Every method blocks: the cache calls them in threads.
 """
 
@@ -65,68 +65,66 @@ class Index:
                 db.execute("ROLLBACK")
                 raise
 
-    def add(self, id: str, size: int, limit: int | None, evict: Callable[[str], bool]) -> int:
-        """Record object `id` of `size` bytes as just used; then, while the total is over `limit`,
+    def record(
+        self, added: Mapping[str, int], used: Mapping[str, float], limit: int | None,
+        evict: Callable[[str], bool],
+    ) -> int:  # fmt: skip
+        """In one transaction: record the objects `added` (id -> size) as just used and the last
+        use of those in `used` (id -> wall-clock seconds); then, while the total is over `limit`,
         evict the least recently used others (`evict(id)` deletes one's files, or returns False
         when a download holds it). Returns the number evicted."""
+        if not added and not used:
+            return 0
         with self._lock:
             db = self._conn()
             db.execute("BEGIN IMMEDIATE")
             try:
-                old = db.execute("SELECT size FROM entries WHERE id = ?", (id,)).fetchone()
-                db.execute(
-                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", (id, size, time.time())
-                )
-                (total,) = db.execute("SELECT bytes FROM total").fetchone()
-                total += size - (old[0] if old else 0)
-                evicted, total = self._evict(db, id, total, limit, evict)
-                db.execute("UPDATE total SET bytes = ?", (total,))
+                evicted = self._record(db, added, used, limit, evict)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
         return evicted
 
+    def _record(
+        self, db: sqlite3.Connection, added: Mapping[str, int], used: Mapping[str, float],
+        limit: int | None, evict: Callable[[str], bool],
+    ) -> int:  # fmt: skip
+        (total,) = db.execute("SELECT bytes FROM total").fetchone()
+        now = time.time()
+        for id, size in added.items():
+            old = db.execute("SELECT size FROM entries WHERE id = ?", (id,)).fetchone()
+            db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", (id, size, now))
+            total += size - (old[0] if old else 0)
+        db.executemany(
+            "UPDATE entries SET used = MAX(used, ?) WHERE id = ?", [(t, i) for i, t in used.items()]
+        )
+        evicted, total = self._evict(db, set(added), total, limit, evict)
+        db.execute("UPDATE total SET bytes = ?", (total,))
+        return evicted
+
     @staticmethod
     def _evict(
-        db: sqlite3.Connection, keep: str, total: int, limit: int | None,
+        db: sqlite3.Connection, keep: set[str], total: int, limit: int | None,
         evict: Callable[[str], bool],
     ) -> tuple[int, int]:  # fmt: skip
         evicted, skipped = 0, 0
         while limit is not None and total > limit:
             rows = db.execute(
-                "SELECT id, size FROM entries WHERE id != ? ORDER BY used LIMIT ? OFFSET ?",
-                (keep, _BATCH, skipped),
+                "SELECT id, size FROM entries ORDER BY used LIMIT ? OFFSET ?", (_BATCH, skipped)
             ).fetchall()
             if not rows:
                 break
             for victim, size in rows:
                 if total <= limit:
                     break
-                if not evict(victim):
+                if victim in keep or not evict(victim):
                     skipped += 1
                     continue
                 db.execute("DELETE FROM entries WHERE id = ?", (victim,))
                 total -= size
                 evicted += 1
         return evicted, total
-
-    def touch(self, used: Mapping[str, float]) -> None:
-        """Record the last use of each object in `used` (id -> wall-clock seconds)."""
-        if not used:
-            return
-        with self._lock:
-            db = self._conn()
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                db.executemany(
-                    "UPDATE entries SET used = MAX(used, ?) WHERE id = ?",
-                    [(t, i) for i, t in used.items()],
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
 
     def close(self) -> None:
         """Close the connection (a later call opens it again)."""

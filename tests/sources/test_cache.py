@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -23,6 +24,8 @@ from faultproxy import Fault, FaultProxy, Origin
 from s3server import SeaweedServer
 
 from aioloader import FetchError, Loader, sources
+from aioloader.sources import _cache as cache_module
+from aioloader.sources._cachefiles import ATTR, has_xattrs
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 KEYS = [f"obj/{i:05d}.bin" for i in range(12)]
@@ -97,21 +100,48 @@ async def test_ranges_of_a_cached_object_come_from_its_file(
         await src.aclose()
 
 
+def set_meta(file: Path, raw: bytes | None, xattr: bool) -> None:
+    """Overwrite (None: delete) the metadata kept beside a cached file."""
+    if xattr and raw is None:
+        os.removexattr(file, ATTR)
+    elif xattr:
+        os.setxattr(file, ATTR, raw)  # type: ignore[arg-type]
+    elif raw is None:
+        file.with_suffix(".json").unlink()
+    else:
+        file.with_suffix(".json").write_bytes(raw)
+
+
+def get_meta(file: Path, xattr: bool) -> dict[str, Any]:
+    raw = os.getxattr(file, ATTR) if xattr else file.with_suffix(".json").read_bytes()
+    return dict(json.loads(raw))
+
+
+@pytest.mark.parametrize("xattr", [True, False], ids=["xattr", "sidecar"])
 @pytest.mark.asyncio
 async def test_a_corrupt_or_partial_file_is_fetched_again(
-    proxy: FaultProxy, objects: dict[str, bytes], tmp_path: Path
+    xattr: bool,
+    proxy: FaultProxy,
+    objects: dict[str, bytes],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if not xattr:
+        monkeypatch.setattr(cache_module, "has_xattrs", lambda root: False)
+    elif not has_xattrs(tmp_path):
+        pytest.skip("this file system takes no user extended attributes")
     src = sources.http(proxy.url, KEYS, cache_dir=tmp_path)
     try:
         for key in KEYS[:4]:
             await src.fetch(key)
         files = [data_file(tmp_path, src.url(k)) for k in KEYS[:4]]
+        assert all(f.with_suffix(".json").exists() != xattr for f in files)
         with files[0].open("r+b") as f:
             f.truncate(100)  # cut short
-        files[1].with_suffix(".json").write_text("{not json")  # a sidecar that does not parse
-        meta = json.loads(files[2].with_suffix(".json").read_text())
-        files[2].with_suffix(".json").write_text(json.dumps({**meta, "size": meta["size"] + 1}))
-        files[3].with_suffix(".json").unlink()  # no sidecar at all
+        set_meta(files[1], b"{not json", xattr)  # metadata that does not parse
+        meta = get_meta(files[2], xattr)
+        set_meta(files[2], json.dumps({**meta, "size": meta["size"] + 1}).encode(), xattr)
+        set_meta(files[3], None, xattr)  # no metadata at all
         proxy.reset_counts()
         for key in KEYS[:4]:
             assert await src.fetch(key) == objects[key]
