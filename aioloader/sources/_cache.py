@@ -33,7 +33,6 @@ from ._cachefiles import (
     has_xattrs,
     label,
     leftovers,
-    lock_is_current,
     open_lock,
     open_valid,
     publish,
@@ -55,6 +54,7 @@ _LOCK_POLL_MAX_S = 0.05
 _RECORD_EVERY = 512
 _RECORD_S = 2.0
 _BUFFER_BYTES = 64 << 20  # recycled read buffers kept
+_WAIT, _LOCKED = object(), object()  # what one try for an object's lock found
 CHUNK = 1 << 20  # bytes per read of a cached shard, and per write of a downloading one
 
 Download = Callable[[dict[str, str]], Awaitable[bytearray]]  # fills the version, returns the body
@@ -189,18 +189,14 @@ class Cache:
 
     async def fetch(self, name: str, label: str, expect: Expect, download: Download) -> bytearray:
         """The object `name` from the cache, else from `download` (then kept). `label` (no
-        secrets) is kept in its sidecar."""
+        secrets) is kept in its metadata."""
         paths = await self._ready(name)
-        data = await asyncio.to_thread(read_range, paths, expect, self._xattr, self._bodies.take)
-        if data is not None:
-            await self._hit(paths, len(data))
-            return data
-        held = await self._claim(paths)
+        held = _Held()
         try:
-            data = await held.run(read_range, paths, expect, self._xattr, self._bodies.take)
-            if data is not None:  # another process downloaded it while this one waited
-                await self._hit(paths, len(data))
-                return data
+            found = await self._claim(held, paths, lambda: self._read(paths, expect))
+            if found is not None:
+                await self._hit(paths, len(found))
+                return found
             version: dict[str, str] = {}
             data = await download(version)
             self.counts["cache_misses"] += 1
@@ -209,9 +205,13 @@ class Cache:
                 self.counts["cache_evictions"] += await held.run(
                     self._write, held, paths, data, meta
                 )
+                await self._record_later()
             return data
         finally:
             held.release()
+
+    def _read(self, paths: Paths, expect: Expect) -> bytearray | None:
+        return read_range(paths, expect, self._xattr, self._bodies.take)
 
     async def fetch_range(
         self, name: str, expect: Expect, offset: int, length: int | None
@@ -231,23 +231,22 @@ class Cache:
         written to the cache. Close the generator (`aclose`) to stop early: a download given up
         leaves no file."""
         paths = await self._ready(name)
-        reader = _Held()
+        held, reader = _Held(), _Held()
         try:
-            opened = await reader.run(reader.open_valid, paths, Expect(), self._xattr)
-            if opened is None:
-                held = await self._claim(paths)
-                try:
-                    opened = await held.run(held.open_valid, paths, Expect(), self._xattr)
-                    if opened is None:
-                        download = self._download(held, paths, label, opener)
-                        async with contextlib.aclosing(download):
-                            async for chunk in download:
-                                yield chunk
-                        return
-                    held.fds.remove(opened[0])
-                    reader.fds.append(opened[0])
-                finally:
-                    held.release()
+            try:
+                opened = await self._claim(
+                    held, paths, lambda: held.open_valid(paths, Expect(), self._xattr)
+                )
+                if opened is None:
+                    download = self._download(held, paths, label, opener)
+                    async with contextlib.aclosing(download):
+                        async for chunk in download:
+                            yield chunk
+                    return
+                held.fds.remove(opened[0])  # the reader's now: the lock is let go at once
+                reader.fds.append(opened[0])
+            finally:
+                held.release()
             pieces = self._chunks(reader, paths, *opened)
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
@@ -292,24 +291,30 @@ class Cache:
             self.counts["cache_evictions"] += await held.run(self._seal, held, fd, paths, meta)
             await self._record_later()
 
-    async def _claim(self, paths: Paths) -> _Held:
-        """The object's lock, once no one else holds it (polled: it may be held by another process)."""
-        while True:
-            held = _Held()
-            try:
-                fd = await held.run(held.open_lock, paths)
-                delay = _LOCK_POLL_S
-                if not try_lock(fd):
-                    self.counts["cache_waits"] += 1
-                    while not try_lock(fd):
-                        await asyncio.sleep(delay)
-                        delay = min(2 * delay, _LOCK_POLL_MAX_S)
-                if await held.run(lock_is_current, fd, paths):
-                    return held
-            except BaseException:
-                held.release()
-                raise
-            held.release()  # evicted while this one waited: take the new lock file's
+    async def _claim(self, held: _Held, paths: Paths, read: Callable[[], T | None]) -> T | None:
+        """What `read` finds cached; else None, with the object's lock in `held` (taken once no
+        one else holds it: polled, since another process may)."""
+        delay = _LOCK_POLL_S
+        while (step := await held.run(self._step, held, paths, read)) is _WAIT:
+            if delay == _LOCK_POLL_S:
+                self.counts["cache_waits"] += 1
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _LOCK_POLL_MAX_S)
+        return None if step is _LOCKED else step  # type: ignore[return-value]
+
+    @staticmethod
+    def _step(held: _Held, paths: Paths, read: Callable[[], T | None]) -> T | object:
+        """One try, in a thread: what `read` finds cached, else `_LOCKED` with the lock taken,
+        else `_WAIT` (another holds it)."""
+        if not held.fds:
+            found = read()
+            if found is not None:
+                return found
+            held.open_lock(paths)
+        if not try_lock(held.fds[0], paths):
+            return _WAIT
+        found = read()  # another process may have downloaded it while this one waited
+        return _LOCKED if found is None else found
 
     def _write(self, held: _Held, paths: Paths, data: bytearray, meta: dict[str, Any]) -> int:
         fd = held.create_temp(paths)

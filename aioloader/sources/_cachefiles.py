@@ -1,13 +1,16 @@
-"""The cache's files: where an object lives, its sidecar and lock, and reading and writing them.
+"""The cache's files: where an object lives, its metadata and lock, and reading and writing them.
 
 Each object named `name` (its URL) lives under `ROOT/data/<h[:2]>/<h>`, `h` the SHA-256 of the
 name, with its metadata (its size, ETag, Last-Modified, generation, and where it came from,
 redacted) beside it: in an extended attribute of the file (`user.aioloader`) where the file system
-has them, set before the file gets its name, else in a sidecar file `<h>.json`; and `<h>.lock`
-(the lock a download holds, `flock`). A download writes `<h>.<random>.part` and renames it over
-`<h>`, so a reader sees either no file or a complete one; a file already open stays readable when
-another process replaces or evicts it (POSIX unlink). A file whose size differs from its
-metadata's, or whose metadata differs from what the source's listing says, is not used.
+has them, set before the file gets its name, else in a sidecar file `<h>.json`. Its lock (which a
+download holds) is one byte of the shared file `ROOT/locks`, at an offset from `h`: an open file
+description lock (`F_OFD_SETLK`), which conflicts between processes and between two descriptors
+of one process alike, and needs no file per object (creating a file costs ~1 ms here). A download
+writes `<h>.<random>.part` and renames it over `<h>`, so a reader sees either no file or a
+complete one; a file already open stays readable when another process replaces or evicts it
+(POSIX unlink). A file whose size differs from its metadata's, or whose metadata differs from
+what the source's listing says, is not used.
 
 Every function here blocks: the cache calls them in threads.
 """
@@ -15,11 +18,13 @@ Every function here blocks: the cache calls them in threads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import secrets
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +38,6 @@ __all__ = [
     "has_xattrs",
     "label",
     "leftovers",
-    "lock_is_current",
     "open_lock",
     "open_valid",
     "publish",
@@ -50,12 +54,13 @@ ATTR = "user.aioloader"
 
 @dataclass(frozen=True)
 class Paths:
-    """The files of one cached object."""
+    """The files of one cached object, and where its lock is."""
 
     id: str
     data: str
     meta: str
-    lock: str
+    locks: str
+    offset: int  # of its byte in `locks`
 
     @classmethod
     def of(cls, root: Path, name: str) -> Paths:
@@ -64,7 +69,7 @@ class Paths:
     @classmethod
     def of_id(cls, root: Path, id: str) -> Paths:
         base = str(root / "data" / id[:2] / id)
-        return cls(id, base, base + ".json", base + ".lock")
+        return cls(id, base, base + ".json", str(root / "locks"), int(id[:15], 16))
 
 
 @dataclass(frozen=True)
@@ -167,32 +172,21 @@ def _read_into(fd: int, buf: bytearray, offset: int) -> bool:
 
 
 def open_lock(paths: Paths) -> int:
-    """A descriptor of the object's lock file (made, with its folder, when missing)."""
-    try:
-        return os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(paths.lock), exist_ok=True)
-        return os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    """A new descriptor of the shared lock file (each holds its own locks)."""
+    return os.open(paths.locks, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
 
-def try_lock(fd: int) -> bool:
-    """Take the exclusive lock on `fd` if no one holds it (never blocks)."""
+def try_lock(fd: int, paths: Paths) -> bool:
+    """Take the object's lock through `fd` if no one holds it (never blocks). Closing `fd` lets
+    it go."""
+    lock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, paths.offset, 1, 0)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
     return True
-
-
-def lock_is_current(fd: int, paths: Paths) -> bool:
-    """Whether the locked `fd` is still the object's lock file (an eviction removes it: a lock
-    taken on the removed file guards nothing, and the taker opens the new one)."""
-    try:
-        now = os.stat(paths.lock)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (held.st_ino, held.st_dev) == (now.st_ino, now.st_dev)
 
 
 def create_temp(paths: Paths) -> tuple[int, str]:
@@ -242,20 +236,16 @@ def publish(paths: Paths, temp: str, meta: dict[str, Any], xattr: bool) -> None:
 
 def remove_if_free(paths: Paths) -> bool:
     """Delete the object's files unless a download holds its lock; whether they are gone."""
+    fd = open_lock(paths)
     try:
-        fd = os.open(paths.lock, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        fd = -1
-    try:
-        if fd >= 0 and not try_lock(fd):
+        if not try_lock(fd, paths):
             return False
-        for path in (paths.meta, paths.data, paths.lock):
+        for path in (paths.meta, paths.data):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         return True
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
 
 
 def leftovers(root: Path) -> Iterator[tuple[str, int]]:
@@ -275,7 +265,7 @@ def _drop_orphan(root: Path, id: str, path: str) -> None:
     paths = Paths.of_id(root, id)
     fd = open_lock(paths)
     try:
-        if try_lock(fd):
+        if try_lock(fd, paths):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     finally:
