@@ -29,18 +29,17 @@ from .._util.validate import check_int
 from ._cachefiles import (
     Expect,
     Paths,
-    create_temp,
     has_xattrs,
     label,
     leftovers,
-    open_lock,
-    open_valid,
+    metadata,
     publish,
     read_range,
     remove_if_free,
     try_lock,
     write_all,
 )
+from ._cacheheld import Held
 from ._cacheindex import Index
 
 __all__ = ["Cache", "Expect", "check_cache_args"]
@@ -76,58 +75,6 @@ def check_cache_args(cache_dir: Any, cache_limit: Any) -> None:
     path = Path(cache_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"cache_dir {str(path)!r} is not a directory")
-
-
-class _Held:
-    """Descriptors a read or download holds (the lock, a file) and the temporary file it writes;
-    `release` closes and deletes them, once no thread of theirs is running any more."""
-
-    def __init__(self) -> None:
-        self.fds: list[int] = []
-        self.temp: str | None = None
-        self._busy: asyncio.Future[Any] | None = None
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in a thread. Cancelling the caller does not cut the thread short."""
-        self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        return await asyncio.shield(self._busy)
-
-    def release(self) -> None:
-        busy = self._busy
-        if busy is not None and not busy.done():
-            busy.add_done_callback(self._release_after)
-        else:
-            self._release_now()
-
-    def _release_after(self, fut: asyncio.Future[Any]) -> None:
-        if not fut.cancelled():
-            fut.exception()  # seen: a failure after its caller left is not logged as unretrieved
-        self._release_now()
-
-    def _release_now(self) -> None:
-        fds, self.fds = self.fds, []
-        temp, self.temp = self.temp, None
-        if temp is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-        for fd in fds:
-            os.close(fd)
-
-    def open_lock(self, paths: Paths) -> int:
-        fd = open_lock(paths)
-        self.fds.append(fd)
-        return fd
-
-    def open_valid(self, paths: Paths, expect: Expect, xattr: bool) -> tuple[int, int] | None:
-        opened = open_valid(paths, expect, xattr)
-        if opened is not None:
-            self.fds.append(opened[0])
-        return opened
-
-    def create_temp(self, paths: Paths) -> int:
-        fd, self.temp = create_temp(paths)
-        self.fds.append(fd)
-        return fd
 
 
 class Cache:
@@ -191,7 +138,7 @@ class Cache:
         """The object `name` from the cache, else from `download` (then kept). `label` (no
         secrets) is kept in its metadata."""
         paths = await self._ready(name)
-        held = _Held()
+        held = Held()
         try:
             found = await self._claim(held, paths, lambda: self._read(paths, expect))
             if found is not None:
@@ -201,7 +148,7 @@ class Cache:
             data = await download(version)
             self.counts["cache_misses"] += 1
             if self.limit is None or len(data) <= self.limit:
-                meta = self._meta(label, len(data), version, expect)
+                meta = metadata(label, len(data), version, expect)
                 self.counts["cache_evictions"] += await held.run(
                     self._write, held, paths, data, meta
                 )
@@ -231,7 +178,7 @@ class Cache:
         written to the cache. Close the generator (`aclose`) to stop early: a download given up
         leaves no file."""
         paths = await self._ready(name)
-        held, reader = _Held(), _Held()
+        held, reader = Held(), Held()
         try:
             try:
                 opened = await self._claim(
@@ -255,7 +202,7 @@ class Cache:
             reader.release()
 
     async def _chunks(
-        self, reader: _Held, paths: Paths, fd: int, size: int
+        self, reader: Held, paths: Paths, fd: int, size: int
     ) -> AsyncGenerator[bytearray, None]:
         pos = 0
         while pos < size:
@@ -268,7 +215,7 @@ class Cache:
         await self._hit(paths, size)
 
     async def _download(
-        self, held: _Held, paths: Paths, label: str, opener: Opener
+        self, held: Held, paths: Paths, label: str, opener: Opener
     ) -> AsyncGenerator[bytes, None]:
         fd = await held.run(held.create_temp, paths)
         version: dict[str, str] = {}
@@ -287,11 +234,11 @@ class Cache:
         whole = version.get("content-length")
         fits = self.limit is None or written <= self.limit
         if fits and (whole is None or int(whole) == written):
-            meta = self._meta(label, written, version, Expect())
+            meta = metadata(label, written, version, Expect())
             self.counts["cache_evictions"] += await held.run(self._seal, held, fd, paths, meta)
             await self._record_later()
 
-    async def _claim(self, held: _Held, paths: Paths, read: Callable[[], T | None]) -> T | None:
+    async def _claim(self, held: Held, paths: Paths, read: Callable[[], T | None]) -> T | None:
         """What `read` finds cached; else None, with the object's lock in `held` (taken once no
         one else holds it: polled, since another process may)."""
         delay = _LOCK_POLL_S
@@ -303,7 +250,7 @@ class Cache:
         return None if step is _LOCKED else step  # type: ignore[return-value]
 
     @staticmethod
-    def _step(held: _Held, paths: Paths, read: Callable[[], T | None]) -> T | object:
+    def _step(held: Held, paths: Paths, read: Callable[[], T | None]) -> T | object:
         """One try, in a thread: what `read` finds cached, else `_LOCKED` with the lock taken,
         else `_WAIT` (another holds it)."""
         if not held.fds:
@@ -316,12 +263,12 @@ class Cache:
         found = read()  # another process may have downloaded it while this one waited
         return _LOCKED if found is None else found
 
-    def _write(self, held: _Held, paths: Paths, data: bytearray, meta: dict[str, Any]) -> int:
+    def _write(self, held: Held, paths: Paths, data: bytearray, meta: dict[str, Any]) -> int:
         fd = held.create_temp(paths)
         write_all(fd, [data])
         return self._seal(held, fd, paths, meta)
 
-    def _seal(self, held: _Held, fd: int, paths: Paths, meta: dict[str, Any]) -> int:
+    def _seal(self, held: Held, fd: int, paths: Paths, meta: dict[str, Any]) -> int:
         """Label the complete temporary file `fd`, close it and put it in place; then, with a
         limit, in the index at once, evicting (how many: the result) while over the limit (without
         one, the index learns of it in the next batch). In a thread."""
@@ -337,16 +284,6 @@ class Cache:
 
     def _evict(self, id: str) -> bool:
         return remove_if_free(Paths.of_id(self.root, id))
-
-    @staticmethod
-    def _meta(label: str, size: int, version: dict[str, str], expect: Expect) -> dict[str, Any]:
-        meta: dict[str, Any] = {"source": label, "size": size}
-        for name in ("etag", "last-modified", "x-goog-generation"):
-            if name in version:
-                meta[name] = version[name]
-        if "etag" not in meta and expect.etag is not None:
-            meta["etag"] = expect.etag  # the listing's, when the response had none
-        return meta
 
     async def _hit(self, paths: Paths, nbytes: int) -> None:
         """Count a read of `nbytes` from the cached object, and record its use."""

@@ -38,6 +38,7 @@ __all__ = [
     "has_xattrs",
     "label",
     "leftovers",
+    "metadata",
     "open_lock",
     "open_valid",
     "publish",
@@ -118,6 +119,18 @@ def _fits(meta: dict[str, Any] | None, size: int, expect: Expect) -> bool:
     if expect.size is not None and expect.size != size:
         return False
     return expect.etag is None or _bare_etag(meta.get("etag")) == _bare_etag(expect.etag)
+
+
+def metadata(label: str, size: int, version: dict[str, str], expect: Expect) -> dict[str, Any]:
+    """What is kept beside an object: where it came from (`label`, no secrets), its size and the
+    version headers of its response (`version`), else the ETag its listing gave."""
+    meta: dict[str, Any] = {"source": label, "size": size}
+    for name in ("etag", "last-modified", "x-goog-generation"):
+        if name in version:
+            meta[name] = version[name]
+    if "etag" not in meta and expect.etag is not None:
+        meta["etag"] = expect.etag
+    return meta
 
 
 def open_valid(paths: Paths, expect: Expect, xattr: bool) -> tuple[int, int] | None:
