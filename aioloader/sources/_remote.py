@@ -109,7 +109,7 @@ class Remote:
     async def fetch_range(self, key: str, offset: int, length: int | None = None) -> bytearray:
         """`length` bytes of the object from byte `offset` (to its end when `length` is None)."""
         url, cache = self.url(key), self.transport.cache
-        if cache is not None and (offset >= 0 and (length is None or length >= 0)):
+        if cache is not None and offset >= 0 and (length is None or length > 0):
             try:
                 name, expect = self.cache_name(key), self._expect(key)
                 cached = await cache.fetch_range(name, expect, offset, length)
