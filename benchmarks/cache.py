@@ -4,16 +4,17 @@ The objects and shards are served on 127.0.0.1 by the benchmarks' object server 
 one of W2) in a subprocess that waits 20 ms before each answer (a far object store) and counts the
 GETs it answers. Measured in one run:
 - objects: 2,000 objects of 256 KiB through `sources.http(..., cache_dir=)` (engine "fast",
-  concurrency 64, batches of 32): epoch 1 downloads and keeps them, epoch 2 reads the cache. For
-  reference, the same reads without a cache (two epochs: the second with connections made and
-  buffers touched) and
+  concurrency 64, batches of 32): epoch 1 downloads and keeps them, epoch 2 reads the cache (the
+  faster of epochs 2 and 3 counts). For reference, the same reads without a cache (the first
+  epoch, and the faster of two more, with connections made and buffers touched) and
   torch DataLoader(num_workers=8) with one urllib GET per `__getitem__` (warm-up, then the faster
   of two epochs, as in W2);
 - tar shards: 64 WebDataset shards of 64 samples of 16 KiB through `sources.tar_shards(...,
   cache_dir=)`, shuffled per epoch (`parallel=2`, the default): epoch 1 streams each shard into
-  the cache, epoch 2 reads them from it;
-- two processes at once (this script with `--child`), one cache directory: 600 objects and the
-  shards, each process reading all of them; the server counts the GETs the two made together.
+  the cache, epochs 2 and 3 read them from it;
+- two processes at once (this script with `--child`), one cache directory: 600 objects (`--quick`:
+  200) and the shards, each process reading all of them; the server counts the GETs the two
+  made together.
 The cache's files are written on epoch 1 and read on epoch 2 from the page cache (the machine has
 the memory for them), as they would be on a training machine between two epochs.
 
@@ -49,7 +50,7 @@ BATCH = 32
 CONCURRENCY = 64
 SHARD_SAMPLES = 64
 SAMPLE_BYTES = 16 * 1024
-SHARED_OBJECTS = 600  # objects the two processes read
+SHARED_OBJECTS = 600  # objects the two processes read (`--quick`: 200)
 READY_POLL_S = 0.01  # the children wait for each other at a process boundary
 
 
@@ -67,14 +68,16 @@ def timed_epoch(loader: Loader[Any]) -> tuple[float, int]:
 
 
 def two_epochs(name: str, base: str, loader: Loader[Any], items: int) -> dict[str, Any]:
-    """Epoch 1 (network, filling the cache) and epoch 2 (the cache): seconds and server GETs."""
+    """Epoch 1 (network, filling the cache), then epochs 2 and 3 (the cache; the faster counts as
+    "epoch 2": noise on a shared machine only ever slows one): seconds and server GETs."""
     with loader:
         g0 = server_gets(base)
         first, n1 = timed_epoch(loader)
         g1 = server_gets(base)
-        second, n2 = timed_epoch(loader)
+        (second, n2), (third, n3) = timed_epoch(loader), timed_epoch(loader)
+        second = min(second, third)
         g2 = server_gets(base)
-    assert n1 == n2 == items, (n1, n2, items)
+    assert n1 == n2 == n3 == items, (n1, n2, n3, items)
     return {"name": name, "items": items, "epoch1_s": first, "epoch2_s": second,
             "gets1": g1 - g0, "gets2": g2 - g1, "ratio": first / second}  # fmt: skip
 
@@ -91,9 +94,11 @@ def shards_loader(base: str, names: list[str], cache_dir: str) -> Loader[Any]:
 
 
 def uncached(base: str, keys: list[str]) -> tuple[float, float]:
-    """Seconds of the first and second epochs of the same reads without a cache."""
+    """Seconds of the first epoch of the same reads without a cache, and of the faster of the
+    next two."""
     with objects_loader(base, keys, None) as loader:
-        return timed_epoch(loader)[0], timed_epoch(loader)[0]
+        first = timed_epoch(loader)[0]
+        return first, min(timed_epoch(loader)[0], timed_epoch(loader)[0])
 
 
 def write_shards(folder: Path, count: int) -> list[str]:
@@ -151,8 +156,9 @@ def main() -> None:
         child(*args.child)
         return
     warnings.filterwarnings("ignore", message="This DataLoader will create")
-    n = args.objects or (600 if args.quick else 2000)
-    n_shards = args.shards or (24 if args.quick else 64)
+    n = args.objects or (400 if args.quick else 2000)
+    n_shards = args.shards or (16 if args.quick else 64)
+    n_shared = min(n, 200 if args.quick else SHARED_OBJECTS)
     keys = [f"{i:05d}.bin" for i in range(n)]
     print(f"{n} objects of {SIZE // 1024} KiB; {n_shards} shards of {SHARD_SAMPLES} x "
           f"{SAMPLE_BYTES // 1024} KiB; {DELAY_S * 1000:.0f} ms per GET; {os.cpu_count()} cores, "
@@ -171,7 +177,7 @@ def main() -> None:
             shards = two_epochs(f"tar shards ({n_shards}), cache", base,
                                 shards_loader(base, names, str(work / "tars")),
                                 n_shards * SHARD_SAMPLES)  # fmt: skip
-            shared = two_processes(base, keys[:SHARED_OBJECTS], names, work)
+            shared = two_processes(base, keys[:n_shared], names, work)
         finally:
             proc.kill()
             proc.wait()

@@ -120,8 +120,7 @@ class Cache:
                 return
             data = self.root / "data"
             try:
-                for i in range(256):
-                    (data / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+                data.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise ValueError(f"cache_dir {str(self.root)!r}: {exc.strerror}") from None
             self._xattr = has_xattrs(data)

@@ -203,9 +203,14 @@ def try_lock(fd: int, paths: Paths) -> bool:
 
 
 def create_temp(paths: Paths) -> tuple[int, str]:
-    """A new temporary file beside the object: (descriptor, path)."""
+    """A new temporary file beside the object (its folder made if need be): (descriptor, path)."""
     path = f"{paths.data}.{secrets.token_hex(8)}.part"
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), path
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644), path
+    except FileNotFoundError:  # the first object of its folder
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, flags, 0o644), path
 
 
 def write_all(fd: int, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
