@@ -310,6 +310,42 @@ async def test_cancelled_download_leaves_no_file(
 
 
 @pytest.mark.asyncio
+async def test_a_failed_download_keeps_nothing_and_lets_go_of_the_lock(
+    proxy: FaultProxy, objects: dict[str, bytes], tmp_path: Path
+) -> None:
+    proxy.plan = lambda path, n: Fault("503") if n == 1 else None
+    src = sources.http(proxy.url, KEYS, cache_dir=tmp_path, attempts=1)
+    try:
+        with pytest.raises(FetchError, match="status 503") as info:
+            await src.fetch(KEYS[4])
+        assert info.value.key == KEYS[4]
+        assert not data_file(tmp_path, src.url(KEYS[4])).exists()
+        assert await asyncio.wait_for(src.fetch(KEYS[4]), 10) == objects[KEYS[4]]
+        assert await src.fetch(KEYS[4]) == objects[KEYS[4]]
+        assert proxy.seen[KEYS[4]] == 2
+    finally:
+        await src.aclose()
+
+
+def test_breaking_out_mid_epoch_leaves_no_partial_file(
+    proxy: FaultProxy, objects: dict[str, bytes], tmp_path: Path
+) -> None:
+    proxy.plan = lambda path, n: Fault("latency", 0.05 if path == KEYS[0] else 0.4)
+    src = sources.http(proxy.url, KEYS, cache_dir=tmp_path)
+    with Loader(src, concurrency=8, collate=None) as loader:
+        for sample in loader:
+            assert bytes(sample) == objects[KEYS[0]]
+            break  # seven downloads in flight are given up
+    assert not parts(tmp_path)
+    kept = [k for k in KEYS if data_file(tmp_path, src.url(k)).exists()]
+    assert kept == [KEYS[0]]
+    proxy.plan = lambda path, n: None
+    assert epochs(sources.http(proxy.url, KEYS, cache_dir=tmp_path), 1) == [
+        [objects[k] for k in KEYS]
+    ]
+
+
+@pytest.mark.asyncio
 async def test_leftover_temporary_files_are_deleted(
     proxy: FaultProxy, objects: dict[str, bytes], tmp_path: Path
 ) -> None:
