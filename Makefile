@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 
-BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads cache
+BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads mix cache
 
 .PHONY: setup test lint demo bench bench-quick soak clean
 

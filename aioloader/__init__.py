@@ -20,6 +20,10 @@ from ._executors.base import Executor as Executor
 from ._executors.process.executor import ProcessExecutor as ProcessExecutor
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
+from ._mix import mix as mix
+from ._mixloaders import MixedLoaders as MixedLoaders
+from ._mixsource import Mix as Mix
+from ._mixsource import MixKey as MixKey
 from ._observe.diagnose import Diagnosis as Diagnosis
 from ._observe.stats import LoaderStats as LoaderStats
 from ._observe.stats import StageStats as StageStats
@@ -48,6 +52,9 @@ __all__ = [
     "LoaderClosedError",
     "LoaderStats",
     "LoaderTimeout",
+    "Mix",
+    "MixKey",
+    "MixedLoaders",
     "ProcessExecutor",
     "SampleError",
     "StageStats",
@@ -56,6 +63,7 @@ __all__ = [
     "WorkerDied",
     "WorkerTimeout",
     "default_collate",
+    "mix",
     "sample_generator",
     "sample_np_generator",
     "sample_seed",

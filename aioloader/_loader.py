@@ -156,9 +156,11 @@ class Loader(Epochs[T]):
         if fetch is None:
             raise TypeError("fetch: a fetch function is required unless keys is a Source")
         if shuffle and source is not None and hasattr(source, "shuffle") and keys is source:
+            how = getattr(source, "shuffles_how", None) or (
+                "its shard order every epoch unless shuffle=False, its samples with shuffle_buffer=N"
+            )  # a source that says how it shuffles (a mix)
             raise ValueError(
-                f"shuffle=True: {source!r} shuffles itself (its shard order every epoch unless "
-                "shuffle=False, its samples with shuffle_buffer=N); leave the Loader's shuffle unset"
+                f"shuffle=True: {source!r} shuffles itself ({how}); leave the Loader's shuffle unset"
             )
         if batch_size is not None:
             check_int("batch_size", batch_size, minimum=1)

@@ -35,3 +35,15 @@ def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
     assert b["ratio_per_workers"]["2"] > 0
     assert b["main_cpu_s_per_batch"]["torch"]["2"] > 0
     assert b["pipe_share_max"] < 0.01  # the lists of arrays came back in shared memory
+
+
+def test_mix_runs_both_sides_and_ends_with_its_json() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "mix.py"), "--quick", "--repeats", "1", "--no-w2"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "mix"
+    assert summary["small"]["single_items_per_s"] > 0
+    assert summary["small"]["mix_items_per_s"] > 0
+    assert summary["resume"]["first_batch_s"] > 0

@@ -81,3 +81,16 @@ def test_the_readme_section_names_the_examples_run_here() -> None:
     assert named == {"from_torch.py", "labels_from_paths.py", "webdataset_s3.py"}
     for heading in ("### Labels from paths", "### A WebDataset set from S3", "by hand"):
         assert heading in section
+
+
+def test_mix_resume_continues_the_uninterrupted_sequence_as_the_readme_shows() -> None:
+    out = run_example("mix_resume.py")
+    assert "uninterrupted: 11 batches; books 23 (28%), web 60 (72%)" in out
+    assert "stopped after 4 batches" in out
+    assert "resumed in a fresh loader (concurrency 16, executor 'thread'): 7 batches" in out
+    assert "resumed sequence equals the uninterrupted one: yes" in out
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("\n### Mixing sources\n") :]
+    opening = "prints:\n\n```\n"
+    shown = section[section.index(opening) + len(opening) :]
+    assert shown[: shown.index("```")] == out  # the README shows the example's own output

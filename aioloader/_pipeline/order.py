@@ -39,11 +39,14 @@ class Group:
     batched: bool
 
 
-def chunk(pairs: Iterable[tuple[int, Any]], size: int | None, drop_last: bool) -> Iterator[Group]:
-    """Cut (position, key) pairs into groups of `size` (None: one unbatched sample per group)."""
+def chunk(
+    pairs: Iterable[tuple[int, Any]], size: int | None, drop_last: bool, first: int = 0
+) -> Iterator[Group]:
+    """Cut (position, key) pairs into groups of `size` (None: one unbatched sample per group),
+    numbered from `first`."""
     it = iter(pairs)
     step = 1 if size is None else size
-    for index in count():
+    for index in count(first):
         items = list(islice(it, step))
         if not items or (drop_last and len(items) < step):
             return
@@ -51,12 +54,12 @@ def chunk(pairs: Iterable[tuple[int, Any]], size: int | None, drop_last: bool) -
 
 
 async def achunk(
-    pairs: AsyncIterable[tuple[int, Any]], size: int | None, drop_last: bool
+    pairs: AsyncIterable[tuple[int, Any]], size: int | None, drop_last: bool, first: int = 0
 ) -> AsyncIterator[Group]:
     """`chunk` for pairs that arrive asynchronously (a streamed listing)."""
     step = 1 if size is None else size
     items: list[tuple[int, Any]] = []
-    index = 0
+    index = first
     async for pair in pairs:
         items.append(pair)
         if len(items) == step:
@@ -66,8 +69,8 @@ async def achunk(
         yield Group(index, items, size is not None)
 
 
-async def _aenumerate(keys: AsyncIterable[Any]) -> AsyncIterator[tuple[int, Any]]:
-    i = 0
+async def _aenumerate(keys: AsyncIterable[Any], start: int = 0) -> AsyncIterator[tuple[int, Any]]:
+    i = start
     async for key in keys:
         yield i, key
         i += 1
@@ -156,9 +159,10 @@ class KeyOrder:
         return shard(remaining, self.rank, self.world_size, self.drop_last)
 
     def pairs(
-        self, epoch: int, consumed: Ranges
+        self, epoch: int, consumed: Ranges, start: int = 0
     ) -> Iterable[tuple[int, Any]] | AsyncIterable[tuple[int, Any]]:
-        """(position, key) pairs this rank delivers in `epoch`, skipping `consumed` indices."""
+        """(position, key) pairs this rank delivers in `epoch`, skipping `consumed` indices; keys
+        without a length that begin mid-epoch (`start_at`) are numbered from `start`."""
         keys = self.keys
         if isinstance(keys, Sequence):
             perm = permutation(len(keys), self.shuffle, self.seed, epoch)
@@ -171,8 +175,8 @@ class KeyOrder:
             )
         self.epochs_read += 1
         if isinstance(keys, AsyncIterable):
-            return _aenumerate(keys)
-        return enumerate(keys)
+            return _aenumerate(keys, start)
+        return enumerate(keys, start)
 
 
 class Plan(Protocol):
@@ -209,12 +213,27 @@ class KeyPlan:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.group_size = batch_size or 1
+        self._first = 0  # the group the next epoch's keys begin at (`start_after`)
 
     def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group] | AsyncIterable[Group]:
-        pairs = self.order.pairs(epoch, consumed)
+        first, self._first = self._first, 0
+        pairs = self.order.pairs(epoch, consumed, first * self.group_size)
         if isinstance(pairs, AsyncIterable):
-            return achunk(pairs, self.batch_size, self.drop_last)
-        return chunk(pairs, self.batch_size, self.drop_last)
+            return achunk(pairs, self.batch_size, self.drop_last, first)
+        return chunk(pairs, self.batch_size, self.drop_last, first)
+
+    def start_after(self, epoch: int, skip: set[int]) -> set[int]:
+        """For keys that can begin mid-epoch (their `start_at(epoch, position)` says True, as a
+        mix's do): begin the resumed epoch past its delivered groups 0..g-1 instead of making and
+        dropping them. Returns the groups still to skip."""
+        start_at = getattr(self.order.keys, "start_at", None)
+        g = 0
+        while g in skip:
+            g += 1
+        if start_at is None or g == 0 or not start_at(epoch, g * self.group_size):
+            return skip
+        self._first = g
+        return {i for i in skip if i >= g}
 
     def rank_and_world(self) -> tuple[int, int]:
         return self.order.rank, self.order.world_size

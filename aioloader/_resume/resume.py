@@ -49,9 +49,13 @@ class Resumable:
         if resume is None or resume.epoch != epoch:
             resume = Resume(epoch, Ranges(), set())
         self._plan_state = self._plan.snapshot()
+        skip = resume.skip
+        start_after = getattr(self._plan, "start_after", None)
+        if skip and start_after is not None:  # keys that begin past the delivered groups (a mix)
+            skip = start_after(epoch, skip)
         groups = self._plan.groups(epoch, resume.consumed)
         self._progress = progress = Progress(epoch, resume.consumed, set(resume.skip))
-        return progress, (_skip(groups, resume.skip) if resume.skip else groups)
+        return progress, (_skip(groups, skip) if skip else groups)
 
     def _finished(self, progress: Progress) -> None:
         if self._progress is progress:

@@ -56,7 +56,8 @@ class Resume:
 def keys_digest(keys: Any) -> str:
     """A short fingerprint of a key sequence: its length and a spread of its keys."""
     if not isinstance(keys, Sequence):
-        return f"unsized:{type(keys).__name__}"
+        digest = getattr(keys, "digest", None)  # what such keys say of themselves (a mix)
+        return f"unsized:{type(keys).__name__}" + (f":{digest()}" if callable(digest) else "")
     n = len(keys)
     picks = sorted(
         {(i * max(n - 1, 0)) // max(_DIGEST_SAMPLES - 1, 1) for i in range(_DIGEST_SAMPLES)}

@@ -1,0 +1,302 @@
+"""The inputs of a mix as parts: each gives its keys one pass (one epoch of its own) at a time.
+
+A part is one of the mix's inputs, made uniform:
+
+- `Indexed`: keys with a length (a `Source` such as `sources.files`/`sources.s3`, a map-style
+  dataset, a list of samples). Its order in its own epoch `e` is a permutation seeded from (the
+  mix's seed, the part's index, `e`) when the mix shuffles, else the stored order; across ranks each
+  takes every world_size-th entry, padded by wrapping as the order stage pads.
+- `Streamed`: keys that only come by iterating (`sources.tar_shards`, a streamed listing, an
+  IterableDataset or any iterable or async iterable of samples; the indices of a torch `Sampler`
+  paired with its map-style dataset, `(dataset, sampler)`). Each pass iterates it afresh,
+  after `set_epoch(e)` where it has one; a task reads up to `READ_AHEAD` keys ahead of the mix, so
+  every streamed part reads at once.
+
+`Pass.next()` gives the pass's next key or `END`; nothing here depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from ._arguments import is_map_style
+from ._exceptions import FetchError
+from ._resume.state import keys_digest
+from ._util.loops import is_async_callable
+from ._util.threads import LazyThreadPool
+from .sources import Source
+
+__all__ = ["END", "READ_AHEAD", "Indexed", "Part", "Pass", "Streamed", "make_part"]
+
+READ_AHEAD = 64  # keys a streamed part reads ahead of the mix
+_SYNC_CHUNK = 16  # items a sync iterable gives per call in a thread
+_PERM_SALT = 0x6D697870  # keeps the parts' permutations apart from the choice draws
+END: Any = type("_End", (), {"__repr__": lambda self: "END"})()
+
+
+class Pass:
+    """One pass of a part over its keys, in its own epoch `epoch`; `index` keys given so far.
+
+    `at_hand`: `take()` gives the next key without waiting (keys with a length), so the mix need
+    not await `next()`.
+    """
+
+    at_hand = False
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.index = 0
+
+    async def next(self) -> Any:
+        """The next key, or `END` after the last."""
+        return self.take()
+
+    def take(self) -> Any:
+        """`next()` without waiting, where `at_hand`."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Stop reading (idempotent)."""
+
+
+class Part:
+    """One input of a mix. `name` says which in errors; `fetch_fn` turns a key into a sample (the
+    mix calls it: on the loop when `fetches_async`, else in its threads; None: the key is it)."""
+
+    sized = False
+
+    def __init__(self, name: str, fetch: Callable[[Any], Any] | None, threads: LazyThreadPool):
+        self.name = name
+        self.fetch_fn = fetch  # None: the key is the sample
+        self.fetches_async = fetch is not None and is_async_callable(fetch)
+        self._threads = threads
+        self.rank, self.world_size = 0, 1
+        self.sizer: Callable[[Any], int | None] | None = None  # a source's `size`
+
+    def open(self, epoch: int) -> Pass:
+        raise NotImplementedError
+
+    def digest(self) -> str:
+        raise NotImplementedError
+
+    def bind(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def size(self, key: Any) -> int | None:
+        """The bytes `fetch(key)` will give, where the part's source knows them (else None)."""
+        return None if self.sizer is None else self.sizer(key)
+
+
+class _IndexedPass(Pass):
+    def __init__(
+        self, epoch: int, keys: Sequence[Any], order: np.ndarray[Any, Any], index: int
+    ) -> None:
+        super().__init__(epoch)
+        self._keys, self._order, self.index = keys, order, index
+
+    at_hand = True
+
+    def take(self) -> Any:
+        if self.index >= len(self._order):
+            return END
+        self.index += 1
+        return self._keys[int(self._order[self.index - 1])]
+
+
+class Indexed(Part):
+    """Keys with a length, in a seeded permutation per epoch (or the stored order)."""
+
+    sized = True
+
+    def __init__(
+        self, name: str, index: int, keys: Sequence[Any], fetch: Callable[[Any], Any] | None,
+        threads: LazyThreadPool, *, shuffle: bool, seed: int,
+    ) -> None:  # fmt: skip
+        super().__init__(name, fetch, threads)
+        if len(keys) == 0:
+            raise ValueError(f"{name}: it has no samples")
+        self.keys, self.index, self.shuffle, self.seed = keys, index, shuffle, seed
+
+    def order(self, epoch: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Key positions this rank takes in `epoch`, in order (8 bytes a key, not a list's 36)."""
+        n, rank, world = len(self.keys), self.rank, self.world_size
+        perm = (
+            np.random.default_rng([self.seed, self.index, epoch, _PERM_SALT]).permutation(n)
+            if self.shuffle
+            else np.arange(n, dtype=np.int64)
+        )
+        if world > 1:  # as `shard` deals them: every world-th from `rank`, wrapping around
+            perm = perm[np.arange(rank, self.length() * world, world) % n]
+        return perm
+
+    def open(self, epoch: int, index: int = 0) -> Pass:
+        """A pass over `epoch`'s keys that has given `index` of them already."""
+        return _IndexedPass(epoch, self.keys, self.order(epoch), index)
+
+    def length(self) -> int:
+        """Keys this rank takes per epoch."""
+        return -(-len(self.keys) // self.world_size)  # as `shard` counts them, padded
+
+    def digest(self) -> str:
+        return keys_digest(self.keys)
+
+
+class _StreamedPass(Pass):
+    """Reads a pass's keys on a task, up to `READ_AHEAD` ahead; an error is raised in its place."""
+
+    def __init__(self, epoch: int, part: Streamed) -> None:
+        super().__init__(epoch)
+        self._part = part
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(READ_AHEAD)
+        self._task = asyncio.get_running_loop().create_task(self._read(), name="aioloader-mix-read")
+        part.passes.add(self)
+
+    async def _read(self) -> None:
+        try:
+            async for chunk in self._part.chunks(self.epoch):
+                for key in chunk:
+                    await self._queue.put(key)
+        except Exception as exc:
+            await self._queue.put(_Raised(exc))
+            return
+        await self._queue.put(END)
+
+    async def next(self) -> Any:
+        key = await self._queue.get()
+        if type(key) is _Raised:
+            self._queue.put_nowait(key)  # raised again by a later call, never skipped
+            raise FetchError(
+                f"mix: {self._part.name} failed while giving its keys in its epoch "
+                f"{self.epoch}, after {self.index}: {type(key.error).__name__}: {key.error}",
+                key=self._part.name, stage="fetch",
+            ) from key.error  # fmt: skip
+        if key is not END:
+            self.index += 1
+        return key
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._part.passes.discard(self)
+
+
+class _Raised:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class Streamed(Part):
+    """Keys that come by iterating: one iteration per pass, `set_epoch(e)` first where it exists."""
+
+    def __init__(
+        self, name: str, keys: Callable[[], Iterable[Any] | AsyncIterable[Any]],
+        fetch: Callable[[Any], Any] | None, threads: LazyThreadPool, owner: object,
+    ) -> None:  # fmt: skip
+        super().__init__(name, fetch, threads)
+        self._keys, self._owner = keys, owner
+        self.passes: set[_StreamedPass] = set()
+
+    def open(self, epoch: int) -> Pass:
+        return _StreamedPass(epoch, self)
+
+    def digest(self) -> str:
+        return f"stream:{type(self._owner).__name__}"
+
+    def bind(self, rank: int, world_size: int) -> None:
+        bind = getattr(self._owner, "bind", None)
+        replicas = getattr(self._owner, "num_replicas", None)  # a DistributedSampler: its share
+        if bind is not None:
+            bind(rank=rank, world_size=world_size)
+        elif replicas is not None and replicas != world_size:
+            raise ValueError(
+                f"{self.name}: its sampler shares the data among num_replicas={replicas}, the "
+                f"loader runs {world_size} ranks"
+            )
+        elif world_size > 1 and replicas is None:
+            raise ValueError(
+                f"{self.name}: a {type(self._owner).__name__} cannot be shared among "
+                f"{world_size} ranks (it has no length and no bind()); give each rank its own share"
+            )
+        super().bind(rank, world_size)
+
+    async def chunks(self, epoch: int) -> AsyncIterator[list[Any]]:
+        """The keys of one pass in `epoch`, in lists (a sync iterable is read in the threads)."""
+        set_epoch = getattr(self._owner, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        keys = self._keys()
+        if isinstance(keys, AsyncIterable):
+            stream = aiter(keys)
+            try:
+                async for key in stream:
+                    yield [key]
+            finally:
+                close = getattr(stream, "aclose", None)
+                if close is not None:
+                    await close()
+            return
+        it = iter(keys)
+        while True:
+            chunk, error = await self._threads.run(_take, it)
+            if chunk:
+                yield chunk
+            if error is not None:
+                raise error
+            if not chunk:
+                return
+
+
+def _take(it: Iterable[Any]) -> tuple[list[Any], Exception | None]:
+    """Up to `_SYNC_CHUNK` items of `it`, and the error that cut them short (if one did)."""
+    out: list[Any] = []
+    try:
+        for item in itertools.islice(it, _SYNC_CHUNK):
+            out.append(item)
+    except Exception as exc:
+        return out, exc
+    return out, None
+
+
+def make_part(
+    name: str, index: int, obj: Any, threads: LazyThreadPool, *, shuffle: bool, seed: int
+) -> Part:
+    """The part for one input: a Source, a map-style dataset, a sequence or an iterable of samples."""
+    if isinstance(obj, str | bytes) or obj is None:
+        raise TypeError(f"{name}: expected a source, a dataset or samples, got {obj!r}")
+    if isinstance(obj, Source):
+        keys = obj.keys()
+        part: Part
+        if isinstance(keys, Sequence):
+            part = Indexed(name, index, keys, obj.fetch, threads, shuffle=shuffle, seed=seed)
+        else:
+            part = Streamed(name, obj.keys, obj.fetch, threads, obj)
+        part.sizer = getattr(obj, "size", None)
+        return part
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], Sampler):
+        dataset, sampler = obj
+        if not is_map_style(dataset):
+            raise TypeError(
+                f"{name}: (dataset, sampler) needs a map-style dataset, got {dataset!r}"
+            )
+        return Streamed(name, lambda: sampler, dataset.__getitem__, threads, sampler)
+    if is_map_style(obj):
+        return Indexed(name, index, range(len(obj)), obj.__getitem__, threads,
+                       shuffle=shuffle, seed=seed)  # fmt: skip
+    if isinstance(obj, Sequence):
+        return Indexed(name, index, obj, None, threads, shuffle=shuffle, seed=seed)
+    if isinstance(obj, Iterable | AsyncIterable):
+        return Streamed(name, lambda: obj, None, threads, obj)
+    raise TypeError(
+        f"{name}: expected a Source, a map-style dataset, a (dataset, sampler) pair, a sequence "
+        f"or an iterable of samples (or only Loaders), got {type(obj).__name__}"
+    )
