@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import threading
 import time
@@ -75,6 +76,8 @@ def check_cache_args(cache_dir: Any, cache_limit: Any) -> None:
     path = Path(cache_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"cache_dir {str(path)!r} is not a directory")
+    if not hasattr(fcntl, "F_OFD_SETLK"):
+        raise ValueError("cache_dir: the cache locks its objects with Linux's F_OFD_SETLK")
 
 
 class Cache:
