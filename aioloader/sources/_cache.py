@@ -175,7 +175,7 @@ class Cache:
 
     async def stream(
         self, name: str, label: str, opener: Opener
-    ) -> AsyncGenerator[bytes | bytearray, None]:
+    ) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
         """The object `name` chunk by chunk: from its cached file, else from `opener` while it is
         written to the cache. Close the generator (`aclose`) to stop early: a download given up
         leaves no file."""
@@ -205,15 +205,19 @@ class Cache:
 
     async def _chunks(
         self, reader: Held, paths: Paths, fd: int, size: int
-    ) -> AsyncGenerator[bytearray, None]:
+    ) -> AsyncGenerator[bytearray | memoryview, None]:
+        """The file in recycled chunks of `CHUNK` bytes (the last one a view of its first bytes:
+        a buffer of its own length would be made for it alone)."""
         pos = 0
         while pos < size:
-            buf = self._bodies.take(min(CHUNK, size - pos))
-            n = await reader.run(os.preadv, fd, [buf], pos)
-            if n < len(buf):
+            buf = self._bodies.take(CHUNK)
+            want = min(CHUNK, size - pos)
+            view = memoryview(buf)[:want] if want < CHUNK else buf
+            n = await reader.run(os.preadv, fd, [view], pos)
+            if n < want:
                 raise OSError(f"cached file {paths.data} was cut short at byte {pos + n}")
             pos += n
-            yield buf
+            yield view
         await self._hit(paths, size)
 
     async def _download(

@@ -73,14 +73,14 @@ SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]]
 
 async def open_shard(
     shard: str, remotes: dict[str, Any], options: Options, cache: Cache | None = None
-) -> AsyncGenerator[bytes | bytearray, None]:
+) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
     """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket);
     a remote shard is read from `cache` when it holds it, else kept there as it streams."""
     scheme, sep, _ = shard.partition("://")
     reach = SCHEMES.get(scheme) if sep else None
     if reach is not None:
         src, url = reach(shard, remotes, options)
-        stream: AsyncGenerator[bytes | bytearray, None]
+        stream: AsyncGenerator[bytes | bytearray | memoryview, None]
         if cache is None:
             stream = _remote(src.transport, url, shard)
         else:

@@ -22,7 +22,7 @@ _PADDING_MAX = 1 << 20  # bytes read past the end-of-archive blocks at most
 class _Buffer:
     """Bytes pulled from `chunks` on demand; `offset` is the archive offset of the first unread byte."""
 
-    def __init__(self, chunks: AsyncIterator[bytes | bytearray]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes | bytearray | memoryview]) -> None:
         self._chunks = chunks
         self._buf = bytearray()
         self._pos = 0
@@ -85,7 +85,7 @@ def _pax(data: bytes) -> dict[str, str]:
 
 
 async def tar_members(
-    chunks: AsyncGenerator[bytes | bytearray, None], shard: str
+    chunks: AsyncGenerator[bytes | bytearray | memoryview, None], shard: str
 ) -> AsyncGenerator[tuple[str, bytes], None]:
     """(name, contents) of each regular file in the tar archive that `chunks` carries, in order.
 
