@@ -312,6 +312,20 @@ class Cache:
             self._recorded = time.monotonic()
         return self._index.record(added, used, self.limit, self._evict)
 
+    async def forget(self, name: str) -> None:
+        """Delete the cached copy of `name` (found unusable by its reader) unless a download of it
+        is under way; the next read fetches it again."""
+        paths = await self._ready(name)
+        await asyncio.to_thread(self._forget, paths)
+
+    def _forget(self, paths: Paths) -> None:
+        if not remove_if_free(paths):
+            return
+        with self._pending:
+            self._added.pop(paths.id, None)
+            self._used.pop(paths.id, None)
+        self._index.drop(paths.id)
+
     async def aclose(self) -> None:
         """Write what the index has not learnt yet and close it. Idempotent."""
         self.counts["cache_evictions"] += await asyncio.to_thread(self._record)

@@ -126,6 +126,21 @@ class Index:
                 evicted += 1
         return evicted, total
 
+    def drop(self, id: str) -> None:
+        """Forget object `id` (its files are gone)."""
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                row = db.execute("SELECT size FROM entries WHERE id = ?", (id,)).fetchone()
+                if row is not None:
+                    db.execute("DELETE FROM entries WHERE id = ?", (id,))
+                    db.execute("UPDATE total SET bytes = bytes - ?", (row[0],))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
     def close(self) -> None:
         """Close the connection (a later call opens it again)."""
         with self._lock:

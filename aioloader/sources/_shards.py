@@ -31,7 +31,7 @@ from ._remote import Remote
 from ._transport import Transport, keep_version
 from .files import _Opening
 
-__all__ = ["SCHEMES", "ReadMeter", "interleave", "open_shard", "shuffled"]
+__all__ = ["SCHEMES", "ReadMeter", "cached_name", "interleave", "open_shard", "shuffled"]
 
 log = logging.getLogger("aioloader")
 
@@ -69,6 +69,13 @@ SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]]
     "https": _http,
     "s3": _s3,
 }
+
+
+def cached_name(shard: str, remotes: dict[str, Any], options: Options) -> str | None:
+    """What names a remote shard in a cache (its URL); None for a local one."""
+    scheme, sep, _ = shard.partition("://")
+    reach = SCHEMES.get(scheme) if sep else None
+    return None if reach is None else reach(shard, remotes, options)[1]
 
 
 async def open_shard(

@@ -29,7 +29,7 @@ from .._exceptions import FetchError
 from .._util.validate import check_int
 from ._cache import Cache, check_cache_args
 from ._redact import redact_url
-from ._shards import ReadMeter, interleave, open_shard, shuffled
+from ._shards import ReadMeter, cached_name, interleave, open_shard, shuffled
 from ._tarstream import tar_members
 
 __all__ = ["SampleRef", "TarShards", "tar_shards"]
@@ -205,6 +205,19 @@ class TarShards:
             }
 
     async def _shard_samples(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+        samples = self._parsed(shard)
+        try:
+            async with contextlib.aclosing(samples):
+                async for sample in samples:
+                    yield sample
+        except FetchError:
+            if self._cache is not None:  # a cached copy that does not parse is fetched again
+                name = cached_name(shard, self._remotes, self._options)
+                if name is not None:
+                    await self._cache.forget(name)
+            raise
+
+    async def _parsed(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
         label = redact_url(shard)
         current: dict[str, Any] | None = None
         members = tar_members(open_shard(shard, self._remotes, self._options, self._cache), label)

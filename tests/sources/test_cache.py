@@ -264,6 +264,30 @@ def test_cached_tar_shards_epoch_two_makes_no_get(
 
 
 @pytest.mark.asyncio
+async def test_a_cached_shard_that_does_not_parse_is_fetched_again(
+    shard_server: tuple[Origin, FaultProxy], tmp_path: Path
+) -> None:
+    origin, proxy = shard_server
+    url = f"{proxy.url}/shard-1.tar"
+    with tarfile.open(fileobj=io.BytesIO(origin.objects["shard-1.tar"])) as tar:
+        third = tar.getmembers()[2].offset  # where the third member's header starts
+    shards = sources.tar_shards([url], shuffle=False, cache_dir=tmp_path)
+    try:
+        whole = [s async for s in shards]
+        cached = data_file(tmp_path, url)
+        with cached.open("r+b") as f:  # same size, a header's checksum broken
+            f.seek(third + 100)
+            f.write(b"\xff" * 8)
+        with pytest.raises(FetchError, match="bad header checksum"):
+            _ = [s async for s in shards]
+        assert not cached.exists()  # dropped: the next epoch fetches it again
+        assert [s async for s in shards] == whole
+        assert proxy.seen["shard-1.tar"] == 2
+    finally:
+        await shards.aclose()
+
+
+@pytest.mark.asyncio
 async def test_early_break_mid_shard_leaves_no_file(
     shard_server: tuple[Origin, FaultProxy], tmp_path: Path
 ) -> None:
