@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 AZURITE := .azurite/.installed
 TORCH   ?= torch==2.13.0
 
-BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads mix parquet
+BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads mix parquet cache
 
 .PHONY: setup test lint demo bench bench-quick soak clean
 

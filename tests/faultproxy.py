@@ -184,7 +184,7 @@ class FaultProxy(ServerThread):
             self.upstream + request.path_qs, headers=headers, allow_redirects=False
         ) as resp:
             body = await resp.read()
-            passed = ("Content-Range", "Retry-After", "Content-Type")
+            passed = ("Content-Range", "Retry-After", "Content-Type", "ETag", "Last-Modified")
             return resp.status, {k: v for k, v in resp.headers.items() if k in passed}, body
 
     async def _inject(self, request: web.Request, fault: Fault) -> web.StreamResponse:

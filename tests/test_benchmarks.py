@@ -70,3 +70,17 @@ def test_cloud_azure_runs_torch_with_the_sdk_and_aioloader_through_azurite() -> 
         "aioloader azure aiohttp (concurrency 64)",
         "aioloader azure fast (concurrency 64)",
     }
+
+
+def test_cache_serves_the_cached_epochs_without_a_request() -> None:
+    # A few objects and shards: the GET counts, not the speed, are checked here.
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cache.py"), "--quick", "--objects", "64",
+         "--shards", "4"],
+        capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "cache"
+    assert summary["objects_epoch2_gets"] == summary["shards_epoch2_gets"] == 0
+    assert summary["two_process_gets"] == summary["two_process_objects"] == 64 + 4
+    assert summary["torch_items_per_s"] > 0

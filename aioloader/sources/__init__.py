@@ -6,6 +6,8 @@ from .azure import Azure as Azure
 from .azure import azure as azure
 from .files import Files as Files
 from .files import files as files
+from .fsspec import Fsspec as Fsspec
+from .fsspec import fsspec as fsspec
 from .http import Http as Http
 from .http import http as http
 from .parquet import Parquet as Parquet
@@ -21,6 +23,7 @@ __all__ = [
     "S3",
     "Azure",
     "Files",
+    "Fsspec",
     "Http",
     "Parquet",
     "ParquetError",
@@ -30,6 +33,7 @@ __all__ = [
     "TarShards",
     "azure",
     "files",
+    "fsspec",
     "http",
     "parquet",
     "s3",

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import ssl as _ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._exceptions import FetchError
 from .._util.validate import check_int
+from ._cache import Cache, Expect, check_cache_args
+from ._redact import redact_url
 from ._retry import (
     ATTEMPTS,
     BACKOFF,
@@ -37,9 +41,12 @@ class RemoteOptions:
     max_backoff: float = MAX_BACKOFF
     ssl: _ssl.SSLContext | bool = True
     engine: str = "aiohttp"
+    cache_dir: str | os.PathLike[str] | None = None
+    cache_limit: int | None = None
 
     def __post_init__(self) -> None:
         check_int("concurrency", self.concurrency, minimum=1)
+        check_cache_args(self.cache_dir, self.cache_limit)
 
     @classmethod
     def of(
@@ -59,6 +66,7 @@ class RemoteOptions:
             "retry": Retry(self.attempts, self.backoff, self.max_backoff),
             "ssl": self.ssl,
             "engine": self.engine,
+            "cache": None if self.cache_dir is None else Cache(self.cache_dir, self.cache_limit),
         }
 
 
@@ -66,7 +74,11 @@ class Remote:
     """A source whose objects are read by URL over one `Transport` (a base of `Http` and `S3`).
 
     A new remote source (another object store) gives `url(key)` and its authentication (the
-    transport's `headers` or `sign`); fetching, ranges, retries, counters and closing are these.
+    transport's `headers` or `sign`); fetching, ranges, retries, counters and closing are these,
+    and so is the local cache (`cache_dir`, the transport's `cache`): `fetch` reads a cached copy
+    and keeps what it downloads, `fetch_range` reads a cached copy (else the store, keeping
+    nothing). A source whose listing gives sizes or ETags has `size(key)` / `etag(key)`: a cached
+    copy that differs from them is fetched again.
     """
 
     transport: Transport
@@ -75,18 +87,47 @@ class Remote:
         """The URL of the object `key` names; `InvalidKeyError` for a key that names none."""
         raise NotImplementedError
 
+    def cache_name(self, key: str) -> str:
+        """What names object `key` in the cache: its URL (hashed there; never written out)."""
+        return self.url(key)
+
+    def _expect(self, key: str) -> Expect:
+        size, etag = getattr(self, "size", None), getattr(self, "etag", None)
+        return Expect(size(key) if size else None, etag(key) if etag else None)
+
     async def fetch(self, key: str) -> bytearray:
-        """The whole object named by `key`."""
-        return await self.transport.get(self.url(key), key=key)
+        """The whole object named by `key` (from the cache, when it has a valid copy)."""
+        url, cache = self.url(key), self.transport.cache
+        if cache is None:
+            return await self.transport.get(url, key=key)
+
+        async def download(version: dict[str, str]) -> bytearray:
+            return await self.transport.get(url, key=key, version=version)
+
+        return await cache.fetch(self.cache_name(key), redact_url(url), self._expect(key), download)
 
     async def fetch_range(self, key: str, offset: int, length: int | None = None) -> bytearray:
         """`length` bytes of the object from byte `offset` (to its end when `length` is None)."""
-        return await self.transport.get(self.url(key), key=key, offset=offset, length=length)
+        url, cache = self.url(key), self.transport.cache
+        if cache is not None and offset >= 0 and (length is None or length > 0):
+            try:
+                name, expect = self.cache_name(key), self._expect(key)
+                cached = await cache.fetch_range(name, expect, offset, length)
+            except ValueError as exc:
+                raise FetchError(f"{redact_url(url)}: {exc}", key=key, stage="fetch") from None
+            if cached is not None:
+                return cached
+        return await self.transport.get(url, key=key, offset=offset, length=length)
 
     def stats(self) -> dict[str, float]:
-        """Requests sent, retries, failed samples and body bytes read so far."""
-        return dict(self.transport.counts)
+        """Requests sent, retries, failed samples and body bytes read so far; with a cache, its
+        hits, misses, waits for another process's download, evictions and bytes read."""
+        cache = self.transport.cache
+        return {**self.transport.counts, **(cache.counts if cache is not None else {})}
 
     async def aclose(self) -> None:
-        """Close the connection pool. Idempotent; a later fetch opens a new one."""
+        """Close the connection pool (and the cache's index). Idempotent; a later fetch opens a
+        new one."""
         await self.transport.aclose()
+        if self.transport.cache is not None:
+            await self.transport.cache.aclose()

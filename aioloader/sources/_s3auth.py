@@ -16,7 +16,7 @@ import os
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -95,26 +95,31 @@ def list_query(prefix: str, page_size: int, token: str | None) -> str:
 
 @dataclass
 class Listing:
-    """One page of a listing: (key, size) pairs and the token of the next page (None: last page)."""
+    """One page of a listing: (key, size) pairs, the token of the next page (None: last page), and
+    the ETag of each key that has one."""
 
     objects: list[tuple[str, int]]
     next_token: str | None
+    etags: dict[str, str] = field(default_factory=dict)
 
 
 def parse_listing(body: bytes) -> Listing:
     """Parse a ListObjectsV2 response (namespaced or not)."""
     root = ET.fromstring(body)
     objects, truncated, token = [], False, None
+    etags: dict[str, str] = {}
     for child in root:
         tag = child.tag.rpartition("}")[2]
         if tag == "Contents":
             fields = {c.tag.rpartition("}")[2]: c.text or "" for c in child}
             objects.append((fields.get("Key", ""), int(fields.get("Size") or 0)))
+            if fields.get("ETag"):
+                etags[fields.get("Key", "")] = fields["ETag"]
         elif tag == "IsTruncated":
             truncated = (child.text or "").strip().lower() == "true"
         elif tag == "NextContinuationToken":
             token = child.text
-    return Listing(objects, token if truncated else None)
+    return Listing(objects, token if truncated else None, etags)
 
 
 def _env(name: str) -> str | None:

@@ -12,6 +12,7 @@ ahead of the merge (the consumer is slower) is not reading time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -24,12 +25,13 @@ import aiohttp
 
 from .._exceptions import FetchError
 from .._observe.stats import _Stage, nbytes
+from ._cache import Cache
 from ._redact import redact_url
 from ._remote import Remote
-from ._transport import Transport
+from ._transport import Transport, keep_version
 from .files import _Opening
 
-__all__ = ["SCHEMES", "ReadMeter", "interleave", "open_shard", "shuffled"]
+__all__ = ["SCHEMES", "ReadMeter", "cached_name", "interleave", "open_shard", "shuffled"]
 
 log = logging.getLogger("aioloader")
 
@@ -81,16 +83,32 @@ SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]]
 }
 
 
+def cached_name(shard: str, remotes: dict[str, Any], options: Options) -> str | None:
+    """What names a remote shard in a cache (its URL); None for a local one."""
+    scheme, sep, _ = shard.partition("://")
+    reach = SCHEMES.get(scheme) if sep else None
+    return None if reach is None else reach(shard, remotes, options)[1]
+
+
 async def open_shard(
-    shard: str, remotes: dict[str, Any], options: Options
-) -> AsyncGenerator[bytes, None]:
-    """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket)."""
+    shard: str, remotes: dict[str, Any], options: Options, cache: Cache | None = None
+) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
+    """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket);
+    a remote shard is read from `cache` when it holds it, else kept there as it streams."""
     scheme, sep, _ = shard.partition("://")
     reach = SCHEMES.get(scheme) if sep else None
     if reach is not None:
         src, url = reach(shard, remotes, options)
-        async for chunk in _remote(src.transport, url, shard):
-            yield chunk
+        stream: AsyncGenerator[bytes | bytearray | memoryview, None]
+        if cache is None:
+            stream = _remote(src.transport, url, shard)
+        else:
+            stream = cache.stream(
+                url, redact_url(url), lambda version: _remote(src.transport, url, shard, version)
+            )
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                yield chunk
     else:
         path = Path(shard.removeprefix("file://"))
         opening = _Opening()  # a read given up on (the epoch ended) leaves no open file behind
@@ -111,10 +129,15 @@ async def open_shard(
             ) from exc
 
 
-async def _remote(transport: Transport, url: str, shard: str) -> AsyncGenerator[bytes, None]:
+async def _remote(
+    transport: Transport, url: str, shard: str, version: dict[str, str] | None = None
+) -> AsyncGenerator[bytes, None]:
+    """The body of `url`, resumed where it broke; `version` receives the first response's."""
     pos, breaks = 0, 0
     while True:
         resp = await transport.open(url, key=redact_url(shard), offset=pos)
+        if pos == 0:
+            keep_version(resp.headers, version)
         try:
             while chunk := await resp.content.readany():
                 pos += len(chunk)

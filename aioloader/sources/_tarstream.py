@@ -16,12 +16,13 @@ __all__ = ["BLOCK", "tar_members"]
 
 BLOCK = 512
 _REGULAR = (b"0", b"\x00", b"7")
+_PADDING_MAX = 1 << 20  # bytes read past the end-of-archive blocks at most
 
 
 class _Buffer:
     """Bytes pulled from `chunks` on demand; `offset` is the archive offset of the first unread byte."""
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes | bytearray | memoryview]) -> None:
         self._chunks = chunks
         self._buf = bytearray()
         self._pos = 0
@@ -84,15 +85,22 @@ def _pax(data: bytes) -> dict[str, str]:
 
 
 async def tar_members(
-    chunks: AsyncGenerator[bytes, None], shard: str
+    chunks: AsyncGenerator[bytes | bytearray | memoryview, None], shard: str
 ) -> AsyncGenerator[tuple[str, bytes], None]:
     """(name, contents) of each regular file in the tar archive that `chunks` carries, in order.
 
-    Closes `chunks` when it ends, fails or is closed.
+    Closes `chunks` when it ends, fails or is closed. After the end-of-archive blocks, the padding
+    that follows (up to `_PADDING_MAX` bytes) is read too, so that a stream kept as it is read (a
+    cached shard) ends whole.
     """
     try:
         async for member in _members(_Buffer(chunks), shard):
             yield member
+        padding = 0
+        async for chunk in chunks:
+            padding += len(chunk)
+            if padding > _PADDING_MAX:
+                break
     finally:
         await chunks.aclose()
 

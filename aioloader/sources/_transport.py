@@ -16,7 +16,7 @@ import asyncio
 import logging
 import ssl as _ssl
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -29,7 +29,10 @@ from ._fasthttp import FastPool, Unsupported
 from ._redact import redact_url
 from ._retry import Retry, Timeouts, parse_retry_after
 
-__all__ = ["Signer", "Transport"]
+if TYPE_CHECKING:
+    from ._cache import Cache
+
+__all__ = ["VERSION_HEADERS", "Signer", "Transport", "keep_version"]
 
 log = logging.getLogger("aioloader")
 
@@ -37,6 +40,8 @@ log = logging.getLogger("aioloader")
 Signer = Callable[[str, str, dict[str, str]], dict[str, str]]
 _THROTTLE_STATUSES = frozenset({429, 503})
 _SUFFIX = -1  # `_send`'s offset for a suffix Range ("the last n bytes"): 206, or 200 for all
+# Response headers (lower case) that tell one version of an object from another.
+VERSION_HEADERS = ("etag", "last-modified", "x-goog-generation", "content-length", "content-range")
 
 T = TypeVar("T")
 
@@ -55,6 +60,7 @@ class Transport:
             any status (Azure's "OperationTimedOut" comes as a 500).
         redirects: follow redirects (never for signed requests).
         dns_hint: added to the error when a host that never resolved does not (where it came from).
+        cache: where the remote source keeps the objects it read (`Remote.fetch`); None: nowhere.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class Transport:
         engine: str = "aiohttp",
         dns_hint: str = "",
         throttle_codes: frozenset[str] = frozenset(),
+        cache: Cache | None = None,
     ) -> None:
         if engine not in ("aiohttp", "fast"):
             raise ValueError(f"engine must be 'aiohttp' or 'fast', got {engine!r}")
@@ -88,6 +95,7 @@ class Transport:
         self.engine = engine
         self.dns_hint = dns_hint
         self.throttle_codes = throttle_codes
+        self.cache = cache
         self._resolved: set[str] = set()  # hosts that answered once: a DNS failure may pass
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,9 +142,16 @@ class Transport:
             await session.close()
 
     async def get(
-        self, url: str, *, key: Any, offset: int = 0, length: int | None = None
+        self,
+        url: str,
+        *,
+        key: Any,
+        offset: int = 0,
+        length: int | None = None,
+        version: dict[str, str] | None = None,
     ) -> bytearray:
-        """The body of `url` (bytes [offset, offset+length) of it when a range is given).
+        """The body of `url` (bytes [offset, offset+length) of it when a range is given); `version`,
+        when given, receives the response's ETag, Last-Modified and the like (`VERSION_HEADERS`).
 
         Raises:
             FetchError: after the last attempt, or at once for a failure that retrying cannot mend.
@@ -151,7 +166,7 @@ class Transport:
         async def attempt() -> bytearray:
             if self.engine == "fast":
                 try:
-                    return await self._fast_get(url, headers, offset if ranged else None)
+                    return await self._fast_get(url, headers, offset if ranged else None, version)
                 except Unsupported as exc:
                     log.info("%s; engine='fast' gives way to aiohttp for this source", exc)
                     self.engine = "aiohttp"
@@ -163,6 +178,7 @@ class Transport:
                 raise
             resp.release()
             self.counts["bytes"] += len(body)
+            keep_version(resp.headers, version)
             return body
 
         return await self._with_retries(url, key, attempt)
@@ -290,7 +306,9 @@ class Transport:
             resp.status, resp.reason, resp.headers.get("Retry-After"), detail
         )
 
-    async def _fast_get(self, url: str, headers: dict[str, str], offset: int | None) -> bytearray:
+    async def _fast_get(
+        self, url: str, headers: dict[str, str], offset: int | None, version: dict[str, str] | None
+    ) -> bytearray:
         if self._fast is None:
             t = self.timeouts
             self._fast = FastPool(self.limit, self.ssl, t.connect, t.read)
@@ -307,6 +325,7 @@ class Transport:
             if offset is not None and not _range_ok(resp.headers.get("content-range"), offset):
                 raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
             self.counts["bytes"] += len(resp.body)
+            keep_version(resp.headers, version)
             # a memoryview only where `_util/bytearrays.landing` is set: by `FetchDecode` without a decode,
             # which hands the body to no user code, only to the worker's answer
             return cast(bytearray, resp.body)
@@ -326,6 +345,16 @@ class Transport:
             text += f" (Retry-After: {retry_after:g} s)"
         retryable = status in self.retry.statuses
         return Failure(text, status=status, retryable=retryable, retry_after=retry_after)
+
+
+def keep_version(headers: Mapping[str, str], version: dict[str, str] | None) -> None:
+    """Copy what identifies the object's version (`VERSION_HEADERS`) from `headers` into `version`."""
+    if version is None:
+        return
+    for name in VERSION_HEADERS:
+        value = headers.get(name)
+        if value is not None:
+            version[name] = value
 
 
 def _range_ok(content_range: str | None, offset: int) -> bool:

@@ -65,6 +65,7 @@ class S3(Remote):
         self.bucket, self.prefix = parse_s3_url(url)
         self._given = None if keys is None else list(keys)
         self._sizes: dict[str, int] = {}  # from the listings (`size`)
+        self._etags: dict[str, str] = {}  # from the listings (`etag`): a cached copy is checked
         config = AwsConfig(profile)
         self.signer = Signer(credentials, region=region, anonymous=anonymous, config=config)
         endpoint_from = "endpoint_url"
@@ -110,6 +111,7 @@ class S3(Remote):
                 raise FetchError(
                     f"bad ListObjectsV2 answer for {where}: {exc}", key=where
                 ) from None
+            self._etags.update(page.etags)
             for key, size in sorted(page.objects, key=lambda o: o[0].encode()):
                 if key.endswith("/") and size == 0:
                     continue  # a "folder" marker
@@ -170,9 +172,13 @@ class S3(Remote):
         """The size of object `key` as last listed (None for keys given, or not listed yet)."""
         return self._sizes.get(key)
 
+    def etag(self, key: str) -> str | None:
+        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self._etags.get(key)
+
     def stats(self) -> dict[str, float]:
-        """The adaptive concurrency limit and the request counters."""
-        return {**self.transport.counts, **self.limiter.stats()}
+        """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
+        return {**super().stats(), **self.limiter.stats()}
 
 
 def _endpoint_hint(endpoint_url: str | None, endpoint_from: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -26,8 +27,9 @@ from typing import Any
 
 from .._exceptions import FetchError
 from .._util.validate import check_int
+from ._cache import Cache, check_cache_args
 from ._redact import redact_url
-from ._shards import ReadMeter, interleave, open_shard, shuffled
+from ._shards import ReadMeter, cached_name, interleave, open_shard, shuffled
 from ._tarstream import tar_members
 
 __all__ = ["SampleRef", "TarShards", "tar_shards"]
@@ -100,6 +102,8 @@ class TarShards:
         http_options: dict[str, Any] | None = None,
         s3_options: dict[str, Any] | None = None,
         azure_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
     ) -> None:
         self.shards = [shards] if isinstance(shards, str) else list(shards)
         if not self.shards:
@@ -130,6 +134,8 @@ class TarShards:
         self._remotes: dict[str, Any] = {}
         self._epoch = 0
         self._reads = ReadMeter(parallel)
+        check_cache_args(cache_dir, cache_limit)
+        self._cache = None if cache_dir is None else Cache(cache_dir, cache_limit)
 
     def __repr__(self) -> str:
         mixing = f", shuffle_buffer={self.shuffle_buffer}" if self.shuffle_buffer else ""
@@ -201,9 +207,22 @@ class TarShards:
             }
 
     async def _shard_samples(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+        samples = self._parsed(shard)
+        try:
+            async with contextlib.aclosing(samples):
+                async for sample in samples:
+                    yield sample
+        except FetchError:
+            if self._cache is not None:  # a cached copy that does not parse is fetched again
+                name = cached_name(shard, self._remotes, self._options)
+                if name is not None:
+                    await self._cache.forget(name)
+            raise
+
+    async def _parsed(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
         label = redact_url(shard)
         current: dict[str, Any] | None = None
-        members = tar_members(open_shard(shard, self._remotes, self._options), label)
+        members = tar_members(open_shard(shard, self._remotes, self._options, self._cache), label)
         async with contextlib.aclosing(members):
             async for name, data in members:
                 if _META.match(name) or name.rpartition("/")[2].startswith("__"):
@@ -253,18 +272,23 @@ class TarShards:
     def stats(self) -> dict[str, float | None]:
         """What the shard readers did: samples and bytes read, seconds spent reading (summed over
         readers; `shard_all_reading_s`: every one of the `shard_readers` reading at once), read
-        time percentiles per sample, and the retries of the remote shards' sources.
+        time percentiles per sample, the retries of the remote shards' sources, and the cache's
+        hits, misses, waits, evictions and bytes read (with `cache_dir`).
 
         A loader reading this source counts these as its fetch stage (`loader.stats()`)."""
         counts: dict[str, float | None] = dict(self._reads.stats())
         counts["retries"] = sum(r.transport.counts["retries"] for r in self._remotes.values())
+        if self._cache is not None:
+            counts.update(self._cache.counts)
         return counts
 
     async def aclose(self) -> None:
-        """Close the connection pools of the remote shards. Idempotent."""
+        """Close the connection pools of the remote shards (and the cache's index). Idempotent."""
         remotes, self._remotes = self._remotes, {}
         for remote in remotes.values():
             await remote.aclose()
+        if self._cache is not None:
+            await self._cache.aclose()
 
 
 def tar_shards(
@@ -282,6 +306,8 @@ def tar_shards(
     http_options: dict[str, Any] | None = None,
     s3_options: dict[str, Any] | None = None,
     azure_options: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | None = None,
 ) -> TarShards:
     """A source of the samples in WebDataset tar shards.
 
@@ -303,6 +329,10 @@ def tar_shards(
         s3_options: passed to `s3()` for s3:// shards (endpoint_url, credentials, region, ...).
         azure_options: passed to `azure()` for az://container/blob shards (endpoint_url,
             account_name, account_key, sas_token, connection_string, ...).
+        cache_dir: keep each remote shard whole in this directory as it is first read, and read
+            it from there afterwards (no request): shared safely by the processes of one machine.
+        cache_limit: the most bytes kept in `cache_dir` (None: no limit); the least recently
+            used shards are deleted to stay under it.
 
     Example:
         >>> train = tar_shards([f"s3://bucket/train-{i:04d}.tar" for i in range(64)],
@@ -314,4 +344,5 @@ def tar_shards(
         world_size=world_size, worker=worker, num_workers=num_workers, parallel=parallel,
         suffixes=suffixes, http_options=http_options, s3_options=s3_options,
         azure_options=azure_options,
+        cache_dir=cache_dir, cache_limit=cache_limit,
     )  # fmt: skip

@@ -1,0 +1,72 @@
+"""What one read or download of the cache holds: descriptors, a temporary file, its thread.
+
+Blocking file work runs in threads; a task cancelled while its thread runs must not close a
+descriptor that thread still uses (the number may be reused at once). `Held.run` runs one call at
+a time in a thread and `Held.release` closes and deletes what is held once that call has returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ._cachefiles import Expect, Paths, create_temp, open_lock, open_valid
+
+__all__ = ["Held"]
+
+T = TypeVar("T")
+
+
+class Held:
+    """Descriptors a read or download holds (the lock, a file) and the temporary file it writes;
+    `release` closes and deletes them, once no thread of theirs is running any more."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.temp: str | None = None
+        self._busy: asyncio.Future[Any] | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a thread. Cancelling the caller does not cut the thread short."""
+        self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return await asyncio.shield(self._busy)
+
+    def release(self) -> None:
+        busy = self._busy
+        if busy is not None and not busy.done():
+            busy.add_done_callback(self._release_after)
+        else:
+            self._release_now()
+
+    def _release_after(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled():
+            fut.exception()  # seen: a failure after its caller left is not logged as unretrieved
+        self._release_now()
+
+    def _release_now(self) -> None:
+        fds, self.fds = self.fds, []
+        temp, self.temp = self.temp, None
+        if temp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        for fd in fds:
+            os.close(fd)
+
+    def open_lock(self, paths: Paths) -> int:
+        fd = open_lock(paths)
+        self.fds.append(fd)
+        return fd
+
+    def open_valid(self, paths: Paths, expect: Expect, xattr: bool) -> tuple[int, int] | None:
+        opened = open_valid(paths, expect, xattr)
+        if opened is not None:
+            self.fds.append(opened[0])
+        return opened
+
+    def create_temp(self, paths: Paths) -> int:
+        fd, self.temp = create_temp(paths)
+        self.fds.append(fd)
+        return fd
