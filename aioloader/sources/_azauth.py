@@ -25,7 +25,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
@@ -375,16 +375,19 @@ def list_query(prefix: str, page_size: int, marker: str | None) -> str:
 
 @dataclass
 class Listing:
-    """One page of a listing: (name, size) pairs and the marker of the next page (None: last)."""
+    """One page of a listing: (name, size) pairs, the marker of the next page (None: last), and each
+    blob's ETag (which a cached copy is checked against)."""
 
     objects: list[tuple[str, int]]
     next_marker: str | None
+    etags: dict[str, str] = field(default_factory=dict)
 
 
 def parse_listing(body: bytes) -> Listing:
     """Parse a List Blobs answer (EnumerationResults)."""
     root = ET.fromstring(body)
     objects = []
+    etags: dict[str, str] = {}
     blobs = root.find("Blobs")
     for blob in [] if blobs is None else blobs.findall("Blob"):
         name = blob.findtext("Name")
@@ -392,5 +395,8 @@ def parse_listing(body: bytes) -> Listing:
             raise ValueError("a <Blob> without <Name>")
         size = blob.findtext("Properties/Content-Length") or "0"
         objects.append((name, int(size)))
+        etag = blob.findtext("Properties/Etag")
+        if etag:
+            etags[name] = etag
     marker = (root.findtext("NextMarker") or "").strip()
-    return Listing(objects, marker or None)
+    return Listing(objects, marker or None, etags)

@@ -94,6 +94,7 @@ class Azure(Remote):
         self._sas = f"?{found.sas}" if found.sas else ""
         self._given = None if keys is None else list(keys)
         self._sizes: dict[str, int] = {}
+        self._etags: dict[str, str] = {}  # from the listings (`etag`): a cached copy is checked
         self.page_size = min(page_size, MAX_PAGE)
         self.stream_keys = stream_keys
         self._options: dict[str, Any] = {
@@ -135,6 +136,7 @@ class Azure(Remote):
                 page = parse_listing(bytes(body))
             except ValueError as exc:  # ParseError is a SyntaxError; bad ints are ValueErrors
                 raise FetchError(f"bad List Blobs answer for {where}: {exc}", key=where) from None
+            self._etags.update(page.etags)
             for name, size in sorted(page.objects, key=lambda o: o[0].encode()):
                 if name.endswith("/") and size == 0:
                     continue  # a "folder" marker
@@ -199,9 +201,13 @@ class Azure(Remote):
         """The size of blob `key` as last listed (None for keys given, or not listed yet)."""
         return self._sizes.get(key)
 
+    def etag(self, key: str) -> str | None:
+        """The ETag of blob `key` as last listed (None for keys given, or not listed yet)."""
+        return self._etags.get(key)
+
     def stats(self) -> dict[str, float]:
-        """The adaptive concurrency limit and the request counters."""
-        return {**self.transport.counts, **self.limiter.stats()}
+        """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
+        return {**super().stats(), **self.limiter.stats()}
 
 
 def _endpoint(given: str | None, from_url: str | None, found: Found) -> tuple[str, str]:
