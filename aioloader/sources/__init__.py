@@ -4,6 +4,8 @@ from ._base import Source as Source
 from ._remote import RemoteOptions as RemoteOptions
 from .files import Files as Files
 from .files import files as files
+from .gcs import GCS as GCS
+from .gcs import gcs as gcs
 from .http import Http as Http
 from .http import http as http
 from .s3 import S3 as S3
@@ -13,6 +15,7 @@ from .tar import TarShards as TarShards
 from .tar import tar_shards as tar_shards
 
 __all__ = [
+    "GCS",
     "S3",
     "Files",
     "Http",
@@ -21,6 +24,7 @@ __all__ = [
     "Source",
     "TarShards",
     "files",
+    "gcs",
     "http",
     "s3",
     "tar_shards",

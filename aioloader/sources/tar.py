@@ -1,4 +1,4 @@
-"""WebDataset tar shards: samples streamed out of .tar files on disk, over HTTP(S) or in S3.
+"""WebDataset tar shards: samples streamed out of .tar files on disk, over HTTP(S), in S3 or in GCS.
 
 Members are grouped into samples the way the `webdataset` package does: consecutive members that share
 a key (the path up to the first "." of the file name) make one dict `{"__key__": key, "__url__": shard,
@@ -99,6 +99,7 @@ class TarShards:
         suffixes: Sequence[str] | None = None,
         http_options: dict[str, Any] | None = None,
         s3_options: dict[str, Any] | None = None,
+        gcs_options: dict[str, Any] | None = None,
     ) -> None:
         self.shards = [shards] if isinstance(shards, str) else list(shards)
         if not self.shards:
@@ -125,6 +126,7 @@ class TarShards:
         self.suffixes = None if suffixes is None else frozenset(s.lower() for s in suffixes)
         self._http_options = dict(http_options or {})
         self._s3_options = dict(s3_options or {})
+        self._gcs_options = dict(gcs_options or {})
         self._remotes: dict[str, Any] = {}
         self._epoch = 0
         self._reads = ReadMeter(parallel)
@@ -224,6 +226,8 @@ class TarShards:
             yield current
 
     def _options(self, kind: str) -> dict[str, Any]:
+        if kind == "gcs":
+            return self._gcs_options
         return self._s3_options if kind == "s3" else self._http_options
 
     async def _refs(self, epoch: int) -> AsyncIterator[SampleRef]:
@@ -277,6 +281,7 @@ def tar_shards(
     suffixes: Sequence[str] | None = None,
     http_options: dict[str, Any] | None = None,
     s3_options: dict[str, Any] | None = None,
+    gcs_options: dict[str, Any] | None = None,
 ) -> TarShards:
     """A source of the samples in WebDataset tar shards.
 
@@ -287,7 +292,7 @@ def tar_shards(
     shuffles itself, so a `Loader` over it takes no `shuffle=True`.
 
     Args:
-        shards: paths, http(s) URLs or s3:// URLs of .tar files.
+        shards: paths, http(s) URLs, s3:// or gs:// URLs of .tar files.
         shuffle: shuffle the shard order per epoch (True, the default) or keep it (False).
         shuffle_buffer: samples held to mix the stream (0: no sample shuffle); needs `shuffle`.
         seed: what every epoch's shard order and mixing derive from (with the epoch).
@@ -296,6 +301,7 @@ def tar_shards(
         suffixes: keep only these extensions (others are dropped from the samples).
         http_options: passed to `http()` for http(s) shards (timeouts, retries, headers, ssl).
         s3_options: passed to `s3()` for s3:// shards (endpoint_url, credentials, region, ...).
+        gcs_options: passed to `gcs()` for gs:// shards (endpoint_url, credentials_file, ...).
 
     Example:
         >>> train = tar_shards([f"s3://bucket/train-{i:04d}.tar" for i in range(64)],
@@ -306,4 +312,5 @@ def tar_shards(
         shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed, rank=rank,
         world_size=world_size, worker=worker, num_workers=num_workers, parallel=parallel,
         suffixes=suffixes, http_options=http_options, s3_options=s3_options,
+        gcs_options=gcs_options,
     )  # fmt: skip
