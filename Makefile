@@ -6,6 +6,7 @@ STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads
+BENCHES += cloud_gcs
 
 .PHONY: setup test lint demo bench bench-quick soak clean
 

@@ -35,3 +35,16 @@ def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
     assert b["ratio_per_workers"]["2"] > 0
     assert b["main_cpu_s_per_batch"]["torch"]["2"] > 0
     assert b["pipe_share_max"] < 0.01  # the lists of arrays came back in shared memory
+
+
+def test_cloud_gcs_runs_torch_and_aioloader_against_the_emulator() -> None:
+    # W7's GCS row, small: fake-gcs-server behind the 20 ms relay, every contender one pass each.
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cloud_gcs.py"), "--quick", "--objects", "96"],
+        capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "cloud_gcs"
+    assert summary["torch_items_per_s"] > 0
+    assert summary["aioloader_items_per_s"] > 0
+    assert summary["obstore_items_per_s"] is None or summary["obstore_items_per_s"] > 0

@@ -44,6 +44,7 @@ __all__ = [
     "SCOPE",
     "Bearer",
     "Credentials",
+    "Found",
     "HmacSigner",
     "Tokens",
     "V4Names",
@@ -114,7 +115,15 @@ class _ServiceAccount(Credentials):
         self.email = _field(info, "client_email", origin)
         self.token_uri = str(info.get("token_uri") or TOKEN_URI)
         self.key_id = str(info.get("private_key_id") or "")
-        self._key = _load_rsa_key(_field(info, "private_key", origin), origin)
+        self._pem = _field(info, "private_key", origin)
+        self._key = _load_rsa_key(self._pem, origin)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (into a worker process) as its PEM text: the loaded key does not pickle."""
+        return {**self.__dict__, "_key": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _key=_load_rsa_key(state["_pem"], state["origin"]))
 
     def describe(self) -> str:
         return f"service account {self.email!r} ({self.origin})"

@@ -484,3 +484,19 @@ def test_hmac_keys_read_through_the_xml_api(
         got = {k: bytes(x) for k, x in zip(src.keys(), loader, strict=True)}
     assert got == stored
     assert src.size(f"{PREFIX}0003.bin") == len(stored[f"{PREFIX}0003.bin"])
+
+
+def test_oauth_source_fetches_in_worker_processes(
+    gate: AuthGate, tokens: TokenServer, rsa_key: Any, stored: dict[str, bytes], tmp_path: Path
+) -> None:
+    """Pickled into each worker without its token or lock, the source asks for its own there."""
+    key_file = service_account_file(tmp_path / "sa.json", rsa_key, f"{tokens.url}/token")
+    keys = sorted(stored)
+    src = gcs(f"gs://test-bucket/{PREFIX}", keys, credentials_file=key_file, endpoint_url=gate.url)
+    with Loader(src, executor="process", workers=2, fetch_in_workers=True, concurrency=8,
+                collate=None) as loader:  # fmt: skip
+        got = [bytes(x) for x in loader]
+    assert got == [stored[k] for k in keys]
+    assert len(tokens.issued) == 2  # one per worker process
+    assert set(gate.used) == set(tokens.issued)
+    assert gate.refused == 0
