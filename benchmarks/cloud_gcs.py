@@ -12,7 +12,8 @@ objects, each with W2's `measure` (a warm-up epoch, then the faster of two timed
   loader's event loop, and with `fetch_in_workers=True` ("multi-loop": each of the process workers,
   one per core, fetches its share on its own loop; engine "fast"), as in W2;
 - the same loader reading through `obstore` (its GCSStore, the Rust object_store client, XML API) as
-  the fetch of a small source, when obstore is installed: the client chosen against.
+  the fetch of a small source, when obstore is installed, and likewise through `gcsfs` (fsspec's GCS
+  filesystem, async, on the loader's loop), when installed: the clients chosen against.
 Printed: a table (objects/s, MB/s, time to first batch, client CPU per 1,000 objects) and, as the
 last line, JSON with the ratios to torch: `ratio` for the best aioloader configuration (named in
 `best`), `one_loop_ratio` for the best on one event loop, `obstore_ratio` for the obstore client.
@@ -191,6 +192,36 @@ class ObstoreObjects:
         """Nothing to close: obstore keeps its pool until the store is dropped."""
 
 
+class GcsfsObjects:
+    """A source whose fetch is gcsfs's `_cat_file` on the loader's loop (keys given)."""
+
+    def __init__(self, endpoint: str, bucket: str, keys: list[str]) -> None:
+        import gcsfs
+
+        self.endpoint, self.bucket, self._keys = endpoint, bucket, keys
+        self._fs: gcsfs.GCSFileSystem | None = None
+        self._ready: asyncio.Future[Any] | None = None
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    async def fetch(self, key: str) -> bytes:
+        if self._fs is None:  # made on the loop that uses it, its session once
+            import gcsfs
+
+            self._fs = gcsfs.GCSFileSystem(endpoint_url=self.endpoint, token="anon",
+                                           asynchronous=True, skip_instance_cache=True)  # fmt: skip
+            self._ready = asyncio.ensure_future(self._fs._set_session())
+        await self._ready
+        data: bytes = await self._fs._cat_file(f"{self.bucket}/{key}")
+        return data
+
+    async def aclose(self) -> None:
+        fs, self._fs = self._fs, None
+        if fs is not None and fs.session is not None:
+            await fs.session.close()
+
+
 def run_torch(remote: Any, endpoint: str, bucket: str, keys: list[str]) -> Any:
     from torch.utils.data import DataLoader
 
@@ -234,6 +265,15 @@ def run_obstore(remote: Any, endpoint: str, bucket: str, keys: list[str]) -> Any
         print("obstore skipped: not installed")
         return None
     return remote.run_aio(f"aioloader + obstore GCSStore (c {CONCURRENCY})", src, CONCURRENCY)
+
+
+def run_gcsfs(remote: Any, endpoint: str, bucket: str, keys: list[str]) -> Any:
+    try:
+        src = GcsfsObjects(endpoint, bucket, keys)
+    except ImportError:
+        print("gcsfs skipped: not installed")
+        return None
+    return remote.run_aio(f"aioloader + gcsfs (c {CONCURRENCY})", src, CONCURRENCY)
 
 
 def upload(server: Any, keys: Sequence[str], size: int) -> None:
@@ -280,6 +320,7 @@ def main() -> None:
         results += [run_ours(remote, endpoint, server.bucket, keys, e) for e in ("aiohttp", "fast")]
         results.append(run_multi_loop(remote, pool, endpoint, server.bucket, keys, "fast"))
         peer = run_obstore(remote, endpoint, server.bucket, keys)
+        fsspec_peer = run_gcsfs(remote, endpoint, server.bucket, keys)
     finally:
         pool.close()
         proxy.kill()
@@ -287,7 +328,8 @@ def main() -> None:
         server.stop()
     print(f"{'configuration':<42} {'objects/s':>9} {'MB/s':>8} {'ttfb s':>7} {'warm':>7} "
           f"{'CPU s/1k obj':>12}")  # fmt: skip
-    for r in [*results, *([peer] if peer else [])]:
+    peers = [p for p in (peer, fsspec_peer) if p is not None]
+    for r in [*results, *peers]:
         print(r.row())
     torch_r, best = results[0], max(results[1:], key=lambda r: r.per_s)
     one_loop = max(results[1:3], key=lambda r: r.per_s)
@@ -301,10 +343,8 @@ def main() -> None:
         "per_engine_items_per_s": {r.name: round(r.per_s, 1) for r in results[1:]},
         "obstore_items_per_s": round(peer.per_s, 1) if peer else None,
         "obstore_ratio": round(peer.per_s / torch_r.per_s, 2) if peer else None,
-        "cpu_s_per_1k": {
-            r.name: round(r.cpu_s / r.objects * 1000, 3)
-            for r in [*results, *([peer] if peer else [])]
-        },
+        "gcsfs_items_per_s": round(fsspec_peer.per_s, 1) if fsspec_peer else None,
+        "cpu_s_per_1k": {r.name: round(r.cpu_s / r.objects * 1000, 3) for r in [*results, *peers]},
     }
     print(json.dumps(summary))
 

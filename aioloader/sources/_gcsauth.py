@@ -412,7 +412,9 @@ class Tokens:
                 return self._token
             loop = asyncio.get_running_loop()
             if self._pending is None or self._pending[0] is not loop or self._pending[1].done():
-                self._pending = (loop, loop.create_task(self._refresh()))
+                task = loop.create_task(self._refresh())
+                task.add_done_callback(_retrieve)  # its waiters may all have been cancelled
+                self._pending = (loop, task)
             task = self._pending[1]
         return await asyncio.shield(task)
 
@@ -426,6 +428,11 @@ class Tokens:
             self._expires = time.time() + max(0.0, lifetime - REFRESH_MARGIN_S)
             self.refreshes += 1
         return token
+
+
+def _retrieve(task: asyncio.Task[str]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class Bearer:
