@@ -18,6 +18,7 @@ import collections
 import json
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -149,7 +150,12 @@ class TokenServer(ServerThread):
     is "token-<n>", valid for `lifetime` seconds; `issued` lists them, `grants` the grant types.
     """
 
-    def __init__(self, public_key: Any = None, refresh: tuple[str, str, str] | None = None) -> None:
+    def __init__(
+        self,
+        public_key: Any = None,
+        refresh: tuple[str, str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.public_key = public_key
         self.refresh = refresh
         self.lifetime = 3600.0
@@ -160,7 +166,7 @@ class TokenServer(ServerThread):
         app = web.Application()
         app.router.add_post("/token", self._token)
         app.router.add_get("/computeMetadata/v1/instance/service-accounts/default/token", self._gce)
-        super().__init__(app, "test-tokens")
+        super().__init__(app, "test-tokens", ssl_context)
 
     def _issue(self) -> web.Response:
         token = f"token-{len(self.issued) + 1}"

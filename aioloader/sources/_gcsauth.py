@@ -322,8 +322,9 @@ def find_credentials(
 
     `emulator`: the endpoint came from STORAGE_EMULATOR_HOST (then, with no argument given, none).
     """
-    given = [n for n, v in (("token", token), ("credentials_file", credentials_file),
-                            ("hmac", hmac_key)) if v is not None] + (["anonymous"] * anonymous)  # fmt: skip
+    named = (("token", token), ("credentials_file", credentials_file), ("hmac", hmac_key),
+             ("anonymous", anonymous or None))  # fmt: skip
+    given = [name for name, value in named if value is not None]
     if len(given) > 1:
         raise ValueError(f"give one of token, credentials_file, hmac and anonymous, not {given}")
     if anonymous or (emulator and not given):
@@ -335,6 +336,8 @@ def find_credentials(
     if hmac_key is not None:
         return Found(hmac=HmacSigner.of(hmac_key))
     if credentials_file is not None:
+        if not isinstance(credentials_file, str | os.PathLike):
+            raise TypeError(f"credentials_file must be a path, got {credentials_file!r}")
         return Found(
             oauth=read_credentials_file(
                 credentials_file, f"credentials_file={str(credentials_file)!r}"

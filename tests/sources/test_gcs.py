@@ -500,3 +500,59 @@ def test_oauth_source_fetches_in_worker_processes(
     assert len(tokens.issued) == 2  # one per worker process
     assert set(gate.used) == set(tokens.issued)
     assert gate.refused == 0
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with `cryptography`."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "key.pem").write_text(_pem(key))
+    return directory / "cert.pem", directory / "key.pem"
+
+
+def test_the_token_endpoint_is_reached_over_verified_tls(
+    gate: AuthGate, rsa_key: Any, stored: dict[str, bytes], tmp_path: Path
+) -> None:
+    import ssl
+
+    cert, key = self_signed(tmp_path)
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+    secure = TokenServer(rsa_key.public_key(), ssl_context=server_side)
+    try:
+        uri = f"https://127.0.0.1:{secure.port}/token"
+        key_file = service_account_file(tmp_path / "sa.json", rsa_key, uri)
+        keys = sorted(stored)[:2]
+        untrusted = gcs(f"gs://test-bucket/{PREFIX}", keys, credentials_file=key_file,
+                        endpoint_url=gate.url, **FAST)  # fmt: skip
+        with Loader(untrusted, collate=None) as loader, pytest.raises(FetchError) as info:
+            list(loader)
+        assert "certificate verification failed" in str(info.value)
+        assert uri in str(info.value)
+        assert secure.issued == []
+        gate.tokens = secure  # the gate takes the tokens this endpoint gives
+        trusted = gcs(f"gs://test-bucket/{PREFIX}", keys, credentials_file=key_file,
+                      endpoint_url=gate.url, ssl=ssl.create_default_context(cafile=cert))  # fmt: skip
+        with Loader(trusted, collate=None) as loader:
+            got = [bytes(x) for x in loader]
+        assert got == [stored[k] for k in keys]
+        assert secure.issued == ["token-1"]
+    finally:
+        secure.stop()
