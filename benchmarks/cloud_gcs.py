@@ -307,7 +307,8 @@ def main() -> None:
     n = args.objects or (400 if args.quick else 2000)
     keys = [f"{PREFIX}{i:05d}.bin" for i in range(n)]
     print(f"{n} objects of {remote.SIZE // 1024} KiB, {DELAY_S * 1000:.0f} ms per request; "
-          f"{os.cpu_count()} cores, torch {torch.__version__}")  # fmt: skip
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
+          f"torch {torch.__version__}")  # fmt: skip
     relay_port = free_port()  # the emulator answers XML API paths for the host it is reached at
     server = start_gcs(Path(tempfile.mkdtemp(prefix="aioloader-w7-")), f"127.0.0.1:{relay_port}")
     remote.SERVERS.add(server.proc.pid)
@@ -346,6 +347,7 @@ def main() -> None:
         "gcsfs_items_per_s": round(fsspec_peer.per_s, 1) if fsspec_peer else None,
         "cpu_s_per_1k": {r.name: round(r.cpu_s / r.objects * 1000, 3) for r in [*results, *peers]},
     }
+    summary["load_average_at_end"] = round(os.getloadavg()[0], 1)  # others' work slows every row
     print(json.dumps(summary))
 
 
