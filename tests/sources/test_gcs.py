@@ -424,6 +424,13 @@ def test_bad_credentials_name_the_argument_and_show_no_secret(
     assert "1 attempt(s)" in message
     assert not any(piece in message + repr(src) for piece in secrets_of(stranger))
     assert gate.used.total() == 0
+    # a token given as it is and refused: the JSON API's error message, no retry, no token shown
+    given = gcs(url, keys, token="ya29.not-a-token-given", endpoint_url=gate.url, **FAST)
+    with Loader(given, collate=None) as loader, pytest.raises(FetchError) as refused:
+        list(loader)
+    assert "status 401): HTTP 401 Unauthorized: Invalid Credentials" in str(refused.value)
+    assert "1 attempt(s)" in str(refused.value)
+    assert "not-a-token-given" not in str(refused.value) + repr(given)
 
 
 # -- URLs, endpoints, HMAC signing --------------------------------------------------------------
