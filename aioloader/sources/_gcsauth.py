@@ -227,10 +227,8 @@ async def _token_call(
             text = await resp.text(errors="replace")
             status = resp.status
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        failed = failure_from(exc, url)
-        raise Failure(
-            f"{where}: {failed.reason}", retryable=failed.retryable, dns=failed.dns
-        ) from None
+        failed = failure_from(exc, url)  # not marked dns: the object's host is not the one at fault
+        raise Failure(f"{where}: {failed.reason}", retryable=failed.retryable) from None
     if status != 200:
         retry = status in (408, 429) or status >= 500
         raise Failure(f"{where}: HTTP {status}{_oauth_error(text)}", retryable=retry, status=status)
