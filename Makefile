@@ -6,7 +6,8 @@ STAMP   := $(VENV)/.installed
 AZURITE := .azurite/.installed
 TORCH   ?= torch==2.13.0
 
-BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads mix parquet cache
+BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads
+BENCHES += mix parquet cache cloud_gcs cloud_azure
 
 .PHONY: setup test lint demo bench bench-quick soak clean
 

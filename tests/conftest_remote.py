@@ -3,6 +3,7 @@
 - `objects`: 48 objects of a few KiB each, named "obj/00000.bin" ..., with distinct contents.
 - `origin`: an `Origin` serving `objects` on 127.0.0.1; `proxy`: a `FaultProxy` in front of it.
 - `seaweed`: one SeaweedFS server (S3 API) per test session; see tests/s3server.py.
+- `gcs_server`: one fake-gcs-server per test session; see tests/gcsserver.py.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 from faultproxy import FaultProxy, Origin
+from gcsserver import gcs_server
 from s3server import SeaweedServer, start_seaweed
 
-__all__ = ["objects", "origin", "proxy", "seaweed"]
+__all__ = ["gcs_server", "objects", "origin", "proxy", "seaweed"]
 
 N_OBJECTS = 48
 

@@ -84,3 +84,16 @@ def test_cache_serves_the_cached_epochs_without_a_request() -> None:
     assert summary["objects_epoch2_gets"] == summary["shards_epoch2_gets"] == 0
     assert summary["two_process_gets"] == summary["two_process_objects"] == 64 + 4
     assert summary["torch_items_per_s"] > 0
+
+
+def test_cloud_gcs_runs_torch_and_aioloader_against_the_emulator() -> None:
+    # W7's GCS row, small: fake-gcs-server behind the 20 ms relay, every contender one pass each.
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cloud_gcs.py"), "--quick", "--objects", "96"],
+        capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "cloud_gcs"
+    assert summary["torch_items_per_s"] > 0
+    assert summary["aioloader_items_per_s"] > 0
+    assert summary["obstore_items_per_s"] is None or summary["obstore_items_per_s"] > 0

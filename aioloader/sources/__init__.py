@@ -8,6 +8,8 @@ from .files import Files as Files
 from .files import files as files
 from .fsspec import Fsspec as Fsspec
 from .fsspec import fsspec as fsspec
+from .gcs import GCS as GCS
+from .gcs import gcs as gcs
 from .http import Http as Http
 from .http import http as http
 from .parquet import Parquet as Parquet
@@ -20,6 +22,7 @@ from .tar import TarShards as TarShards
 from .tar import tar_shards as tar_shards
 
 __all__ = [
+    "GCS",
     "S3",
     "Azure",
     "Files",
@@ -34,6 +37,7 @@ __all__ = [
     "azure",
     "files",
     "fsspec",
+    "gcs",
     "http",
     "parquet",
     "s3",

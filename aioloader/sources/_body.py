@@ -8,6 +8,7 @@ may help, with any URL in its text redacted.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import ssl
@@ -108,12 +109,26 @@ async def error_detail(resp: aiohttp.ClientResponse) -> str:
 
 
 def error_text(body: bytes | bytearray | memoryview, url: object) -> str:
-    """ ": Code: Message" from the start of an S3-style XML error body, or ""."""
-    found = _XML_FIELD.findall(bytes(body[:_ERROR_BODY_MAX]))
+    """ ": Code: Message" from the start of an S3-style XML error body, ": message" from a JSON
+    API's `{"error": {"message": ...}}` (GCS's), or ""."""
+    head = bytes(body[:_ERROR_BODY_MAX])
+    found = _XML_FIELD.findall(head)
     fields = {name.decode(): value.decode("utf-8", "replace") for name, value in found}
     if not fields:
-        return ""
+        message = _json_error(head)
+        return redact_text(f": {message[:300]}", url) if message else ""
     return redact_text(": " + ": ".join(fields[k] for k in ("Code", "Message") if k in fields), url)
+
+
+def _json_error(head: bytes) -> str:
+    if not head.lstrip().startswith(b"{"):
+        return ""
+    try:
+        error = json.loads(head).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else ""
 
 
 def failure_from(exc: BaseException, url: object) -> Failure:

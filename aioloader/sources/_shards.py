@@ -1,7 +1,7 @@
 """Streams for the tar-shard source: shard bytes from anywhere, round-robin merging, a shuffle buffer.
 
-`open_shard` yields a shard's bytes in chunks from a local file, an http(s), s3:// or az:// URL. A
-remote stream that breaks part-way is resumed with a Range request from the byte it stopped at (up to
+`open_shard` yields a shard's bytes in chunks from a local file, an http(s), s3://, gs:// or az:// URL.
+A remote stream that breaks part-way is resumed with a Range request from the byte it stopped at (up to
 the source's `attempts`), so a reset costs a reconnect, not a re-read of the whole shard.
 
 `ReadMeter` counts what the readers of `interleave` do as a pipeline stage: each sample read is an
@@ -73,6 +73,16 @@ def _az(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, 
     return src, src.url(key)
 
 
+def _gcs(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+    bucket, _, key = shard[5:].partition("/")
+    if f"gs:{bucket}" not in remotes:
+        from .gcs import GCS
+
+        remotes[f"gs:{bucket}"] = GCS(f"gs://{bucket}/", **options("gcs"))
+    src = remotes[f"gs:{bucket}"]
+    return src, src.url(key)
+
+
 # URL scheme -> (the remote source that reads such shards, made once and kept in `remotes`; the
 # shard's URL there). A shard of another scheme, or a bare path, is a local file.
 SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]] = {
@@ -80,6 +90,7 @@ SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]]
     "https": _http,
     "s3": _s3,
     "az": _az,
+    "gs": _gcs,
 }
 
 

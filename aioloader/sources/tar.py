@@ -1,4 +1,4 @@
-"""WebDataset tar shards: samples streamed out of .tar files on disk, over HTTP(S) or in S3.
+"""WebDataset tar shards: samples streamed out of .tar files on disk, over HTTP(S), in S3 or in GCS.
 
 Members are grouped into samples the way the `webdataset` package does: consecutive members that share
 a key (the path up to the first "." of the file name) make one dict `{"__key__": key, "__url__": shard,
@@ -101,6 +101,7 @@ class TarShards:
         suffixes: Sequence[str] | None = None,
         http_options: dict[str, Any] | None = None,
         s3_options: dict[str, Any] | None = None,
+        gcs_options: dict[str, Any] | None = None,
         azure_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
@@ -131,6 +132,7 @@ class TarShards:
         self._http_options = dict(http_options or {})
         self._s3_options = dict(s3_options or {})
         self._azure_options = dict(azure_options or {})
+        self._gcs_options = dict(gcs_options or {})
         self._remotes: dict[str, Any] = {}
         self._epoch = 0
         self._reads = ReadMeter(parallel)
@@ -247,6 +249,8 @@ class TarShards:
     def _options(self, kind: str) -> dict[str, Any]:
         if kind == "az":
             return self._azure_options
+        if kind == "gcs":
+            return self._gcs_options
         return self._s3_options if kind == "s3" else self._http_options
 
     async def _refs(self, epoch: int) -> AsyncIterator[SampleRef]:
@@ -305,6 +309,7 @@ def tar_shards(
     suffixes: Sequence[str] | None = None,
     http_options: dict[str, Any] | None = None,
     s3_options: dict[str, Any] | None = None,
+    gcs_options: dict[str, Any] | None = None,
     azure_options: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit: int | None = None,
@@ -319,6 +324,7 @@ def tar_shards(
 
     Args:
         shards: paths, http(s) URLs, s3:// or az:// URLs of .tar files.
+        shards: paths, http(s) URLs, s3:// or gs:// URLs of .tar files.
         shuffle: shuffle the shard order per epoch (True, the default) or keep it (False).
         shuffle_buffer: samples held to mix the stream (0: no sample shuffle); needs `shuffle`.
         seed: what every epoch's shard order and mixing derive from (with the epoch).
@@ -327,6 +333,7 @@ def tar_shards(
         suffixes: keep only these extensions (others are dropped from the samples).
         http_options: passed to `http()` for http(s) shards (timeouts, retries, headers, ssl).
         s3_options: passed to `s3()` for s3:// shards (endpoint_url, credentials, region, ...).
+        gcs_options: passed to `gcs()` for gs:// shards (endpoint_url, credentials_file, ...).
         azure_options: passed to `azure()` for az://container/blob shards (endpoint_url,
             account_name, account_key, sas_token, connection_string, ...).
         cache_dir: keep each remote shard whole in this directory as it is first read, and read
@@ -343,6 +350,6 @@ def tar_shards(
         shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed, rank=rank,
         world_size=world_size, worker=worker, num_workers=num_workers, parallel=parallel,
         suffixes=suffixes, http_options=http_options, s3_options=s3_options,
-        azure_options=azure_options,
-        cache_dir=cache_dir, cache_limit=cache_limit,
+        gcs_options=gcs_options, azure_options=azure_options, cache_dir=cache_dir,
+        cache_limit=cache_limit,
     )  # fmt: skip
