@@ -9,9 +9,7 @@ the whole source (AIMD, see `_tuning/aimd.py`); `stats()["concurrency_limit"]` s
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -26,8 +24,9 @@ from ._azauth import (
     parse_az_url,
     parse_listing,
 )
+from ._listed import Listed, Page
 from ._redact import redact_url
-from ._remote import Remote, RemoteOptions
+from ._remote import RemoteOptions
 from ._transport import Transport
 
 __all__ = ["Azure", "azure"]
@@ -37,7 +36,7 @@ MAX_PAGE = 5000  # List Blobs answers at most this many names per page
 THROTTLE_CODES = frozenset({"ServerBusy", "OperationTimedOut"})
 
 
-class Azure(Remote):
+class Azure(Listed):
     """The blobs under an Azure Blob Storage prefix, as a source. See `azure()` for the arguments.
 
     `keys()` lists every blob now (sorted, blocking); `iter_keys()` streams the listing page by page
@@ -50,6 +49,8 @@ class Azure(Remote):
         >>> src.url("train/0001.jpg")
         'https://acct.blob.core.windows.net/data/train/0001.jpg'
     """
+
+    _kind = "azure"
 
     def __init__(
         self,
@@ -92,11 +93,8 @@ class Azure(Remote):
         self.account = found.account
         self.base = f"{endpoint}/{quote(self.container, safe='')}/"
         self._sas = f"?{found.sas}" if found.sas else ""
-        self._given = None if keys is None else list(keys)
-        self._sizes: dict[str, int] = {}
-        self._etags: dict[str, str] = {}  # from the listings (`etag`): a cached copy is checked
+        self._listed(keys, stream_keys)
         self.page_size = min(page_size, MAX_PAGE)
-        self.stream_keys = stream_keys
         self._options: dict[str, Any] = {
             **shared.transport_options(),
             "sign": self.signer,
@@ -120,90 +118,23 @@ class Azure(Remote):
             raise InvalidKeyError(f"key {key!r} is not an Azure blob name")
         return self.base + quote(key, safe="/~") + self._sas
 
-    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
-        """(name, size) of each blob under the prefix, in name order, one page at a time."""
-        return self._objects(self.transport)
+    @property
+    def where(self) -> str:
+        return f"az://{self.container}/{self.prefix}"
 
-    async def _objects(self, transport: Transport) -> AsyncIterator[tuple[str, int]]:
-        marker: str | None = None
-        last = ""
-        where = f"az://{self.container}/{self.prefix}"
-        while True:
-            query = list_query(self.prefix, self.page_size, marker)
-            sas = "&" + self._sas[1:] if self._sas else ""
-            body = await transport.get(f"{self.base[:-1]}?{query}{sas}", key=where)
-            try:
-                page = parse_listing(bytes(body))
-            except ValueError as exc:  # ParseError is a SyntaxError; bad ints are ValueErrors
-                raise FetchError(f"bad List Blobs answer for {where}: {exc}", key=where) from None
-            self._etags.update(page.etags)
-            for name, size in sorted(page.objects, key=lambda o: o[0].encode()):
-                if name.endswith("/") and size == 0:
-                    continue  # a "folder" marker
-                if name.encode() <= last.encode():
-                    raise FetchError(f"listing of {where} out of name order at {name!r}", key=where)
-                last = name
-                yield name, size
-            if page.next_marker is None:
-                return
-            marker = page.next_marker
+    async def _page(self, transport: Transport, token: str | None) -> Page:
+        query = list_query(self.prefix, self.page_size, token)
+        sas = "&" + self._sas[1:] if self._sas else ""
+        body = await transport.get(f"{self.base[:-1]}?{query}{sas}", key=self.where)
+        try:
+            page = parse_listing(bytes(body))
+        except ValueError as exc:  # ParseError is a SyntaxError; bad ints are ValueErrors
+            where = self.where
+            raise FetchError(f"bad List Blobs answer for {where}: {exc}", key=where) from None
+        return Page(page.objects, page.etags, page.next_marker)
 
-    async def iter_keys(self) -> AsyncIterator[str]:
-        """The keys under the prefix, in name order, streamed page by page (on the running loop)."""
-        if self._given is not None:
-            for key in self._given:
-                yield key
-            return
-        async for key, size in self.iter_objects():
-            self._sizes[key] = size
-            yield key
-
-    def keys(self) -> list[str] | AsyncIterable[str]:
-        """Every key under the prefix, sorted (or the keys given). Blocks while it lists.
-
-        With `stream_keys=True`: an async iterable that lists anew, page by page, each time it is
-        iterated (the loader then starts fetching while the listing goes on; no shuffle, no length).
-        """
-        if self._given is not None:
-            return list(self._given)
-        if self.stream_keys:
-            return _Listing(self)
-        return self._list_now()
-
-    def _list_now(self) -> list[str]:
-        """List the prefix on a thread of its own (with its own loop and pool), blocking."""
-        found: list[str] = []
-        errors: list[BaseException] = []
-
-        async def collect() -> None:
-            transport = Transport(limit=4, **self._options)
-            try:
-                async for key, size in self._objects(transport):
-                    self._sizes[key] = size
-                    found.append(key)
-            finally:
-                await transport.aclose()
-
-        def run() -> None:
-            try:
-                asyncio.run(collect())
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=run, name="aioloader-azure-list")
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
-        return found
-
-    def size(self, key: str) -> int | None:
-        """The size of blob `key` as last listed (None for keys given, or not listed yet)."""
-        return self._sizes.get(key)
-
-    def etag(self, key: str) -> str | None:
-        """The ETag of blob `key` as last listed (None for keys given, or not listed yet)."""
-        return self._etags.get(key)
+    def _list_transport(self) -> Transport:
+        return Transport(limit=4, **self._options)
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
@@ -233,16 +164,6 @@ def _path_account(endpoint: str) -> str | None:
     """The account an emulator's endpoint (http://host:port/ACCOUNT) names in its path."""
     first = urlsplit(endpoint).path.strip("/").split("/", 1)[0]
     return first or None
-
-
-class _Listing:
-    """Re-iterable streamed listing: each `async for` lists the prefix again."""
-
-    def __init__(self, source: Azure) -> None:
-        self._source = source
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._source.iter_keys()
 
 
 def azure(url: str, keys: Sequence[str] | None = None, **options: Any) -> Azure:

@@ -10,11 +10,9 @@ and AIMD concurrency that 429 and 503 answers (GCS's throttling) shrink for the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import threading
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -23,8 +21,9 @@ from .._tuning.aimd import Aimd
 from .._util.validate import check_int
 from ._body import Failure
 from ._gcsauth import Bearer, Found, Tokens, find_credentials, parse_gs_url
+from ._listed import Listed, Page
 from ._redact import redact_url
-from ._remote import Remote, RemoteOptions
+from ._remote import RemoteOptions
 from ._s3auth import Listing, list_query, parse_listing
 from ._transport import Transport
 
@@ -34,7 +33,7 @@ ENDPOINT = "https://storage.googleapis.com"
 _FIELDS = "items(name,size,etag),nextPageToken"
 
 
-class GCS(Remote):
+class GCS(Listed):
     """The objects under a GCS prefix, as a source. See `gcs()` for the arguments.
 
     `keys()` lists every object now (sorted, blocking); `iter_keys()` streams the listing page by
@@ -47,6 +46,8 @@ class GCS(Remote):
         >>> src.url("train/0001.jpg")
         'https://storage.googleapis.com/storage/v1/b/my-bucket/o/train%2F0001.jpg?alt=media'
     """
+
+    _kind = "gcs"
 
     def __init__(
         self,
@@ -69,9 +70,7 @@ class GCS(Remote):
         shared = RemoteOptions.of(remote, options, "gcs")
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_gs_url(url)
-        self._given = None if keys is None else list(keys)
-        self._sizes: dict[str, int] = {}
-        self._etags: dict[str, str] = {}  # from the listings (`etag`): a cached copy is checked
+        self._listed(keys, stream_keys)
         self.endpoint, emulator = _endpoint(endpoint_url)
         self.credentials: Found = find_credentials(
             token=token, credentials_file=credentials_file, hmac_key=hmac,
@@ -79,7 +78,6 @@ class GCS(Remote):
         )  # fmt: skip
         self.xml = self.credentials.hmac is not None
         self.page_size = min(page_size, 1000)
-        self.stream_keys = stream_keys
         self.tokens = None
         if self.credentials.oauth is not None:
             self.tokens = Tokens(self.credentials.oauth, shared.ssl)
@@ -119,87 +117,21 @@ class GCS(Remote):
                   ("prefix", self.prefix)] + ([("pageToken", token)] if token else [])  # fmt: skip
         return self._json_base() + "?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in params)
 
-    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
-        """(name, size) of each object under the prefix, in name order, one page at a time."""
-        return self._objects(self.transport)
+    @property
+    def where(self) -> str:
+        return f"gs://{self.bucket}/{self.prefix}"
 
-    async def _objects(self, transport: Transport) -> AsyncIterator[tuple[str, int]]:
-        token: str | None = None
-        last = ""
-        where = f"gs://{self.bucket}/{self.prefix}"
-        while True:
-            body = await transport.get(self._list_url(token), key=where)
-            try:
-                page = parse_listing(bytes(body)) if self.xml else parse_json_listing(bytes(body))
-            except (ValueError, KeyError, TypeError, SyntaxError) as exc:
-                raise FetchError(f"bad listing answer for {where}: {exc!r}", key=where) from None
-            self._etags.update(page.etags)
-            for key, size in sorted(page.objects, key=lambda o: o[0].encode()):
-                if key.endswith("/") and size == 0:
-                    continue  # a "folder" placeholder
-                if key.encode() <= last.encode():
-                    raise FetchError(f"listing of {where} out of name order at {key!r}", key=where)
-                last = key
-                yield key, size
-            if page.next_token is None:
-                return
-            token = page.next_token
+    async def _page(self, transport: Transport, token: str | None) -> Page:
+        body = await transport.get(self._list_url(token), key=self.where)
+        try:
+            page = parse_listing(bytes(body)) if self.xml else parse_json_listing(bytes(body))
+        except (ValueError, KeyError, TypeError, SyntaxError) as exc:
+            where = self.where
+            raise FetchError(f"bad listing answer for {where}: {exc!r}", key=where) from None
+        return Page(page.objects, page.etags, page.next_token)
 
-    async def iter_keys(self) -> AsyncIterator[str]:
-        """The keys under the prefix, in name order, streamed page by page (on the running loop)."""
-        if self._given is not None:
-            for key in self._given:
-                yield key
-            return
-        async for key, size in self.iter_objects():
-            self._sizes[key] = size
-            yield key
-
-    def keys(self) -> list[str] | AsyncIterable[str]:
-        """Every key under the prefix, sorted (or the keys given). Blocks while it lists.
-
-        With `stream_keys=True`: an async iterable that lists anew, page by page, each time it is
-        iterated (the loader starts fetching while the listing goes on; no shuffle, no length).
-        """
-        if self._given is not None:
-            return list(self._given)
-        if self.stream_keys:
-            return _Listing(self)
-        return self._list_now()
-
-    def _list_now(self) -> list[str]:
-        found: list[str] = []
-        errors: list[BaseException] = []
-
-        async def collect() -> None:
-            transport = self._transport(4)
-            try:
-                async for key, size in self._objects(transport):
-                    self._sizes[key] = size
-                    found.append(key)
-            finally:
-                await transport.aclose()
-
-        def run() -> None:
-            try:
-                asyncio.run(collect())
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=run, name="aioloader-gcs-list")
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
-        return found
-
-    def size(self, key: str) -> int | None:
-        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
-        return self._sizes.get(key)
-
-    def etag(self, key: str) -> str | None:
-        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
-        return self._etags.get(key)
+    def _list_transport(self) -> Transport:
+        return self._transport(4)
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters, the cache's (`cache_dir`) and the
@@ -267,16 +199,6 @@ class _OAuthTransport(Transport):
             return Failure(failure.reason, retryable=True, status=401)  # refreshed meanwhile
         reason = f"{failure.reason}; the OAuth token was refused, a new one will be asked for"
         return Failure(reason, retryable=True, status=401)
-
-
-class _Listing:
-    """Re-iterable streamed listing: each `async for` lists the prefix again."""
-
-    def __init__(self, source: GCS) -> None:
-        self._source = source
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._source.iter_keys()
 
 
 def gcs(url: str, keys: Sequence[str] | None = None, **options: Any) -> GCS:

@@ -7,9 +7,7 @@ than having every request retry at full concurrency; `stats()["concurrency_limit
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -18,15 +16,16 @@ from botocore.credentials import Credentials
 from .._exceptions import FetchError, InvalidKeyError
 from .._tuning.aimd import Aimd
 from .._util.validate import check_int
+from ._listed import Listed, Page
 from ._redact import redact_url
-from ._remote import Remote, RemoteOptions
+from ._remote import RemoteOptions
 from ._s3auth import AwsConfig, Signer, bucket_base, list_query, parse_listing, parse_s3_url
 from ._transport import Transport
 
 __all__ = ["S3", "s3"]
 
 
-class S3(Remote):
+class S3(Listed):
     """The objects under an S3 prefix, as a source. See `s3()` for the arguments.
 
     `keys()` lists every object now (sorted, blocking); `iter_keys()` streams the listing page by page
@@ -39,6 +38,8 @@ class S3(Remote):
         >>> src.url("train/0001.jpg")
         'https://my-bucket.s3.eu-west-1.amazonaws.com/train/0001.jpg'
     """
+
+    _kind = "s3"
 
     def __init__(
         self,
@@ -63,9 +64,7 @@ class S3(Remote):
         concurrency = shared.concurrency
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_s3_url(url)
-        self._given = None if keys is None else list(keys)
-        self._sizes: dict[str, int] = {}  # from the listings (`size`)
-        self._etags: dict[str, str] = {}  # from the listings (`etag`): a cached copy is checked
+        self._listed(keys, stream_keys)
         config = AwsConfig(profile)
         self.signer = Signer(credentials, region=region, anonymous=anonymous, config=config)
         endpoint_from = "endpoint_url"
@@ -75,7 +74,6 @@ class S3(Remote):
             self.bucket, endpoint_url, self.signer.region, addressing, endpoint_from
         )
         self.page_size = min(page_size, 1000)
-        self.stream_keys = stream_keys
         self._options: dict[str, Any] = {
             **shared.transport_options(),
             "sign": self.signer,
@@ -94,87 +92,22 @@ class S3(Remote):
             raise InvalidKeyError(f"key {key!r} is not an S3 object key")
         return self.base + quote(key, safe="/~")
 
-    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
-        """(key, size) of each object under the prefix, in key order, one page at a time."""
-        return self._objects(self.transport)
+    @property
+    def where(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
 
-    async def _objects(self, transport: Transport) -> AsyncIterator[tuple[str, int]]:
-        token: str | None = None
-        last = ""
-        while True:
-            query = list_query(self.prefix, self.page_size, token)
-            where = f"s3://{self.bucket}/{self.prefix}"
-            body = await transport.get(f"{self.base}?{query}", key=where)
-            try:
-                page = parse_listing(bytes(body))
-            except ValueError as exc:  # ParseError is a SyntaxError; bad ints are ValueErrors
-                raise FetchError(
-                    f"bad ListObjectsV2 answer for {where}: {exc}", key=where
-                ) from None
-            self._etags.update(page.etags)
-            for key, size in sorted(page.objects, key=lambda o: o[0].encode()):
-                if key.endswith("/") and size == 0:
-                    continue  # a "folder" marker
-                if key.encode() <= last.encode():
-                    raise FetchError(f"listing of {where} out of key order at {key!r}", key=where)
-                last = key
-                yield key, size
-            if page.next_token is None:
-                return
-            token = page.next_token
+    async def _page(self, transport: Transport, token: str | None) -> Page:
+        query = list_query(self.prefix, self.page_size, token)
+        body = await transport.get(f"{self.base}?{query}", key=self.where)
+        try:
+            page = parse_listing(bytes(body))
+        except ValueError as exc:  # ParseError is a SyntaxError; bad ints are ValueErrors
+            where = self.where
+            raise FetchError(f"bad ListObjectsV2 answer for {where}: {exc}", key=where) from None
+        return Page(page.objects, page.etags, page.next_token)
 
-    async def iter_keys(self) -> AsyncIterator[str]:
-        """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
-        if self._given is not None:
-            for key in self._given:
-                yield key
-            return
-        async for key, size in self.iter_objects():
-            self._sizes[key] = size
-            yield key
-
-    def keys(self) -> list[str] | AsyncIterable[str]:
-        """Every key under the prefix, sorted (or the keys given). Blocks while it lists.
-
-        With `stream_keys=True`: an async iterable that lists anew, page by page, each time it is
-        iterated (the loader then starts fetching while the listing goes on; no shuffle, no length).
-        """
-        if self._given is not None:
-            return list(self._given)
-        if self.stream_keys:
-            return _Listing(self)
-        found: list[str] = []
-        errors: list[BaseException] = []
-
-        async def collect() -> None:
-            transport = Transport(limit=4, **self._options)
-            try:
-                async for key, size in self._objects(transport):
-                    self._sizes[key] = size
-                    found.append(key)
-            finally:
-                await transport.aclose()
-
-        def run() -> None:
-            try:
-                asyncio.run(collect())
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=run, name="aioloader-s3-list")
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
-        return found
-
-    def size(self, key: str) -> int | None:
-        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
-        return self._sizes.get(key)
-
-    def etag(self, key: str) -> str | None:
-        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
-        return self._etags.get(key)
+    def _list_transport(self) -> Transport:
+        return Transport(limit=4, **self._options)
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
@@ -189,16 +122,6 @@ def _endpoint_hint(endpoint_url: str | None, endpoint_from: str) -> str:
             "set, so this is AWS's endpoint"
         )
     return f"the endpoint is {redact_url(endpoint_url)!r}, from {endpoint_from}"
-
-
-class _Listing:
-    """Re-iterable streamed listing: each `async for` lists the prefix again."""
-
-    def __init__(self, source: S3) -> None:
-        self._source = source
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._source.iter_keys()
 
 
 def s3(url: str, keys: Sequence[str] | None = None, **options: Any) -> S3:

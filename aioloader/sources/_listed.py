@@ -1,0 +1,142 @@
+"""What the object stores share (S3, GCS, Azure): a prefix listed page by page, sorted, with sizes.
+
+A store's source gives `_page` (one page of its listing answer: the (key, size) pairs, their ETags
+and the next page's token) and `_list_transport` (a small transport for listing off the loader's
+loop); the keys, the streamed listing, `size(key)` and `etag(key)` are these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from typing import NamedTuple
+
+from .._exceptions import FetchError
+from ._remote import Remote
+from ._transport import Transport
+
+__all__ = ["Listed", "Page"]
+
+
+class Page(NamedTuple):
+    """One page of a listing."""
+
+    objects: list[tuple[str, int]]  # (key, size), in any order
+    etags: dict[str, str]
+    next_token: str | None  # None: the last page
+
+
+class Listed(Remote):
+    """A remote source over the objects under one prefix of a bucket (or container)."""
+
+    stream_keys: bool
+    _given: list[str] | None
+    _kind = "remote"  # names the listing thread ("aioloader-s3-list")
+
+    def _listed(self, keys: Sequence[str] | None, stream_keys: bool) -> None:
+        """Set up the listing state (called by the constructor): the keys given, if any."""
+        self._given = None if keys is None else list(keys)
+        self.stream_keys = stream_keys
+        self._sizes: dict[str, int] = {}  # from the listings (`size`)
+        self._etags: dict[str, str] = {}  # from the listings (`etag`): a cached copy is checked
+
+    @property
+    def where(self) -> str:
+        """The prefix's URL ("s3://bucket/prefix"), for errors."""
+        raise NotImplementedError
+
+    async def _page(self, transport: Transport, token: str | None) -> Page:
+        """The page of the listing that `token` names (None: the first)."""
+        raise NotImplementedError
+
+    def _list_transport(self) -> Transport:
+        """A transport of its own for `keys()`, which lists on a thread with its own loop."""
+        raise NotImplementedError
+
+    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
+        """(key, size) of each object under the prefix, in key order, one page at a time."""
+        return self._objects(self.transport)
+
+    async def _objects(self, transport: Transport) -> AsyncIterator[tuple[str, int]]:
+        token: str | None = None
+        last = ""
+        while True:
+            page = await self._page(transport, token)
+            self._etags.update(page.etags)
+            for key, size in sorted(page.objects, key=lambda o: o[0].encode()):
+                if key.endswith("/") and size == 0:
+                    continue  # a "folder" marker
+                if key.encode() <= last.encode():
+                    where = self.where
+                    raise FetchError(f"listing of {where} out of key order at {key!r}", key=where)
+                last = key
+                self._sizes[key] = size
+                yield key, size
+            if page.next_token is None:
+                return
+            token = page.next_token
+
+    async def iter_keys(self) -> AsyncIterator[str]:
+        """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
+        if self._given is not None:
+            for key in self._given:
+                yield key
+            return
+        async for key, _ in self.iter_objects():
+            yield key
+
+    def keys(self) -> list[str] | AsyncIterable[str]:
+        """Every key under the prefix, sorted (or the keys given). Blocks while it lists.
+
+        With `stream_keys=True`: an async iterable that lists anew, page by page, each time it is
+        iterated (the loader then starts fetching while the listing goes on; no shuffle, no length).
+        """
+        if self._given is not None:
+            return list(self._given)
+        if self.stream_keys:
+            return _Listing(self)
+        return self._list_now()
+
+    def _list_now(self) -> list[str]:
+        """List the prefix on a thread of its own (with its own loop and transport), blocking."""
+        found: list[str] = []
+        errors: list[BaseException] = []
+
+        async def collect() -> None:
+            transport = self._list_transport()
+            try:
+                found.extend([key async for key, _ in self._objects(transport)])
+            finally:
+                await transport.aclose()
+
+        def run() -> None:
+            try:
+                asyncio.run(collect())
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name=f"aioloader-{self._kind}-list")
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return found
+
+    def size(self, key: str) -> int | None:
+        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self._sizes.get(key)
+
+    def etag(self, key: str) -> str | None:
+        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self._etags.get(key)
+
+
+class _Listing:
+    """Re-iterable streamed listing: each `async for` lists the prefix again."""
+
+    def __init__(self, source: Listed) -> None:
+        self._source = source
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._source.iter_keys()
