@@ -22,6 +22,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from aioloader import DataLoader, LoaderTimeout, WorkerDied
 from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR
+from aioloader._torch import workers as _workers
+from aioloader._util import threads as _threads
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -291,7 +293,16 @@ class ReadsWhere(Dataset[Any]):
 
 
 @pytest.mark.parametrize("blocks", [True, False])
-def test_auto_threads_start_only_when_the_reads_block(blocks: bool) -> None:
+def test_auto_threads_start_only_when_the_reads_block(
+    blocks: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # read threads start and grow only while the machine has a core idle: the workers (forked
+    # from this process) see one core idle whatever else runs on the machine
+    def one_core_idle() -> int:
+        return int(time.monotonic() * _threads.TICKS_PER_S)
+
+    monkeypatch.setattr(_threads, "idle_ticks", one_core_idle)
+    monkeypatch.setattr(_workers, "idle_ticks", one_core_idle)
     with DataLoader(ReadsWhere(blocks), batch_size=16, num_workers=2) as loader:
         batches = list(loader)
     assert [i for b in batches for i in b["i"].tolist()] == list(range(64))
