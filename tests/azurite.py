@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,11 @@ def start_azurite(workdir: Path, in_memory: bool = True) -> AzuriteServer:
     server.stop()
     tail = (workdir / "azurite.out").read_text(errors="replace")[-2000:]
     pytest.fail(f"Azurite did not start within {START_DEADLINE_S} s: {tail}")
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteServer]:
+    """One Azurite for the session (skips, saying why, when node or azurite is missing)."""
+    server = start_azurite(tmp_path_factory.mktemp("azurite"))
+    yield server
+    server.stop()

@@ -4,6 +4,7 @@
 - `origin`: an `Origin` serving `objects` on 127.0.0.1; `proxy`: a `FaultProxy` in front of it.
 - `seaweed`: one SeaweedFS server (S3 API) per test session; see tests/s3server.py.
 - `gcs_server`: one fake-gcs-server per test session; see tests/gcsserver.py.
+- `azurite`: one Azurite (Azure Blob's emulator) per test session; see tests/azurite.py.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import random
 from collections.abc import Iterator
 
 import pytest
+from azurite import azurite
 from faultproxy import FaultProxy, Origin
 from gcsserver import gcs_server
 from s3server import SeaweedServer, start_seaweed
 
-__all__ = ["gcs_server", "objects", "origin", "proxy", "seaweed"]
+__all__ = ["azurite", "gcs_server", "objects", "origin", "proxy", "seaweed"]
 
 N_OBJECTS = 48
 

@@ -95,6 +95,7 @@ class Transport:
         self.engine = engine
         self.dns_hint = dns_hint
         self.throttle_codes = throttle_codes
+        self.suffix_ranges = True  # the store answers "Range: bytes=-n" (`tail`)
         self.cache = cache
         self._resolved: set[str] = set()  # hosts that answered once: a DNS failure may pass
         self._session: aiohttp.ClientSession | None = None
@@ -185,7 +186,12 @@ class Transport:
 
     async def tail(self, url: str, *, key: Any, length: int) -> tuple[bytearray, int]:
         """The last `length` bytes of `url` (all of a shorter object) and the object's size, in one
-        request (a suffix Range); retried as `get` is."""
+        request (a suffix Range); retried as `get` is. A store that takes no suffix Range
+        (`suffix_ranges` False: Azure Blob) is asked its size by a one-byte range first."""
+        if not self.suffix_ranges:
+            size = await self._size(url, key)
+            start = max(0, size - length)
+            return await self.get(url, key=key, offset=start, length=size - start), size
 
         async def attempt() -> tuple[bytearray, int]:
             resp = await self._send(url, {"Range": f"bytes=-{length}"}, _SUFFIX)
@@ -198,6 +204,20 @@ class Transport:
             self.counts["bytes"] += len(body)
             total = (resp.headers.get("Content-Range") or "").rpartition("/")[2]
             return body, int(total) if total.isdigit() else len(body)
+
+        return await self._with_retries(url, key, attempt)
+
+    async def _size(self, url: str, key: Any) -> int:
+        """The size of the object at `url`, from the Content-Range of its first byte."""
+
+        async def attempt() -> int:
+            resp = await self._send(url, {"Range": "bytes=0-0"}, _SUFFIX)
+            try:
+                body = await read_body(resp)
+            finally:
+                resp.release()
+            total = (resp.headers.get("Content-Range") or "").rpartition("/")[2]
+            return int(total) if total.isdigit() else len(body)
 
         return await self._with_retries(url, key, attempt)
 

@@ -105,6 +105,7 @@ class Azure(Listed):
         concurrency = shared.concurrency
         self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
         self.transport = Transport(limit=concurrency, limiter=self.limiter, **self._options)
+        self.transport.suffix_ranges = False  # x-ms-range takes no "bytes=-n"
 
     def __repr__(self) -> str:
         return (

@@ -155,6 +155,8 @@ class Parquet:
         row_groups_in_flight: int = 16,
         http_options: dict[str, Any] | None = None,
         s3_options: dict[str, Any] | None = None,
+        gcs_options: dict[str, Any] | None = None,
+        azure_options: dict[str, Any] | None = None,
     ) -> None:
         need_pyarrow()
         self.urls = [urls] if isinstance(urls, str) else list(urls)
@@ -187,7 +189,8 @@ class Parquet:
         self._worker, self._num_workers = worker, num_workers
         self.row_groups_in_flight = row_groups_in_flight
         self.max_bytes_ahead: int | None = None  # set by a loader: half its max_bytes_in_flight
-        self._options = {"http": dict(http_options or {}), "s3": dict(s3_options or {})}
+        self._options = {"http": dict(http_options or {}), "s3": dict(s3_options or {}),
+                         "gcs": dict(gcs_options or {}), "az": dict(azure_options or {})}  # fmt: skip
         self._remotes: dict[str, Any] = {}
         self._stores = [store_for(u, self._remotes, self._options_of) for u in self.urls]
         self.metas: list[FileMeta] = _run(self._footers())
@@ -201,7 +204,7 @@ class Parquet:
     # -- footers and row groups ---------------------------------------------------------------------
 
     def _options_of(self, kind: str) -> dict[str, Any]:
-        return self._options["s3" if kind == "s3" else "http"]
+        return self._options[kind] if kind in self._options else self._options["http"]
 
     async def _footers(self) -> list[FileMeta]:
         try:
@@ -539,6 +542,8 @@ def parquet(
     row_groups_in_flight: int = 16,
     http_options: dict[str, Any] | None = None,
     s3_options: dict[str, Any] | None = None,
+    gcs_options: dict[str, Any] | None = None,
+    azure_options: dict[str, Any] | None = None,
 ) -> Parquet:
     """A source of the rows of Parquet files, read by row group with only `columns` fetched.
 
@@ -563,6 +568,8 @@ def parquet(
         row_groups_in_flight: row groups read ahead of the rows handed out, at most.
         http_options: passed to `http()` for http(s) files (timeouts, retries, headers, ssl).
         s3_options: passed to `s3()` for s3:// files (endpoint_url, credentials, region, ...).
+        gcs_options: passed to `gcs()` for gs:// files (endpoint_url, credentials_file, ...).
+        azure_options: passed to `azure()` for az:// files (endpoint_url, connection_string, ...).
 
     Raises:
         ParquetError: (a FetchError) a file whose footer cannot be read, naming it; later, a row
@@ -577,5 +584,6 @@ def parquet(
         urls, columns, rows_per_sample=rows_per_sample, shuffle=shuffle,
         shuffle_buffer=shuffle_buffer, seed=seed, rank=rank, world_size=world_size, worker=worker,
         num_workers=num_workers, row_groups_in_flight=row_groups_in_flight,
-        http_options=http_options, s3_options=s3_options,
+        http_options=http_options, s3_options=s3_options, gcs_options=gcs_options,
+        azure_options=azure_options,
     )  # fmt: skip

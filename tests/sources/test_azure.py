@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from azurite import ACCOUNT, KEY, AzuriteServer, start_azurite
+from azurite import ACCOUNT, KEY, AzuriteServer
 from faultproxy import Fault, FaultProxy
 
 from aioloader import FetchError, InvalidKeyError, Loader
@@ -44,14 +44,6 @@ def no_azure_setup(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test sees no Azure variables but the ones it sets itself."""
     for name in AZURE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture(scope="session")
-def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteServer]:
-    """One Azurite for the session (skips, saying why, when node or azurite is missing)."""
-    server = start_azurite(tmp_path_factory.mktemp("azurite"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
+from azurite import AzuriteServer
 from faultproxy import Fault, FaultProxy, Origin
+from gcsserver import GcsServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from s3server import SeaweedServer
@@ -449,3 +451,19 @@ def test_resume_reads_only_the_row_groups_still_due(files: list[str]) -> None:
         rest = [s["id"] for b in ld for s in b]
     assert head + rest == list(range(500))
     assert source.stats()["row_groups_read"] == 8 - 2
+
+
+def test_gs_and_az(gcs_server: GcsServer, azurite: AzuriteServer, files: list[str]) -> None:
+    # the same files from fake-gcs-server and Azurite: each store's options reach its source
+    columns = ["id", "score", "name"]
+    names = [Path(path).name for path in files]
+    for name, path in zip(names, files, strict=True):
+        gcs_server.put(f"parquet/{name}", Path(path).read_bytes())
+        azurite.put(f"parquet/{name}", Path(path).read_bytes())
+    gs = parquet([f"gs://{gcs_server.bucket}/parquet/{n}" for n in names], columns, shuffle=False,
+                 gcs_options={"endpoint_url": gcs_server.endpoint, "anonymous": True})  # fmt: skip
+    assert rows_of(gs) == expected(files, columns)
+    az = parquet([f"az://{azurite.container}/parquet/{n}" for n in names], columns, shuffle=False,
+                 azure_options={"connection_string": azurite.connection_string()})  # fmt: skip
+    assert rows_of(az) == expected(files, columns)
+    assert az.stats()["requests"] > len(files)  # footers, then column chunks
