@@ -46,15 +46,23 @@ def test_budget_bounds_peak_rss_growth() -> None:
 
 def test_budget_bounds_the_memory_of_a_process_pool() -> None:
     # Decoded in worker processes, samples land in the pool's shared memory, which the same budget
-    # bounds (its arena is max_bytes_in_flight at most, and the samples in it are counted as held).
+    # bounds (its arena is the in-flight share of max_bytes_in_flight: tests/executors/test_shm.py
+    # checks that share exactly). Beyond the budget: the batch the consumer holds, and a batch of
+    # the workers' heap and slab pages in motion (60-160 MB of growth seen on a quiet machine,
+    # on this code and before it); the same run without a budget grows ~260 MB.
     script = Path(__file__).resolve().parents[1] / "scripts" / "budget_pss.py"
     budget_mb, sample_mb, batch = 100, 10, 4
-    done = subprocess.run(
-        [sys.executable, str(script), str(budget_mb), str(sample_mb), str(batch)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    growth = json.loads(done.stdout.splitlines()[-1])["peak_growth_mb"]
-    assert growth <= budget_mb + sample_mb * batch, growth
+    bound = budget_mb + 2 * sample_mb * batch
+
+    def growth(budget: int) -> float:
+        done = subprocess.run(
+            [sys.executable, str(script), str(budget), str(sample_mb), str(batch)],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        return float(json.loads(done.stdout.splitlines()[-1])["peak_growth_mb"])
+
+    assert growth(budget_mb) <= bound
+    assert growth(100 * budget_mb) > bound  # no budget to speak of: far more
 
 
 def _no() -> bool:
