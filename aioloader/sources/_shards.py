@@ -41,7 +41,7 @@ CHUNK = 1 << 20
 _READ_AHEAD = 32
 
 
-# a scheme's kind ("http", "s3", "az") -> its source's options
+# a scheme's kind ("http", "s3", "gcs", "az") -> its source's options
 Options = Callable[[str], dict[str, Any]]
 
 
@@ -53,34 +53,35 @@ def _http(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote
     return remotes["http"], shard
 
 
-def _s3(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
-    bucket, _, key = shard[5:].partition("/")
-    if f"s3:{bucket}" not in remotes:
+def _bucketed(kind: str) -> Callable[[str, dict[str, Any], Options], tuple[Remote, str]]:
+    """How a scheme of bucket stores ("s3", "gs", "az") finds its shards: one source per bucket
+    (or container), made on first use with `options(kind)`; the shard's URL is that source's."""
+
+    def find(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+        scheme, _, rest = shard.partition("://")
+        bucket, _, key = rest.partition("/")
+        name = f"{scheme}:{bucket}"
+        if name not in remotes:
+            remotes[name] = _store(kind)(f"{scheme}://{bucket}/", **options(kind))
+        src = remotes[name]
+        return src, src.url(key)
+
+    return find
+
+
+def _store(kind: str) -> Callable[..., Remote]:
+    """The source class of a bucket store (imported on first use: each brings its signer)."""
+    if kind == "s3":
         from .s3 import S3
 
-        remotes[f"s3:{bucket}"] = S3(f"s3://{bucket}/", **options("s3"))
-    src = remotes[f"s3:{bucket}"]
-    return src, src.url(key)
-
-
-def _az(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
-    container, _, key = shard[5:].partition("/")
-    if f"az:{container}" not in remotes:
-        from .azure import Azure
-
-        remotes[f"az:{container}"] = Azure(f"az://{container}/", **options("az"))
-    src = remotes[f"az:{container}"]
-    return src, src.url(key)
-
-
-def _gcs(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
-    bucket, _, key = shard[5:].partition("/")
-    if f"gs:{bucket}" not in remotes:
+        return S3
+    if kind == "gcs":
         from .gcs import GCS
 
-        remotes[f"gs:{bucket}"] = GCS(f"gs://{bucket}/", **options("gcs"))
-    src = remotes[f"gs:{bucket}"]
-    return src, src.url(key)
+        return GCS
+    from .azure import Azure
+
+    return Azure
 
 
 # URL scheme -> (the remote source that reads such shards, made once and kept in `remotes`; the
@@ -88,9 +89,9 @@ def _gcs(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote,
 SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]] = {
     "http": _http,
     "https": _http,
-    "s3": _s3,
-    "az": _az,
-    "gs": _gcs,
+    "s3": _bucketed("s3"),
+    "gs": _bucketed("gcs"),
+    "az": _bucketed("az"),
 }
 
 
