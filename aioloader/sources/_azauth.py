@@ -222,7 +222,7 @@ def _from_environment(account: str | None, env: Mapping[str, str]) -> Found:
             source="AZURE_STORAGE_SAS_TOKEN",
         )
     try:
-        from azure.identity import DefaultAzureCredential  # type: ignore[import-not-found, unused-ignore]
+        from azure.identity import DefaultAzureCredential  # type: ignore[import-not-found, import-untyped, unused-ignore]
     except ImportError:
         raise ValueError(
             "no Azure credentials: pass account_key=, sas_token=, credential= or "
