@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from _delayproxy import Proxy
 from remote import BATCH, DELAY_S, SERVERS, SIZE, Result, measure, run_aio
 from torch.utils.data import DataLoader, Dataset
 
@@ -52,103 +52,6 @@ PREFIX = "w7/"
 CLIENT_CONCURRENCY = 64
 IN_MEMORY = os.environ.get("W7_DISK") != "1"
 API_VERSION = "2025-11-05"  # the newest Azurite 3.35 knows; the SDK's own default is newer
-
-
-# -- the latency proxy (a subprocess) ---------------------------------------------------------------
-
-
-class _Side(asyncio.Protocol):
-    """One end of a proxied connection: what arrives is written to `peer` (after `delay` seconds,
-    for the client's side: each request is one write, so each request waits once)."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.transport: asyncio.Transport | None = None
-        self.peer: _Side | None = None
-        self.early: list[bytes] = []  # what came before the peer was connected
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        if self.delay:
-            asyncio.get_running_loop().call_later(self.delay, self._pass, data)
-        else:
-            self._pass(data)
-
-    def _pass(self, data: bytes) -> None:
-        if self.peer is None or self.peer.transport is None:
-            self.early.append(data)
-        elif not self.peer.transport.is_closing():
-            self.peer.transport.write(data)
-
-    def connected(self, peer: _Side) -> None:
-        self.peer = peer
-        for data in self.early:
-            self._pass(data)
-        self.early.clear()
-
-    def pause_writing(self) -> None:  # the peer reads slower than this end sends: stop reading
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.close()
-
-
-def serve_proxy(port_file: str, upstream: str, delay_ms: float) -> None:
-    """A TCP proxy to `upstream` (host:port) that holds each request `delay_ms` before passing it
-    on; answers pass at once. Bytes are not parsed or changed (signatures stay valid)."""
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    host, _, port = upstream.rpartition(":")
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        connecting: set[asyncio.Task[None]] = set()
-
-        def accepted() -> _Side:
-            client = _Side(delay_ms / 1000)
-
-            async def connect() -> None:
-                _, server = await loop.create_connection(lambda: _Side(0.0), host, int(port))
-                server.connected(client)
-                client.connected(server)
-
-            task = loop.create_task(connect())
-            connecting.add(task)
-            task.add_done_callback(connecting.discard)
-            return client
-
-        proxy = await loop.create_server(accepted, "127.0.0.1", 0, backlog=1024)
-        await asyncio.to_thread(Path(port_file).write_text, str(proxy.sockets[0].getsockname()[1]))
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
-
-def start_proxy(upstream: str) -> tuple[subprocess.Popen[bytes], str]:
-    """The proxy to `upstream` (host:port) in a subprocess; returns it and its base URL once it
-    listens."""
-    port_file = Path(tempfile.mkdtemp()) / "port"
-    cmd = [sys.executable, __file__, "--serve-proxy", str(port_file), upstream,
-           str(DELAY_S * 1000)]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 30
-    while not port_file.exists() or not port_file.read_text():
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("the latency proxy did not start")
-        time.sleep(0.05)  # a process boundary: nothing else signals readiness
-    return proc, f"http://127.0.0.1:{port_file.read_text()}"
 
 
 # -- torch with the official SDK --------------------------------------------------------------------
@@ -326,12 +229,7 @@ def main() -> None:
     parser.add_argument("--objects", type=int, default=None, help="reads per epoch")
     parser.add_argument("--blobs", type=int, default=256, help="distinct blobs stored")
     parser.add_argument("--no-clients", action="store_true", help="skip the client comparison")
-    parser.add_argument("--serve-proxy", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_proxy:
-        port_file, upstream, delay_ms = args.serve_proxy
-        serve_proxy(port_file, upstream, float(delay_ms))
-        return
     # torch warns that 8 workers exceed the cores here; 8 is the configuration being compared
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     n = args.objects or (512 if args.quick else 2000)
@@ -343,9 +241,9 @@ def main() -> None:
     if server is None:
         print(json.dumps({"workload": "cloud_azure", "skipped": "no Azurite"}))
         return
-    proxy, base = start_proxy(f"127.0.0.1:{server.port}")
-    SERVERS.add(proxy.pid)
-    endpoint = f"{base}/{server.account}"
+    proxy = Proxy(f"http://127.0.0.1:{server.port}", DELAY_S * 1000)
+    SERVERS.add(proxy.proc.pid)
+    endpoint = f"{proxy.url}/{server.account}"
     try:
         listing = azure(f"az://{server.container}/{PREFIX}", account_name=server.account,
                         account_key=server.key, endpoint_url=endpoint)  # fmt: skip
@@ -364,8 +262,7 @@ def main() -> None:
         rounds = 2 if args.quick else 5
         clients = {} if args.no_clients else run_clients(server, endpoint, keys, rounds)
     finally:
-        proxy.kill()
-        proxy.wait()
+        proxy.stop()
         server.stop()
     print(f"{'configuration':<42} {'objects/s':>9} {'MB/s':>8} {'ttfb s':>7} {'warm':>7} "
           f"{'CPU s/1k obj':>12}")  # fmt: skip

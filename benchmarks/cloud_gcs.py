@@ -1,10 +1,9 @@
 """W7 (GCS): torch DataLoader with the official GCS client vs aioloader's gcs source, 20 ms per request.
 
 fake-gcs-server (the emulator the tests use, in memory) holds 2,000 objects of 256 KiB, written with
-`google-cloud-storage`. Every request goes through a relay in a subprocess that passes each request on
-20 ms late (W2's far object store, see benchmarks/remote.py); answers pass at once. The relay copies
-bytes without parsing HTTP, so that it costs the shared cores little (an HTTP proxy in Python halved
-what the emulator alone serves here). Measured in one run, on the same
+`google-cloud-storage`. Every request goes through benchmarks/_delayproxy.py, a relay in a subprocess
+that passes each request on 20 ms late (W2's far object store, see benchmarks/remote.py); answers
+pass at once. Measured in one run, on the same
 objects, each with W2's `measure` (a warm-up epoch, then the faster of two timed epochs):
 - torch DataLoader(num_workers=8, batch_size=32) whose `__getitem__` downloads one object with
   `google-cloud-storage` (one client per worker process);
@@ -19,7 +18,6 @@ last line, JSON with the ratios to torch: `ratio` for the best aioloader configu
 `best`), `one_loop_ratio` for the best on one event loop, `obstore_ratio` for the obstore client.
 
 Usage: python benchmarks/cloud_gcs.py [--quick] [--objects N]
-       (python benchmarks/cloud_gcs.py --serve-relay UPSTREAM_PORT PORT runs the relay)
 """
 
 from __future__ import annotations
@@ -28,11 +26,8 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,100 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 DELAY_S = float(os.environ.get("W7_DELAY_S", "0.020"))
 CONCURRENCY = 256  # as W2: 64 leaves the client short of what the emulator serves (5.7x vs 6.6x)
 PREFIX = "w7/"
-
-
-# -- the 20 ms relay (a subprocess) -----------------------------------------------------------------
-
-
-class _Half(asyncio.Protocol):
-    """One side of a relayed connection: what it receives goes to `peer`, `delay` seconds later
-    (client to server: each request waits, as a far store's round trip) or at once (answers)."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.peer: _Half | None = None
-        self.transport: asyncio.Transport | None = None
-        self.early: list[bytes] = []  # received before the peer was connected
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        if self.delay:
-            asyncio.get_running_loop().call_later(self.delay, self._pass, data)
-        else:
-            self._pass(data)
-
-    def _pass(self, data: bytes) -> None:
-        if self.peer is None or self.peer.transport is None:
-            self.early.append(data)
-        elif not self.peer.transport.is_closing():
-            self.peer.transport.write(data)
-
-    def pause_writing(self) -> None:  # the receiver is slow: stop reading its sender
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            delay = self.delay + 0.001  # after what is still on its way
-            asyncio.get_running_loop().call_later(delay, self.peer.transport.close)
-
-
-def serve_relay(upstream_port: int, port: int) -> None:
-    """Relay TCP connections on `port` to 127.0.0.1:`upstream_port`, each client-to-server write
-    DELAY_S late (one request is one write here), answers at once. Runs forever."""
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-
-    async def connect(client: _Half) -> None:
-        loop = asyncio.get_running_loop()
-        server = _Half(0.0)
-        try:
-            await loop.create_connection(lambda: server, "127.0.0.1", upstream_port)
-        except OSError:
-            if client.transport is not None:
-                client.transport.close()
-            return
-        client.peer, server.peer = server, client
-        for data in client.early:
-            client._pass(data)
-        client.early.clear()
-
-    def accepted() -> _Half:
-        client = _Half(DELAY_S)
-        asyncio.get_running_loop().create_task(connect(client))
-        return client
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(accepted, "127.0.0.1", port, backlog=1024)
-        await server.serve_forever()
-
-    asyncio.run(main())
-
-
-def start_relay(upstream_port: int, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve-relay", str(upstream_port), str(port)]
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the latency relay did not start") from None
-            time.sleep(0.05)  # a process boundary: nothing else signals readiness
 
 
 # -- the contenders -----------------------------------------------------------------------------
@@ -284,9 +185,6 @@ def upload(server: Any, keys: Sequence[str], size: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--serve-relay":
-        serve_relay(int(sys.argv[2]), int(sys.argv[3]))
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer objects (under 60 s in all)")
     parser.add_argument("--objects", type=int, default=None)
@@ -295,6 +193,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import remote
     import torch
+    from _delayproxy import Proxy
     from gcsserver import free_port, start_gcs
 
     from aioloader import ProcessExecutor
@@ -312,9 +211,9 @@ def main() -> None:
     relay_port = free_port()  # the emulator answers XML API paths for the host it is reached at
     server = start_gcs(Path(tempfile.mkdtemp(prefix="aioloader-w7-")), f"127.0.0.1:{relay_port}")
     remote.SERVERS.add(server.proc.pid)
-    proxy = start_relay(server.port, relay_port)
-    endpoint = f"http://127.0.0.1:{relay_port}"
-    remote.SERVERS.add(proxy.pid)
+    proxy = Proxy(f"http://127.0.0.1:{server.port}", DELAY_S * 1000, port=relay_port)
+    endpoint = proxy.url
+    remote.SERVERS.add(proxy.proc.pid)
     try:
         upload(server, keys, remote.SIZE)
         results = [run_torch(remote, endpoint, server.bucket, keys)]
@@ -324,8 +223,7 @@ def main() -> None:
         fsspec_peer = run_gcsfs(remote, endpoint, server.bucket, keys)
     finally:
         pool.close()
-        proxy.kill()
-        proxy.wait()
+        proxy.stop()
         server.stop()
     print(f"{'configuration':<42} {'objects/s':>9} {'MB/s':>8} {'ttfb s':>7} {'warm':>7} "
           f"{'CPU s/1k obj':>12}")  # fmt: skip
