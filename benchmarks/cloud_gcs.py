@@ -194,7 +194,8 @@ def main() -> None:
     import remote
     import torch
     from _delayproxy import Proxy
-    from gcsserver import free_port, start_gcs
+    from gcsserver import start_gcs
+    from serverprocs import free_port
 
     from aioloader import ProcessExecutor
 

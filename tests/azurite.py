@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from serverprocs import free_port, stop
 
 __all__ = ["ACCOUNT", "CONTAINER", "KEY", "AzuriteServer", "find_azurite", "start_azurite"]
 
@@ -29,19 +30,12 @@ CONTAINER = "test-container"
 START_DEADLINE_S = 30.0
 # Between readiness probes: nothing signals that the server in another process is ready.
 PROBE_INTERVAL_S = 0.1
-STOP_WAIT_S = 3.0
 
 
 def find_azurite() -> str | None:
     """`azurite-blob`: the project's .azurite/ install (make setup), else on PATH."""
     local = ROOT / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
     return str(local) if local.exists() else shutil.which("azurite-blob")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class AzuriteServer:
@@ -76,13 +70,7 @@ class AzuriteServer:
         self.blobs().upload_blob(name, body, overwrite=True)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
 
 def start_azurite(workdir: Path, in_memory: bool = True) -> AzuriteServer:
@@ -94,7 +82,7 @@ def start_azurite(workdir: Path, in_memory: bool = True) -> AzuriteServer:
     if exe is None:
         pytest.skip("Azure tests need Azurite: `make setup` installs it into .azurite/")
     pytest.importorskip("azure.storage.blob", reason="pip install azure-storage-blob (dev extra)")
-    port = _free_port()
+    port = free_port()
     cmd = [exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--disableTelemetry",
            "--disableProductStyleUrl", "--skipApiVersionCheck", "--loose", "--silent"]  # fmt: skip
     cmd += ["--inMemoryPersistence"] if in_memory else ["--location", str(workdir / "data")]

@@ -17,7 +17,6 @@ import base64
 import collections
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -31,13 +30,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 from faultproxy import ServerThread
+from serverprocs import free_port, stop
 
 __all__ = [
     "AuthGate",
     "GcsServer",
     "TokenServer",
     "find_fake_gcs",
-    "free_port",
     "gcs_server",
     "start_gcs",
 ]
@@ -45,7 +44,6 @@ __all__ = [
 BUCKET = "test-bucket"
 START_DEADLINE_S = 30.0
 PROBE_INTERVAL_S = 0.1  # a process boundary: nothing else signals that the server is ready
-STOP_WAIT_S = 3.0
 
 
 def find_fake_gcs() -> str | None:
@@ -56,12 +54,6 @@ def find_fake_gcs() -> str | None:
         return shutil.which("fake-gcs-server")
     found = Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
     return str(found) if found.exists() else shutil.which("fake-gcs-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class GcsServer:
@@ -91,13 +83,7 @@ class GcsServer:
         self.client().bucket(self.bucket).blob(name).upload_from_string(body)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
 
 def start_gcs(workdir: Path, public_host: str | None = None) -> GcsServer:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
+from serverprocs import free_ports, stop
 
 __all__ = ["ACCESS_KEY", "BUCKET", "DOMAIN", "SECRET_KEY", "SeaweedServer", "start_seaweed"]
 
@@ -35,7 +35,6 @@ REGION = "us-east-1"
 START_DEADLINE_S = 60.0
 # Between readiness probes: nothing signals that the server in another process is ready.
 PROBE_INTERVAL_S = 0.2
-STOP_WAIT_S = 3.0
 
 # Virtual-hosted requests go to {bucket}.{DOMAIN}; path-style ones (to 127.0.0.1) work as before.
 DOMAIN = "s3.localhost"
@@ -49,17 +48,6 @@ def find_weed() -> str | None:
     """The `weed` binary: next to this Python (a venv's bin/) or on PATH."""
     beside = Path(sys.executable).with_name("weed")
     return str(beside) if beside.exists() else shutil.which("weed")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class SeaweedServer:
@@ -95,13 +83,7 @@ class SeaweedServer:
             raise RuntimeError(f"PUT {key}: HTTP {status}: {answer[:200]!r}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
 
 def start_seaweed(workdir: Path) -> SeaweedServer:
@@ -117,7 +99,7 @@ def start_seaweed(workdir: Path) -> SeaweedServer:
         "actions": ["Admin", "Read", "List", "Tagging", "Write"],
     }
     (workdir / "s3.json").write_text(json.dumps({"identities": [identity]}))
-    ports = _free_ports(len(_PORT_FLAGS))
+    ports = free_ports(len(_PORT_FLAGS))
     cmd = [weed, f"-logdir={workdir}", "mini", f"-dir={workdir}", "-ip=127.0.0.1",
            "-ip.bind=127.0.0.1", f"-s3.config={workdir / 's3.json'}", f"-bucket={BUCKET}",
            "-master.telemetry=false", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
