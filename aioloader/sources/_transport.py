@@ -171,15 +171,8 @@ class Transport:
                 except Unsupported as exc:
                     log.info("%s; engine='fast' gives way to aiohttp for this source", exc)
                     self.engine = "aiohttp"
-            resp = await self._send(url, headers, offset if ranged else None)
-            try:
-                body = await read_body(resp)
-            except BaseException:
-                resp.close()
-                raise
-            resp.release()
-            self.counts["bytes"] += len(body)
-            keep_version(resp.headers, version)
+            body, answer = await self._read(url, headers, offset if ranged else None)
+            keep_version(answer, version)
             return body
 
         return await self._with_retries(url, key, attempt)
@@ -189,37 +182,35 @@ class Transport:
         request (a suffix Range); retried as `get` is. A store that takes no suffix Range
         (`suffix_ranges` False: Azure Blob) is asked its size by a one-byte range first."""
         if not self.suffix_ranges:
-            size = await self._size(url, key)
+            _, size = await self._with_total(url, key, "bytes=0-0")
             start = max(0, size - length)
             return await self.get(url, key=key, offset=start, length=size - start), size
+        return await self._with_total(url, key, f"bytes=-{length}")
+
+    async def _with_total(self, url: str, key: Any, spec: str) -> tuple[bytearray, int]:
+        """GET `url` with Range `spec` (a suffix, or the first byte): the body and the object's
+        size (Content-Range's total; the body's length when the whole object came)."""
 
         async def attempt() -> tuple[bytearray, int]:
-            resp = await self._send(url, {"Range": f"bytes=-{length}"}, _SUFFIX)
-            try:
-                body = await read_body(resp)
-            except BaseException:
-                resp.close()
-                raise
-            resp.release()
-            self.counts["bytes"] += len(body)
-            total = (resp.headers.get("Content-Range") or "").rpartition("/")[2]
+            body, answer = await self._read(url, {"Range": spec}, _SUFFIX)
+            total = (answer.get("Content-Range") or "").rpartition("/")[2]
             return body, int(total) if total.isdigit() else len(body)
 
         return await self._with_retries(url, key, attempt)
 
-    async def _size(self, url: str, key: Any) -> int:
-        """The size of the object at `url`, from the Content-Range of its first byte."""
-
-        async def attempt() -> int:
-            resp = await self._send(url, {"Range": "bytes=0-0"}, _SUFFIX)
-            try:
-                body = await read_body(resp)
-            finally:
-                resp.release()
-            total = (resp.headers.get("Content-Range") or "").rpartition("/")[2]
-            return int(total) if total.isdigit() else len(body)
-
-        return await self._with_retries(url, key, attempt)
+    async def _read(
+        self, url: str, headers: dict[str, str], offset: int | None
+    ) -> tuple[bytearray, Mapping[str, str]]:
+        """One GET (aiohttp engine), its whole body read: (body, the response's headers)."""
+        resp = await self._send(url, headers, offset)
+        try:
+            body = await read_body(resp)
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        self.counts["bytes"] += len(body)
+        return body, resp.headers
 
     async def open(self, url: str, *, key: Any, offset: int = 0) -> aiohttp.ClientResponse:
         """A response to GET `url` from byte `offset` whose body is not read yet (retries included).
