@@ -60,6 +60,7 @@ class Transport:
             any status (Azure's "OperationTimedOut" comes as a 500).
         redirects: follow redirects (never for signed requests).
         dns_hint: added to the error when a host that never resolved does not (where it came from).
+        suffix_ranges: the store answers "Range: bytes=-n" (`tail`); Azure Blob does not.
         cache: where the remote source keeps the objects it read (`Remote.fetch`); None: nowhere.
     """
 
@@ -78,6 +79,7 @@ class Transport:
         dns_hint: str = "",
         throttle_codes: frozenset[str] = frozenset(),
         cache: Cache | None = None,
+        suffix_ranges: bool = True,
     ) -> None:
         if engine not in ("aiohttp", "fast"):
             raise ValueError(f"engine must be 'aiohttp' or 'fast', got {engine!r}")
@@ -95,7 +97,7 @@ class Transport:
         self.engine = engine
         self.dns_hint = dns_hint
         self.throttle_codes = throttle_codes
-        self.suffix_ranges = True  # the store answers "Range: bytes=-n" (`tail`)
+        self.suffix_ranges = suffix_ranges
         self.cache = cache
         self._resolved: set[str] = set()  # hosts that answered once: a DNS failure may pass
         self._session: aiohttp.ClientSession | None = None

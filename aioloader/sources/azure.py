@@ -101,11 +101,11 @@ class Azure(Listed):
             "redirects": False,
             "dns_hint": f"the endpoint is {redact_url(endpoint)!r}, from {endpoint_from}",
             "throttle_codes": THROTTLE_CODES,
+            "suffix_ranges": False,  # x-ms-range takes no "bytes=-n"
         }
         concurrency = shared.concurrency
         self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
         self.transport = Transport(limit=concurrency, limiter=self.limiter, **self._options)
-        self.transport.suffix_ranges = False  # x-ms-range takes no "bytes=-n"
 
     def __repr__(self) -> str:
         return (
