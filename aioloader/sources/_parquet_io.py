@@ -16,11 +16,12 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import FetchError
+from .._util.bytearrays import Bytearrays, landing
 from ._redact import redact_url
 from ._shards import SCHEMES, Options
 
@@ -85,13 +86,18 @@ class Store:
             return bytes(body), size
         return await asyncio.to_thread(self._local_tail, length)
 
-    async def read(self, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length)."""
+    async def read(self, offset: int, length: int) -> bytes | bytearray | memoryview:
+        """Bytes [offset, offset + length) (a remote body as received: not copied). The fast
+        engine receives it into a recycled buffer of a size class (`_landing`): chunk ranges
+        are of every length, and a fresh buffer each time pays a page fault per 4 KiB."""
         if self._remote is not None:
-            body = await self._remote.transport.get(
-                self._remote_url, key=self.label, offset=offset, length=length
-            )
-            return bytes(body)
+            token = landing.set(_landing(length))
+            try:
+                return await self._remote.transport.get(
+                    self._remote_url, key=self.label, offset=offset, length=length
+                )
+            finally:
+                landing.reset(token)
         return await asyncio.to_thread(self._local_read, offset, length)
 
     def _local_tail(self, length: int) -> tuple[bytes, int]:
@@ -115,6 +121,16 @@ class Store:
             os.close(fd)
 
 
+_BODIES = Bytearrays(64 << 20)  # the buffers remote chunk ranges are received into, kept
+
+
+def _landing(length: int) -> memoryview:
+    """A free recycled buffer of at least `length` bytes: lengths rounded up to an eighth of
+    their power of two, so that a few sizes serve all, none more than an eighth too long."""
+    step = max(1, (1 << max(0, length - 1).bit_length()) >> 3)
+    return memoryview(_BODIES.take(-(-length // step) * step))
+
+
 def store_for(url: str, remotes: dict[str, Any], options: Options) -> Store:
     """The `Store` of `url`: a source of its scheme (made once, kept in `remotes`), else a path."""
     scheme, sep, _ = url.partition("://")
@@ -134,6 +150,9 @@ class FileMeta:
     metadata: pq.FileMetaData
     size: int
     tail: bytes  # the file's last bytes as read with the footer: chunks in it need no request
+    _ranges: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def row_counts(self) -> list[int]:
@@ -150,16 +169,21 @@ class FileMeta:
         ]
 
     def ranges(self, row_group: int, leaves: Sequence[int]) -> list[tuple[int, int]]:
-        """(offset, length) requests for `leaves` of `row_group`, adjacent chunks merged."""
-        rg = self.metadata.row_group(row_group)
-        spans = []
-        for j in leaves:
-            col = rg.column(j)
-            start = col.data_page_offset
-            if col.has_dictionary_page and 0 < col.dictionary_page_offset < start:
-                start = col.dictionary_page_offset
-            spans.append((start, start + col.total_compressed_size))
-        return coalesce(spans)
+        """(offset, length) requests for `leaves` of `row_group`, adjacent chunks merged (worked
+        out once: the footer's objects are slow to walk)."""
+        key = (row_group, tuple(leaves))
+        known = self._ranges.get(key)
+        if known is None:
+            rg = self.metadata.row_group(row_group)
+            spans = []
+            for j in leaves:
+                col = rg.column(j)
+                start = col.data_page_offset
+                if col.has_dictionary_page and 0 < col.dictionary_page_offset < start:
+                    start = col.dictionary_page_offset
+                spans.append((start, start + col.total_compressed_size))
+            known = self._ranges[key] = coalesce(spans)
+        return known
 
 
 def coalesce(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -209,7 +233,7 @@ async def fetch_row_group(
     ranges = meta.ranges(row_group, leaves)
     held = meta.size - len(meta.tail)
 
-    async def read(offset: int, n: int) -> bytes:
+    async def read(offset: int, n: int) -> bytes | bytearray:
         if offset >= held:
             return meta.tail[offset - held : offset - held + n]
         return await store.read(offset, n)
@@ -227,21 +251,23 @@ async def fetch_row_group(
 
 
 class _Pieces:
-    """A read-only file of `size` bytes of which only `pieces` exist; reading elsewhere fails."""
+    """A read-only file of `size` bytes of which only `pieces` exist; reading elsewhere fails.
+    A read returns a view of a piece, not a copy; `pieces` may be replaced between reads (one
+    reader serves a file's row groups one after the other)."""
 
     def __init__(self, pieces: list[tuple[int, bytes]], size: int) -> None:
-        self._pieces = pieces
+        self.pieces = pieces
         self._size = size
         self._pos = 0
         self.closed = False
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1) -> memoryview:
         start = self._pos
         stop = self._size if n < 0 else min(self._size, start + n)
-        for offset, body in self._pieces:
+        for offset, body in self.pieces:
             if offset <= start and stop <= offset + len(body):
                 self._pos = stop
-                return body[start - offset : stop - offset]
+                return memoryview(body)[start - offset : stop - offset]
         raise OSError(f"bytes {start}-{stop} were not fetched (outside the column chunks)")
 
     def seek(self, pos: int, whence: int = 0) -> int:
@@ -274,12 +300,11 @@ def decode_row_group(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    held: _Pieces | None = None
     try:
-        if pieces is None:
-            f = _local_file(meta, path)
-        else:
-            source = pa.PythonFile(_Pieces(pieces, meta.size), mode="r")
-            f = pq.ParquetFile(source, metadata=meta.metadata, pre_buffer=False)
+        f, held = _reader(meta, path)
+        if held is not None:
+            held.pieces = pieces or []
         return f.read_row_group(row_group, columns=columns, use_threads=False)
     except (pa.ArrowException, OSError, ValueError, IndexError) as exc:
         raise ParquetError(
@@ -288,21 +313,35 @@ def decode_row_group(
             url=meta.label,
             row_group=row_group,
         ) from exc
+    finally:
+        if held is not None:
+            held.pieces = []  # the fetched bytes are not kept past their decode
 
 
 _OPEN_PER_THREAD = 8
-_opened = threading.local()  # each thread's open local files: a reader serves one thread at a time
+_opened = threading.local()  # each thread's readers: a reader serves one thread at a time
 
 
-def _local_file(meta: FileMeta, path: Path | None) -> pq.ParquetFile:
-    """This thread's reader of the local file `path` (opened once per thread)."""
+def _reader(meta: FileMeta, path: Path | None) -> tuple[pq.ParquetFile, _Pieces | None]:
+    """This thread's reader of the file of `meta` (made once per thread: making one walks the
+    schema in Python): over the local file `path`, or over fetched pieces (the `_Pieces` returned,
+    whose pieces the caller sets)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    files: dict[str, tuple[FileMeta, pq.ParquetFile]] = _opened.__dict__.setdefault("files", {})
-    key = str(path)
+    files: dict[str, tuple[FileMeta, pq.ParquetFile, _Pieces | None]]
+    files = _opened.__dict__.setdefault("files", {})
+    key = meta.url if path is None else str(path)
     held = files.get(key)
     if held is None or held[0] is not meta:
         if len(files) >= _OPEN_PER_THREAD:
             del files[next(iter(files))]  # the longest open: descriptors stay few
-        held = files[key] = (meta, pq.ParquetFile(key, metadata=meta.metadata, pre_buffer=False))
-    return held[1]
+        if path is None:
+            pieces = _Pieces([], meta.size)
+            f = pa.PythonFile(pieces, mode="r")
+            reader = pq.ParquetFile(f, metadata=meta.metadata, pre_buffer=False)
+            held = files[key] = (meta, reader, pieces)
+        else:
+            reader = pq.ParquetFile(str(path), metadata=meta.metadata, pre_buffer=False)
+            held = files[key] = (meta, reader, None)
+    return held[1], held[2]

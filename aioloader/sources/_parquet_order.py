@@ -61,4 +61,6 @@ def share(left: np.ndarray, slot: int, slots: int, drop_last: bool) -> np.ndarra
     if m == 0:
         return left
     per = m // slots if drop_last else -(-m // slots)
+    if (slot + 1) * per <= m:  # no wrapping around: a view
+        return left[slot * per : (slot + 1) * per]
     return left[np.arange(slot * per, (slot + 1) * per) % m]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
+import os
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Sequence
 from pathlib import Path
@@ -49,12 +51,13 @@ T = TypeVar("T")
 class RowGroup:
     """One row group of one file: loading, then loaded; shared by the samples that need it."""
 
-    __slots__ = ("__weakref__", "index", "nbytes", "task")
+    __slots__ = ("__weakref__", "index", "nbytes", "order", "task")
 
     def __init__(self, index: int) -> None:
         self.index = index  # among all the files' row groups
         self.task: asyncio.Task[Any] | None = None
         self.nbytes = 0
+        self.order = 0  # when the walk needs it, relative to the others read ahead (lower: sooner)
 
     def start(self, source: Parquet) -> asyncio.Task[Any]:
         """Begin the read (once), on the running loop."""
@@ -199,6 +202,7 @@ class Parquet:
         self._cached: tuple[int, np.ndarray] | None = None
         self._live: dict[int, RowGroup] = {}
         self._reads: set[asyncio.Task[Any]] = set()  # row groups being read
+        self._turns: tuple[asyncio.AbstractEventLoop, _Turns] | None = None
         self._counts = {"row_groups_read": 0, "bytes_read": 0}
 
     # -- footers and row groups ---------------------------------------------------------------------
@@ -244,10 +248,22 @@ class Parquet:
         pieces = None
         if store.path is None:  # remote: the chunks first; a local file is read by pyarrow
             pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
-        value, group.nbytes = await asyncio.to_thread(self._decode, meta, rg, pieces, store.path)
+        async with self._decode_turns().turn(group.order):
+            value, group.nbytes = await asyncio.to_thread(
+                self._decode, meta, rg, pieces, store.path
+            )
         self._counts["row_groups_read"] += 1
         self._counts["bytes_read"] += sum(n for _, n in meta.ranges(rg, self._leaves[file]))
         return value
+
+    def _decode_turns(self) -> _Turns:
+        """This loop's decode turns: one decode per core at a time, the row group needed first
+        going first (row groups read ahead arrive together; decoded all at once, each would take
+        as long as all of them, and the first batch would wait for the last of them)."""
+        loop = asyncio.get_running_loop()
+        if self._turns is None or self._turns[0] is not loop:
+            self._turns = (loop, _Turns(_cores()))
+        return self._turns[1]
 
     def _decode(
         self, meta: FileMeta, rg: int, pieces: list[tuple[int, bytes]] | None, path: Path | None
@@ -411,12 +427,17 @@ class _Ahead:
 
     def __init__(self, source: Parquet, groups: np.ndarray) -> None:
         self.source = source
-        at = np.flatnonzero(groups >= 0)  # the positions to read for (-1: skipped)
-        uniq, first_i = np.unique(groups[at], return_index=True)
-        _, last_rev = np.unique(groups[at][::-1], return_index=True)
-        last = at[len(at) - 1 - last_rev]
+        # runs of one row group (-1: skipped positions), found in one pass: far fewer than rows
+        starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
+        stops = np.append(starts[1:], len(groups)) - 1  # each run's last position
+        values = groups[starts]
+        keep = values >= 0
+        starts, stops, values = starts[keep], stops[keep], values[keep]
+        uniq, first_i = np.unique(values, return_index=True)
+        _, last_rev = np.unique(values[::-1], return_index=True)
+        last = stops[len(stops) - 1 - last_rev]
         self.last = dict(zip(uniq.tolist(), last.tolist(), strict=True))
-        first = at[first_i]
+        first = starts[first_i]
         self.first = first[np.argsort(first)]  # first positions, in the order first needed
         self.need = uniq[np.argsort(first)].tolist()  # row groups in that order
         self.pinned: dict[int, RowGroup] = {}
@@ -430,6 +451,7 @@ class _Ahead:
         while self.next < len(self.need) and (self.next < reached or self._room(reached)):
             g = self.need[self.next]
             group = self.pinned[g] = self.source.group(g)
+            group.order = self.next
             heapq.heappush(self.ends, (self.last[g], g))
             with contextlib.suppress(RuntimeError):  # no running loop: read when fetched
                 group.start(self.source)
@@ -464,13 +486,58 @@ class _Ahead:
         self.ends.clear()
 
 
+class _Turns:
+    """At most `n` holders at once; waiters are let in lowest `order` first."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrived = itertools.count()  # equal orders: first come, first served
+
+    @contextlib.asynccontextmanager
+    async def turn(self, order: int) -> AsyncIterator[None]:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (order, next(self._arrived), fut))
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():  # handed a turn as it was cancelled
+                    self._release()
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            fut = heapq.heappop(self._waiting)[2]
+            if not fut.done():  # else: its waiter was cancelled
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
     """`rows` of `table`: a slice when they run in order, else a gather."""
     import pyarrow as pa
 
     n = len(rows)
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool(np.all(np.diff(rows) == 1))):
-        return table.slice(int(rows[0]), n)
+    if n and int(rows[-1]) - int(rows[0]) == n - 1:
+        # a sample's rows are distinct: n of them spanning n places are a run, in order when
+        # each is above the one before
+        if n < 3 or bool((rows[1:] > rows[:-1]).all()):
+            return table.slice(int(rows[0]), n)
     return table.take(pa.array(rows))
 
 
