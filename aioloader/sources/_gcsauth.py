@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime as dt
-import hashlib
-import hmac
 import json
 import os
 import ssl as _ssl
@@ -32,11 +30,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote, urlencode, urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import aiohttp
 
 from ._body import Failure, failure_from
+from ._sigv4 import V4Names, sign_v4
 
 __all__ = [
     "GOOG4",
@@ -47,10 +46,8 @@ __all__ = [
     "Found",
     "HmacSigner",
     "Tokens",
-    "V4Names",
     "find_credentials",
     "parse_gs_url",
-    "sign_v4",
 ]
 
 SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
@@ -60,7 +57,6 @@ REFRESH_MARGIN_S = 225.0  # refresh a token this long before it expires
 JWT_LIFETIME_S = 3600
 TOKEN_TIMEOUT_S = 30.0  # one token request, connect to last byte
 _ERROR_TEXT_MAX = 300
-_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _METADATA_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
 
 
@@ -450,70 +446,10 @@ class Bearer:
         return headers if token is None else {**headers, "Authorization": f"Bearer {token}"}
 
 
-# -- HMAC keys: V4 signatures -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class V4Names:
-    """The names a V4 signature uses: Google's (`GOOG4`) or the same algorithm's original ones."""
-
-    algorithm: str
-    key_prefix: str
-    terminator: str
-    header_prefix: str
-    service: str
-    region: str
+# -- HMAC keys: V4 signatures (`_sigv4.py`) with Google's names ---------------------------------
 
 
 GOOG4 = V4Names("GOOG4-HMAC-SHA256", "GOOG4", "goog4_request", "x-goog", "storage", "auto")
-
-
-def _canonical_query(query: str) -> str:
-    pairs = []
-    for pair in query.split("&") if query else []:
-        name, _, value = pair.partition("=")
-        pairs.append((quote(unquote(name), safe="-_.~"), quote(unquote(value), safe="-_.~")))
-    return "&".join(f"{n}={v}" for n, v in sorted(pairs))
-
-
-def sign_v4(
-    names: V4Names,
-    access_id: str,
-    secret: str,
-    method: str,
-    url: str,
-    headers: Mapping[str, str],
-    now: dt.datetime,
-) -> dict[str, str]:
-    """`headers` plus the date, payload hash and Authorization headers of a V4 signature.
-
-    The request has no body (its payload hash is that of b""); every header given is signed, with
-    the host (the URL's, as both engines send it). The path is signed as the URL has it (encoded).
-    """
-    parts = urlsplit(url)
-    stamp = now.strftime("%Y%m%dT%H%M%SZ")
-    out = {**headers, f"{names.header_prefix}-date": stamp,
-           f"{names.header_prefix}-content-sha256": _EMPTY_SHA256}  # fmt: skip
-    signed = {k.lower(): " ".join(str(v).split()) for k, v in out.items()}
-    signed["host"] = parts.netloc.rpartition("@")[2]
-    names_signed = ";".join(sorted(signed))
-    canonical = "\n".join([
-        method, parts.path or "/", _canonical_query(parts.query),
-        "".join(f"{k}:{signed[k]}\n" for k in sorted(signed)), names_signed, _EMPTY_SHA256,
-    ])  # fmt: skip
-    scope = f"{stamp[:8]}/{names.region}/{names.service}/{names.terminator}"
-    to_sign = "\n".join(
-        [names.algorithm, stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()]
-    )
-    key = f"{names.key_prefix}{secret}".encode()
-    for part in (stamp[:8], names.region, names.service, names.terminator):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    out["Authorization"] = (
-        f"{names.algorithm} Credential={access_id}/{scope}, SignedHeaders={names_signed}, "
-        f"Signature={signature}"
-    )
-    return out
 
 
 class HmacSigner:

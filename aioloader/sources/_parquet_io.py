@@ -39,6 +39,7 @@ __all__ = [
     "store_for",
 ]
 
+Bytes = bytes | bytearray | memoryview  # a piece of a file: as read, received, or a view of it
 FOOTER_GUESS = 64 << 10  # bytes asked for a footer; a longer one costs a second request
 _MAGIC = b"PAR1"
 
@@ -86,16 +87,17 @@ class Store:
             return bytes(body), size
         return await asyncio.to_thread(self._local_tail, length)
 
-    async def read(self, offset: int, length: int) -> bytes | bytearray | memoryview:
+    async def read(self, offset: int, length: int) -> Bytes:
         """Bytes [offset, offset + length) (a remote body as received: not copied). The fast
         engine receives it into a recycled buffer of a size class (`_landing`): chunk ranges
         are of every length, and a fresh buffer each time pays a page fault per 4 KiB."""
         if self._remote is not None:
             token = landing.set(_landing(length))
             try:
-                return await self._remote.transport.get(
+                body: Bytes = await self._remote.transport.get(
                     self._remote_url, key=self.label, offset=offset, length=length
                 )
+                return body
             finally:
                 landing.reset(token)
         return await asyncio.to_thread(self._local_read, offset, length)
@@ -199,6 +201,7 @@ def coalesce(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 async def read_footer(store: Store) -> FileMeta:
     """The footer of `store`'s file: one request, or two when it is longer than `FOOTER_GUESS`."""
+    tail: Bytes
     tail, size = await store.tail(FOOTER_GUESS)
     if size < 12 or tail[-4:] != _MAGIC:
         raise ParquetError(
@@ -227,13 +230,13 @@ async def read_footer(store: Store) -> FileMeta:
 
 async def fetch_row_group(
     store: Store, meta: FileMeta, row_group: int, leaves: Sequence[int]
-) -> list[tuple[int, bytes]]:
+) -> list[tuple[int, Bytes]]:
     """The column-chunk bytes of `row_group` for `leaves`, as (offset, bytes) pieces; those in
     the tail read with the footer come from there."""
     ranges = meta.ranges(row_group, leaves)
     held = meta.size - len(meta.tail)
 
-    async def read(offset: int, n: int) -> bytes | bytearray:
+    async def read(offset: int, n: int) -> Bytes:
         if offset >= held:
             return meta.tail[offset - held : offset - held + n]
         return await store.read(offset, n)
@@ -255,7 +258,7 @@ class _Pieces:
     A read returns a view of a piece, not a copy; `pieces` may be replaced between reads (one
     reader serves a file's row groups one after the other)."""
 
-    def __init__(self, pieces: list[tuple[int, bytes]], size: int) -> None:
+    def __init__(self, pieces: list[tuple[int, Bytes]], size: int) -> None:
         self.pieces = pieces
         self._size = size
         self._pos = 0
@@ -292,13 +295,12 @@ class _Pieces:
 
 def decode_row_group(
     meta: FileMeta, row_group: int, columns: Sequence[str] | None,
-    pieces: list[tuple[int, bytes]] | None, path: Path | None = None,
+    pieces: list[tuple[int, Bytes]] | None, path: Path | None = None,
 ) -> pa.Table:  # fmt: skip
     """Row group `row_group` of the chosen `columns`, decoded from its fetched `pieces`, or read by
     pyarrow from the local file `path` (run in a thread: pyarrow releases the GIL). A page that does
     not decode raises ParquetError naming the file and the row group."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     held: _Pieces | None = None
     try:

@@ -30,6 +30,7 @@ import numpy as np
 from .._util.ranges import Ranges
 from .._util.validate import check_int
 from ._parquet_io import (
+    Bytes,
     FileMeta,
     ParquetError,
     decode_row_group,
@@ -266,7 +267,7 @@ class Parquet:
         return self._turns[1]
 
     def _decode(
-        self, meta: FileMeta, rg: int, pieces: list[tuple[int, bytes]] | None, path: Path | None
+        self, meta: FileMeta, rg: int, pieces: list[tuple[int, Bytes]] | None, path: Path | None
     ) -> tuple[Any, int]:
         table = decode_row_group(meta, rg, self.columns, pieces, path)
         if self.rows_per_sample is not None:
@@ -533,11 +534,11 @@ def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
     import pyarrow as pa
 
     n = len(rows)
-    if n and int(rows[-1]) - int(rows[0]) == n - 1:
-        # a sample's rows are distinct: n of them spanning n places are a run, in order when
-        # each is above the one before
-        if n < 3 or bool((rows[1:] > rows[:-1]).all()):
-            return table.slice(int(rows[0]), n)
+    # a sample's rows are distinct: n of them spanning n places are a run, in order when each is
+    # above the one before
+    run = n and int(rows[-1]) - int(rows[0]) == n - 1
+    if run and (n < 3 or bool((rows[1:] > rows[:-1]).all())):
+        return table.slice(int(rows[0]), n)
     return table.take(pa.array(rows))
 
 
