@@ -441,3 +441,28 @@ def test_endpoint_precedence_among_the_settings(
     monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
     assert base() == "https://s3.us-east-1.amazonaws.com/b/"  # AWS
     assert base(endpoint_url="http://arg.test:5") == "http://arg.test:5/b/"
+
+
+def test_signer_matches_botocore_with_a_session_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The S3 signer's headers are botocore's for the same request and time, a session token
+    (temporary credentials) sent and signed."""
+    import datetime as dt
+    import types
+
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    from aioloader.sources import _s3auth
+
+    url = "http://127.0.0.1:9000/bkt/a%20b.bin"
+    request = AWSRequest(method="GET", url=url, headers={"Range": "bytes=0-9"})
+    S3SigV4Auth(Credentials("AK", "SK", "TOKEN"), "s3", "eu-west-1").add_auth(request)
+    when = dt.datetime.strptime(request.headers["X-Amz-Date"], "%Y%m%dT%H%M%SZ")
+    clock = types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda tz: when), UTC=dt.UTC)
+    monkeypatch.setattr(_s3auth, "dt", clock)
+    signer = _s3auth.Signer(("AK", "SK", "TOKEN"), region="eu-west-1")
+    ours = signer("GET", url, {"Range": "bytes=0-9"})
+    assert ours["X-Amz-Security-Token"] == "TOKEN"
+    assert ours["Authorization"] == request.headers["Authorization"]
+    assert "x-amz-security-token" in ours["Authorization"]
