@@ -2,7 +2,9 @@
 
 One `LoopThread` per loader runs an event loop (uvloop when installed) on a daemon thread named
 "aioloader-loop". The consumer's thread submits coroutines to it and waits on their futures; that wait
-is interruptible (KeyboardInterrupt lands in the consumer, which then closes the epoch).
+is interruptible (KeyboardInterrupt lands in the consumer, which then closes the epoch). `run`, the
+wait of every `for` step, hands its result over with a lock of its own rather than a
+`concurrent.futures.Future` and its chained callbacks: half the CPU of a step's hand-over.
 Every live loop thread is stopped before the interpreter joins its threads at exit.
 """
 
@@ -14,7 +16,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from .._exceptions import LoaderClosedError, LoaderTimeout
 from .._util.loops import new_event_loop
@@ -45,6 +47,7 @@ class LoopThread:
         # Futures handed out by `submit`: those still pending when the loop ends are cancelled, so
         # that a coroutine submitted while the loop was stopping never leaves its waiter hanging.
         self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
+        self._waits: set[_Wait] = set()  # `run` calls waiting, likewise released when the loop ends
         self._submit_lock = threading.Lock()
         self._ended = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -77,8 +80,12 @@ class LoopThread:
             with self._submit_lock:
                 self._ended = True
                 pending = [f for f in self._futures if not f.done()]
+                waits, self._waits = self._waits, set()
             for future in pending:
                 future.cancel()
+            for wait in waits:
+                wait.cancelled = True
+                wait.done.release()
 
     @property
     def alive(self) -> bool:
@@ -107,19 +114,51 @@ class LoopThread:
         """Run `coro` on the loop and block until it ends.
 
         Raises `LoaderTimeout` (a TimeoutError) when `timeout` passes first; a TimeoutError that
-        `coro` itself raises comes through as it is.
+        `coro` itself raises comes through as it is; `concurrent.futures.CancelledError` when the
+        loop ends first. Raises `LoaderClosedError` once the loop has been stopped and closed.
         """
-        future = self.submit(coro)
+        wait = _Wait()
+
+        def start() -> None:  # on the loop
+            wait.task = self.loop.create_task(coro)
+            wait.task.add_done_callback(finish)
+
+        def finish(task: asyncio.Task[T]) -> None:  # on the loop
+            with self._submit_lock:
+                if wait not in self._waits:  # released already: the loop is ending
+                    return
+                self._waits.discard(wait)
+            if task.cancelled():
+                wait.cancelled = True
+            elif task.exception() is not None:
+                wait.error = task.exception()
+            else:
+                wait.value = task.result()
+            wait.done.release()
+
+        with self._submit_lock:
+            try:
+                if self._ended:
+                    raise RuntimeError("ended")
+                self.loop.call_soon_threadsafe(start)
+            except RuntimeError:  # the loop is closed: close `coro` so it is not left unawaited
+                coro.close()
+                raise LoaderClosedError("the loader's event loop thread was stopped") from None
+            self._waits.add(wait)
         try:
-            return future.result(timeout)
-        except TimeoutError:
-            if future.done() and not future.cancelled():
-                raise  # the coroutine's own
-            future.cancel()
-            raise LoaderTimeout(f"no result within timeout={timeout} s") from None
-        except BaseException:
-            future.cancel()
+            if not wait.done.acquire(timeout=-1 if timeout is None else timeout):
+                self.call_soon(wait.cancel)
+                raise LoaderTimeout(f"no result within timeout={timeout} s")
+        except LoaderTimeout:
             raise
+        except BaseException:  # KeyboardInterrupt in the wait: the coroutine is not needed
+            self.call_soon(wait.cancel)
+            raise
+        if wait.cancelled:
+            raise concurrent.futures.CancelledError()
+        if wait.error is not None:
+            raise wait.error
+        return cast(T, wait.value)
 
     def call_soon(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the loop soon; a no-op once the loop has stopped."""
@@ -133,6 +172,24 @@ class LoopThread:
         if not self.in_loop_thread():
             self._thread.join(timeout)
         _live.discard(self)
+
+
+class _Wait:
+    """One `run` call: its task, and what it ended with, handed over under the `done` lock."""
+
+    __slots__ = ("cancelled", "done", "error", "task", "value")
+
+    def __init__(self) -> None:
+        self.done = threading.Lock()
+        self.done.acquire()  # released once the outcome is in
+        self.task: asyncio.Task[Any] | None = None
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+
+    def cancel(self) -> None:  # on the loop, after `start` (callbacks run in order)
+        if self.task is not None:
+            self.task.cancel()
 
 
 def _stop_all() -> None:

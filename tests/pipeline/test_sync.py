@@ -32,9 +32,14 @@ def plain(key: int) -> int:
 
 
 def main_thread_waits_for_aioloader() -> bool:
-    """The main thread is blocked on a lock or condition, called from inside aioloader."""
+    """The main thread is blocked on a lock or condition, called from inside aioloader (the loop
+    thread's `run` waits on its lock directly: that frame is the innermost)."""
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    if frame is None or frame.f_code.co_name not in {"wait", "acquire"}:
+    if frame is None:
+        return False
+    if frame.f_code.co_name == "run" and frame.f_code.co_filename.endswith("handover.py"):
+        return True
+    if frame.f_code.co_name not in {"wait", "acquire"}:
         return False
     while frame is not None:
         if "aioloader" in frame.f_code.co_filename:
