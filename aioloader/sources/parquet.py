@@ -11,6 +11,11 @@ are `RowRef`s (one row) or `RowsRef`s (`rows_per_sample` rows) that name their r
 `fetch` turns one into its sample. A row group is held while the order has rows of it to hand out and
 while any sample of it is in flight; at most `row_groups_in_flight` are read ahead of the rows handed
 out, fewer when their decoded bytes would pass half of the loader's `max_bytes_in_flight`.
+
+From its second epoch on, a reader that has asked for every row group of its epoch reads the first
+row groups of the next epoch (as a fresh epoch of this reader would begin it) in the room left,
+so that the next epoch's first batch does not wait for a request and its decode; they are kept for
+that epoch alone, and dropped when another epoch, or another event loop, comes next.
 """
 
 from __future__ import annotations
@@ -200,10 +205,15 @@ class Parquet:
         self.metas: list[FileMeta] = _run(self._footers())
         self._index_row_groups()
         self._epoch = 0
-        self._cached: tuple[int, np.ndarray] | None = None
         self._live: dict[int, RowGroup] = {}
         self._reads: set[asyncio.Task[Any]] = set()  # row groups being read
         self._turns: tuple[asyncio.AbstractEventLoop, _Turns] | None = None
+        self._orders: dict[int, np.ndarray] = {}  # the epochs' orders: this one's and the next's
+        self._drop_last = False  # as the loader last asked for this reader's share
+        self._walks = 0  # walks begun over this source (early reads begin with the second)
+        self._early_for = -1  # the epoch `_early` was read for
+        self._early: dict[int, RowGroup] = {}  # its first row groups, read while the last ended
+        self._early_plan: list[int] = []  # the row groups `_early` is filled from, in order
         self._counts = {"row_groups_read": 0, "bytes_read": 0}
 
     # -- footers and row groups ---------------------------------------------------------------------
@@ -300,11 +310,14 @@ class Parquet:
         return _AllRows(self)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The global row numbers of the epoch, in its order (kept for the last epoch asked)."""
-        if self._cached is None or self._cached[0] != epoch:
+        """The global row numbers of the epoch, in its order (kept for the last two epochs asked)."""
+        order = self._orders.get(epoch)
+        if order is None:
             order = epoch_rows(self.row_counts, self.shuffle, self.shuffle_buffer, self.seed, epoch)
-            self._cached = (epoch, order)
-        return self._cached[1]
+            if len(self._orders) >= 2:
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = order
+        return order
 
     def share(
         self, consumed: Ranges, drop_last: bool = False, slot: int | None = None,
@@ -313,6 +326,8 @@ class Parquet:
         """Indices into the epoch's order that reader `slot` of `slots` (default: this one)
         delivers, once the indices in `consumed` are taken out."""
         left = remaining(consumed, self.num_rows)
+        if slot is None:
+            self._drop_last = drop_last
         slot = self.slot if slot is None else slot
         return share(left, slot, self.slots if slots is None else slots, drop_last)
 
@@ -329,14 +344,16 @@ class Parquet:
         samples were delivered before a resume: their keys come, but nothing is read for them."""
         rows = self.epoch_order(epoch)[mine]
         skip = np.zeros(len(rows), bool) if skipped is None else skipped
-        return self._walk(mine, rows, skip)
+        return self._walk(epoch, mine, rows, skip)
 
     def _walk(
-        self, mine: np.ndarray, rows: np.ndarray, skipped: np.ndarray
+        self, epoch: int, mine: np.ndarray, rows: np.ndarray, skipped: np.ndarray
     ) -> Generator[tuple[int, RowRef | RowsRef], None, None]:
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         local = rows - self._starts[groups]
-        ahead = _Ahead(self, np.where(skipped, -1, groups))
+        self._claim_early(epoch)
+        ahead = _Ahead(self, np.where(skipped, -1, groups), epoch, self._walks > 0)
+        self._walks += 1
         k = self.rows_per_sample or 1
         try:
             for a in range(0, len(rows), k):
@@ -368,11 +385,52 @@ class Parquet:
         return RowsRef(parts, where)
 
     def group(self, index: int) -> RowGroup:
-        """The row group `index` while anything holds it, else a new one (not read yet)."""
+        """The row group `index` while anything holds it (or read early for this epoch), else a
+        new one (not read yet)."""
         group = self._live.get(index)
         if group is None:
-            group = self._live[index] = RowGroup(index)
+            group = self._early.pop(index, None) or RowGroup(index)
+            self._live[index] = group
         return group
+
+    # -- the next epoch's first row groups -----------------------------------------------------
+
+    def _claim_early(self, epoch: int) -> None:
+        """A walk over `epoch` begins: keep the early reads only if they are for it, on this loop."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        tasks = [g.task for g in self._early.values() if g.task is not None]
+        if self._early_for != epoch or any(t.get_loop() is not loop for t in tasks):
+            self._early.clear()  # dropped: a read still going is cancelled (`RowGroup.__del__`)
+
+    def _read_early(self, epoch: int, room: int, order: int) -> None:
+        """Read the first row groups of `epoch`, this reader's fresh share of it, up to `room`
+        of them (`order`: where their decodes queue, after this epoch's)."""
+        if self._early_for != epoch:
+            self._early.clear()
+            self._early_for = epoch
+            plan = self._early_plan = self._first_groups(epoch)
+        else:
+            plan = self._early_plan
+        for g in plan:
+            if len(self._early) >= room:
+                return
+            if g in self._early:
+                continue
+            group = self._early[g] = self._live.get(g) or RowGroup(g)
+            group.order = order + len(self._early)
+            with contextlib.suppress(RuntimeError):  # no running loop: read when fetched
+                group.start(self)
+
+    def _first_groups(self, epoch: int) -> list[int]:
+        """The first `row_groups_in_flight` row groups a fresh walk of `epoch` will need."""
+        mine = share(np.arange(self.num_rows), self.slot, self.slots, self._drop_last)
+        most = max(self.row_counts, default=0) * (self.row_groups_in_flight + 1)
+        rows = self.epoch_order(epoch)[mine[:most]]
+        groups = np.searchsorted(self._starts, rows, side="right") - 1
+        return list(dict.fromkeys(groups.tolist()))[: self.row_groups_in_flight]
 
     # -- samples -------------------------------------------------------------------------------------
 
@@ -418,6 +476,7 @@ class Parquet:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._live.clear()
+        self._early.clear()
         for remote in self._remotes.values():
             await remote.aclose()
 
@@ -426,8 +485,10 @@ class _Ahead:
     """The row groups one walk over an epoch holds: those it has handed rows of out and will hand
     out more of, and up to `row_groups_in_flight` read ahead of that (in the order first needed)."""
 
-    def __init__(self, source: Parquet, groups: np.ndarray) -> None:
+    def __init__(self, source: Parquet, groups: np.ndarray, epoch: int, early: bool) -> None:
         self.source = source
+        self.epoch = epoch
+        self.early = early  # read the next epoch's first row groups once this one's are asked for
         # runs of one row group (-1: skipped positions), found in one pass: far fewer than rows
         starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
         stops = np.append(starts[1:], len(groups)) - 1  # each run's last position
@@ -460,6 +521,19 @@ class _Ahead:
         while self.ends and self.ends[0][0] < a:
             _, g = heapq.heappop(self.ends)
             self._let_go(g)
+        if self.early and self.next == len(self.need):
+            ahead = max(0, self.next - reached)
+            self.source._read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
+
+    def _early_room(self, ahead: int) -> int:
+        """How many of the next epoch's row groups may be read now, `ahead` of this one's being
+        read ahead of the rows handed out."""
+        room = self.source.row_groups_in_flight - ahead
+        limit = self.source.max_bytes_ahead
+        sizes = [g.nbytes for g in self.pinned.values() if g.nbytes]
+        if limit is not None and sizes:
+            room = min(room, int(limit * len(sizes) / sum(sizes)) - ahead)
+        return max(0, room)
 
     def _room(self, reached: int) -> bool:
         """Whether one more row group may be read ahead."""

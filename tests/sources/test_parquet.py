@@ -467,3 +467,50 @@ def test_gs_and_az(gcs_server: GcsServer, azurite: AzuriteServer, files: list[st
                  azure_options={"connection_string": azurite.connection_string()})  # fmt: skip
     assert rows_of(az) == expected(files, columns)
     assert az.stats()["requests"] > len(files)  # footers, then column chunks
+
+
+def test_next_epochs_first_row_groups_are_read_while_an_epoch_ends(files: list[str]) -> None:
+    """From the second epoch on, the next epoch's first row groups are read before it begins, and
+    that epoch uses them (each of its row groups read once); the batches are those of a source
+    that never reads early, epoch after epoch, also when another event loop iterates next."""
+
+    def epochs(source: Parquet, n: int) -> list[list[list[int]]]:
+        with Loader(source, batch_size=16, collate=None, seed=3) as ld:
+            return [[[int(s["id"]) for s in b] for b in ld] for _ in range(n)]
+
+    groups = 8  # files[0]: 500 rows in row groups of 64
+    want = epochs(parquet(files[:1], ["id"], row_groups_in_flight=2), 4)
+    source = parquet(files[:1], ["id"], row_groups_in_flight=2)
+    now = [0]
+    # (the epoch a row group is read for, the row group, the epoch running when it was asked for)
+    loads: list[tuple[int, int, int]] = []
+    load = source._load
+
+    def logged(group: Any) -> Any:
+        early = source._early.get(group.index) is group
+        loads.append((source._early_for if early else now[0], group.index, now[0]))
+        return load(group)
+
+    source._load = logged  # type: ignore[method-assign]
+    got: list[list[list[int]]] = []
+    with Loader(source, batch_size=16, collate=None, seed=3) as ld:
+        for epoch in range(3):
+            now[0] = epoch
+            got.append([[int(s["id"]) for s in b] for b in ld])
+            if epoch == 0:  # the first epoch does not read ahead of the next
+                assert all(e == 0 for e, _, _ in loads)
+        for epoch in range(3):
+            read = collections.Counter(g for e, g, _ in loads if e == epoch)
+            assert set(read.values()) == {1}, epoch  # none read twice for one epoch
+            # all read for it, but a row group the last epoch still held when it read early
+            assert len(read) >= groups - 2, epoch
+        assert [g for e, g, at in loads if e == 2 and at == 1]  # read early for epoch 2
+        assert 1 <= len([g for e, g, _ in loads if e == 3]) <= 2  # row_groups_in_flight at most
+
+        async def fourth() -> list[list[int]]:  # another loop: the early reads are not its
+            now[0] = 3
+            return [[int(s["id"]) for s in b] async for b in ld]
+
+        got.append(asyncio.run(fourth()))
+    assert got == want
+    assert sorted(i for b in got[3] for i in b) == list(range(500))
