@@ -49,8 +49,9 @@ def mix(
 
     Args:
         sources_or_loaders: the inputs, as a list or as a {name: input} mapping. Each is a `Source`
-            (`sources.files`, `sources.s3`, `sources.tar_shards`, ...), a map-style dataset, a list
-            of samples, or an iterable or async iterable of samples (an IterableDataset). Or all of
+            (`sources.files`, `sources.s3`, `sources.tar_shards`, `sources.parquet`, ...), a
+            map-style dataset, a list of samples, or an iterable or async iterable of samples (an
+            IterableDataset). Or all of
             them `Loader`s: their items (batches, or samples when unbatched) are then mixed whole.
         weights: one non-negative number per input (or {name: weight}), not all zero; position `p`
             of an epoch draws input `i` with probability `weights[i] / sum(weights)`.

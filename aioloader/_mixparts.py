@@ -28,6 +28,7 @@ from torch.utils.data import Sampler
 
 from ._arguments import is_map_style
 from ._exceptions import FetchError
+from ._pipeline.ordered import OrdersItself
 from ._resume.state import keys_digest
 from ._util.loops import is_async_callable
 from ._util.threads import LazyThreadPool
@@ -273,6 +274,10 @@ def make_part(
     """The part for one input: a Source, a map-style dataset, a sequence or an iterable of samples."""
     if isinstance(obj, str | bytes) or obj is None:
         raise TypeError(f"{name}: expected a source, a dataset or samples, got {obj!r}")
+    if isinstance(obj, OrdersItself) and isinstance(obj, AsyncIterable):
+        # sources.parquet: its own order, its rows read by row group; each pass one epoch of it
+        stream: AsyncIterable[Any] = obj
+        return Streamed(name, lambda: stream, None, threads, obj)
     if isinstance(obj, Source):
         keys = obj.keys()
         part: Part
