@@ -12,11 +12,17 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def run_benchmark(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark script; a failure shows what it printed, its traceback included."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    assert out.returncode == 0, f"{cmd[1]} exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
+    return out
+
+
 def test_stats_overhead_runs_both_workloads_and_ends_with_its_json() -> None:
     # Quick and small: it starts the benchmarks' object server, as remote.py and autotune.py do.
-    out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "stats_overhead.py"), "--quick", "--repeats", "1"],
-        capture_output=True, text=True, timeout=120, check=True,
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "stats_overhead.py"), "--quick", "--repeats", "1"], 120
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["workload"] == "stats_overhead"
@@ -27,10 +33,9 @@ def test_stats_overhead_runs_both_workloads_and_ends_with_its_json() -> None:
 
 def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
     # One workload at one worker count: two fresh interpreters, a few batches each.
-    out = subprocess.run(
+    out = run_benchmark(
         [sys.executable, str(BENCHMARKS / "dropin.py"), "--quick", "--workloads", "b",
-         "--workers", "2"],
-        capture_output=True, text=True, timeout=180, check=True,
+         "--workers", "2"], 180
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     b = summary["b"]
@@ -40,9 +45,8 @@ def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
 
 
 def test_mix_runs_both_sides_and_ends_with_its_json() -> None:
-    out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "mix.py"), "--quick", "--repeats", "1", "--no-w2"],
-        capture_output=True, text=True, timeout=120, check=True,
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "mix.py"), "--quick", "--repeats", "1", "--no-w2"], 120
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["workload"] == "mix"
@@ -53,10 +57,9 @@ def test_mix_runs_both_sides_and_ends_with_its_json() -> None:
 
 def test_cloud_azure_runs_torch_with_the_sdk_and_aioloader_through_azurite() -> None:
     # A small set, no client comparison: Azurite, the latency proxy, torch's 8 workers and two loaders.
-    out = subprocess.run(
+    out = run_benchmark(
         [sys.executable, str(BENCHMARKS / "cloud_azure.py"), "--quick", "--objects", "64",
-         "--no-clients"],
-        capture_output=True, text=True, timeout=180, check=True,
+         "--no-clients"], 180
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     if "skipped" in summary:
@@ -74,10 +77,9 @@ def test_cloud_azure_runs_torch_with_the_sdk_and_aioloader_through_azurite() -> 
 
 def test_cache_serves_the_cached_epochs_without_a_request() -> None:
     # A few objects and shards: the GET counts, not the speed, are checked here.
-    out = subprocess.run(
+    out = run_benchmark(
         [sys.executable, str(BENCHMARKS / "cache.py"), "--quick", "--objects", "64",
-         "--shards", "4"],
-        capture_output=True, text=True, timeout=180, check=True,
+         "--shards", "4"], 180
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["workload"] == "cache"
@@ -88,9 +90,8 @@ def test_cache_serves_the_cached_epochs_without_a_request() -> None:
 
 def test_cloud_gcs_runs_torch_and_aioloader_against_the_emulator() -> None:
     # W7's GCS row, small: fake-gcs-server behind the 20 ms relay, every contender one pass each.
-    out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "cloud_gcs.py"), "--quick", "--objects", "96"],
-        capture_output=True, text=True, timeout=180, check=True,
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "cloud_gcs.py"), "--quick", "--objects", "96"], 180
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["workload"] == "cloud_gcs"
