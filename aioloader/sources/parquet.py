@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from .._util.ranges import Ranges
+from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
 from ._parquet_io import (
     Bytes,
@@ -208,7 +209,15 @@ class Parquet:
         self._live: dict[int, RowGroup] = {}
         self._reads: set[asyncio.Task[Any]] = set()  # row groups being read
         self._turns: tuple[asyncio.AbstractEventLoop, _Turns] | None = None
+        # the decodes' threads, one per core: always the same few, so pyarrow's allocator keeps
+        # reusing their heaps (a new thread's heap starts in fresh memory)
+        self._decoders = LazyThreadPool(_cores(), "aioloader-parquet", grow_after=0)
         self._orders: dict[int, np.ndarray] = {}  # the epochs' orders: this one's and the next's
+        self._all_rows = np.arange(self.num_rows)  # a fresh epoch's indices (shares are views)
+        self._all_rows.setflags(write=False)
+        # the last walk's placement of a fresh share: (order, span, groups, local, runs)
+        self._placed_last: tuple[np.ndarray, tuple[int, int], np.ndarray, np.ndarray, _Runs] | None
+        self._placed_last = None
         self._drop_last = False  # as the loader last asked for this reader's share
         self._walks = 0  # walks begun over this source (early reads begin with the second)
         self._early_for = -1  # the epoch `_early` was read for
@@ -260,7 +269,7 @@ class Parquet:
         if store.path is None:  # remote: the chunks first; a local file is read by pyarrow
             pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
         async with self._decode_turns().turn(group.order):
-            value, group.nbytes = await asyncio.to_thread(
+            value, group.nbytes = await self._decoders.run(
                 self._decode, meta, rg, pieces, store.path
             )
         self._counts["row_groups_read"] += 1
@@ -311,9 +320,11 @@ class Parquet:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The global row numbers of the epoch, in its order (kept for the last two epochs asked)."""
+        epoch = epoch if self.shuffle else 0  # the stored order: every epoch's
         order = self._orders.get(epoch)
         if order is None:
             order = epoch_rows(self.row_counts, self.shuffle, self.shuffle_buffer, self.seed, epoch)
+            order.setflags(write=False)
             if len(self._orders) >= 2:
                 del self._orders[min(self._orders)]
             self._orders[epoch] = order
@@ -325,7 +336,7 @@ class Parquet:
     ) -> np.ndarray:  # fmt: skip
         """Indices into the epoch's order that reader `slot` of `slots` (default: this one)
         delivers, once the indices in `consumed` are taken out."""
-        left = remaining(consumed, self.num_rows)
+        left = remaining(consumed, self.num_rows) if len(consumed) else self._all_rows
         if slot is None:
             self._drop_last = drop_last
         slot = self.slot if slot is None else slot
@@ -342,24 +353,45 @@ class Parquet:
         """(position, key) of each sample of `mine` (indices into the epoch's order), reading
         row groups ahead as they come near. Where `skipped` (a mask over `mine`) is set, the
         samples were delivered before a resume: their keys come, but nothing is read for them."""
-        rows = self.epoch_order(epoch)[mine]
-        skip = np.zeros(len(rows), bool) if skipped is None else skipped
-        return self._walk(epoch, mine, rows, skip)
+        groups, local, runs = self._placed(self.epoch_order(epoch), mine)
+        if skipped is not None:
+            runs = _runs(np.where(skipped, -1, groups))
+        return self._walk(epoch, mine, groups, local, runs, skipped)
 
-    def _walk(
-        self, epoch: int, mine: np.ndarray, rows: np.ndarray, skipped: np.ndarray
-    ) -> Generator[tuple[int, RowRef | RowsRef], None, None]:
+    def _placed(self, order: np.ndarray, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Runs]:
+        """The row group and the row within it of each position of `mine`, and their runs. Kept
+        for the next epoch when it is the same (stored order: epochs differ in nothing), so that
+        a walk over a large set does not make arrays of millions anew each epoch (fresh memory
+        costs a page fault per 4 KiB)."""
+        whole = mine.base is self._all_rows and mine.base is not None and len(mine) > 0
+        span = (int(mine[0]), len(mine)) if whole else None  # a run of a fresh epoch's indices
+        held = self._placed_last
+        if span is not None and held is not None and held[0] is order and held[1] == span:
+            return held[2], held[3], held[4]
+        rows = order[span[0] : span[0] + span[1]] if span is not None else order[mine]
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         local = rows - self._starts[groups]
+        runs = _runs(groups)
+        if span is not None:
+            groups.setflags(write=False)
+            local.setflags(write=False)  # samples hold slices of it, over epochs
+            self._placed_last = (order, span, groups, local, runs)
+        return groups, local, runs
+
+    def _walk(
+        self, epoch: int, mine: np.ndarray, groups: np.ndarray, local: np.ndarray,
+        runs: _Runs, skipped: np.ndarray | None,
+    ) -> Generator[tuple[int, RowRef | RowsRef], None, None]:  # fmt: skip
         self._claim_early(epoch)
-        ahead = _Ahead(self, np.where(skipped, -1, groups), epoch, self._walks > 0)
+        ahead = _Ahead(self, runs, epoch, self._walks > 0)
         self._walks += 1
         k = self.rows_per_sample or 1
         try:
-            for a in range(0, len(rows), k):
-                b = min(len(rows), a + k)
-                get = RowGroup if skipped[a] else ahead.group  # a skipped one is never read
-                if not skipped[a]:
+            for a in range(0, len(groups), k):
+                b = min(len(groups), a + k)
+                skip = skipped is not None and bool(skipped[a])
+                get = RowGroup if skip else ahead.group  # a skipped one is never read
+                if not skip:
                     ahead.reach(a, b)
                 if self.rows_per_sample is None:
                     g = int(groups[a])
@@ -426,7 +458,7 @@ class Parquet:
 
     def _first_groups(self, epoch: int) -> list[int]:
         """The first `row_groups_in_flight` row groups a fresh walk of `epoch` will need."""
-        mine = share(np.arange(self.num_rows), self.slot, self.slots, self._drop_last)
+        mine = share(self._all_rows, self.slot, self.slots, self._drop_last)
         most = max(self.row_counts, default=0) * (self.row_groups_in_flight + 1)
         rows = self.epoch_order(epoch)[mine[:most]]
         groups = np.searchsorted(self._starts, rows, side="right") - 1
@@ -477,31 +509,40 @@ class Parquet:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._live.clear()
         self._early.clear()
+        self._decoders.close()
         for remote in self._remotes.values():
             await remote.aclose()
+
+
+_Runs = tuple[np.ndarray, dict[int, int], list[int]]
+
+
+def _runs(groups: np.ndarray) -> _Runs:
+    """Of the row groups of a walk's positions (-1: skipped): each one's first position, in the
+    order first needed; its last position; the row groups in that order. Found from the runs of
+    one row group, in one pass: there are far fewer runs than rows."""
+    starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
+    stops = np.append(starts[1:], len(groups)) - 1  # each run's last position
+    values = groups[starts]
+    keep = values >= 0
+    starts, stops, values = starts[keep], stops[keep], values[keep]
+    uniq, first_i = np.unique(values, return_index=True)
+    _, last_rev = np.unique(values[::-1], return_index=True)
+    last = stops[len(stops) - 1 - last_rev]
+    first = starts[first_i]
+    order = np.argsort(first)
+    return first[order], dict(zip(uniq.tolist(), last.tolist(), strict=True)), uniq[order].tolist()
 
 
 class _Ahead:
     """The row groups one walk over an epoch holds: those it has handed rows of out and will hand
     out more of, and up to `row_groups_in_flight` read ahead of that (in the order first needed)."""
 
-    def __init__(self, source: Parquet, groups: np.ndarray, epoch: int, early: bool) -> None:
+    def __init__(self, source: Parquet, runs: _Runs, epoch: int, early: bool) -> None:
         self.source = source
         self.epoch = epoch
         self.early = early  # read the next epoch's first row groups once this one's are asked for
-        # runs of one row group (-1: skipped positions), found in one pass: far fewer than rows
-        starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
-        stops = np.append(starts[1:], len(groups)) - 1  # each run's last position
-        values = groups[starts]
-        keep = values >= 0
-        starts, stops, values = starts[keep], stops[keep], values[keep]
-        uniq, first_i = np.unique(values, return_index=True)
-        _, last_rev = np.unique(values[::-1], return_index=True)
-        last = stops[len(stops) - 1 - last_rev]
-        self.last = dict(zip(uniq.tolist(), last.tolist(), strict=True))
-        first = starts[first_i]
-        self.first = first[np.argsort(first)]  # first positions, in the order first needed
-        self.need = uniq[np.argsort(first)].tolist()  # row groups in that order
+        self.first, self.last, self.need = runs
         self.pinned: dict[int, RowGroup] = {}
         self.ends: list[tuple[int, int]] = []  # (last position, row group) of the pinned ones
         self.next = 0  # in `need`: the next to pin
