@@ -392,10 +392,15 @@ def test_tar_shards_mix_and_resume(tmp_path: Path) -> None:
         whole = batches(a)
     tar = [s for b in whole for s in b if isinstance(s, str)]
     assert set(tar) == {f"{s}-{i}" for s in range(3) for i in range(6)}  # each ran out once
-    with loader() as b:
-        head = batches(b, 3)
+    assert_resume_continues(loader, whole, 3)
+
+
+def assert_resume_continues(make: Callable[[], Loader[Any]], whole: list[Any], cut: int) -> None:
+    """A loader stopped after `cut` batches and one resumed from its state give `whole`."""
+    with make() as b:
+        head = batches(b, cut)
         state = b.state_dict()
-    with loader() as c:
+    with make() as c:
         c.load_state_dict(state)
         assert head + batches(c) == whole
 
@@ -649,9 +654,4 @@ def test_parquet_mixes_and_resumes(tmp_path: Path) -> None:
         whole = batches(a)
     rows = [s["id"] for b in whole for s in b if isinstance(s, dict)]
     assert sorted(rows, key=lambda r: int(r[3:])) == [f"pq-{i}" for i in range(80)]
-    with loader() as b:
-        head = batches(b, 4)
-        state = b.state_dict()
-    with loader() as c:
-        c.load_state_dict(state)
-        assert head + batches(c) == whole
+    assert_resume_continues(loader, whole, 4)
