@@ -10,7 +10,8 @@ counts on every rank, `state_dict()` / `load_state_dict()` and elastic resume as
 are `RowRef`s (one row) or `RowsRef`s (`rows_per_sample` rows) that name their row group and rows, and
 `fetch` turns one into its sample. A row group is held while the order has rows of it to hand out and
 while any sample of it is in flight; at most `row_groups_in_flight` are read ahead of the rows handed
-out, fewer when their decoded bytes would pass half of the loader's `max_bytes_in_flight`.
+out, fewer when their decoded bytes would pass half of the loader's `max_bytes_in_flight` (the reads
+and the read-ahead: `_parquet_ahead.py`).
 
 From its second epoch on, a reader that has asked for every row group of its epoch reads the first
 row groups of the next epoch (as a fresh epoch of this reader would begin it) in the room left,
@@ -22,9 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
-import os
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Sequence
 from pathlib import Path
@@ -35,6 +33,7 @@ import numpy as np
 from .._util.ranges import Ranges
 from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
+from ._parquet_ahead import Ahead, RowGroup, Runs, Turns, cores, runs_of
 from ._parquet_io import (
     Bytes,
     FileMeta,
@@ -53,45 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["Parquet", "ParquetError", "RowRef", "RowsRef", "parquet"]
 
 T = TypeVar("T")
-
-
-class RowGroup:
-    """One row group of one file: loading, then loaded; shared by the samples that need it."""
-
-    __slots__ = ("__weakref__", "index", "nbytes", "order", "task")
-
-    def __init__(self, index: int) -> None:
-        self.index = index  # among all the files' row groups
-        self.task: asyncio.Task[Any] | None = None
-        self.nbytes = 0
-        self.order = 0  # when the walk needs it, relative to the others read ahead (lower: sooner)
-
-    def start(self, source: Parquet) -> asyncio.Task[Any]:
-        """Begin the read (once), on the running loop."""
-        if self.task is None:
-            self.task = task = asyncio.get_running_loop().create_task(source._load(self))
-            source._reads.add(task)
-            task.add_done_callback(source._reads.discard)
-            task.add_done_callback(_retrieve)
-        return self.task
-
-    async def value(self, source: Parquet) -> Any:
-        """The decoded row group (a fetch that is cancelled leaves the read to the others)."""
-        task = self.start(source)
-        if task.done():
-            return task.result()
-        return await asyncio.shield(task)
-
-    def __del__(self) -> None:  # nothing needs it any more: stop a read still going
-        task = self.task
-        if task is not None and not task.done():
-            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs
-                task.get_loop().call_soon_threadsafe(task.cancel)
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # read by the fetches that awaited it; a read-ahead nobody took is dropped
 
 
 class RowRef:
@@ -208,15 +168,15 @@ class Parquet:
         self._epoch = 0
         self._live: dict[int, RowGroup] = {}
         self._reads: set[asyncio.Task[Any]] = set()  # row groups being read
-        self._turns: tuple[asyncio.AbstractEventLoop, _Turns] | None = None
+        self._turns: tuple[asyncio.AbstractEventLoop, Turns] | None = None
         # the decodes' threads, one per core: always the same few, so pyarrow's allocator keeps
         # reusing their heaps (a new thread's heap starts in fresh memory)
-        self._decoders = LazyThreadPool(_cores(), "aioloader-parquet", grow_after=0)
+        self._decoders = LazyThreadPool(cores(), "aioloader-parquet", grow_after=0)
         self._orders: dict[int, np.ndarray] = {}  # the epochs' orders: this one's and the next's
         self._all_rows = np.arange(self.num_rows)  # a fresh epoch's indices (shares are views)
         self._all_rows.setflags(write=False)
         # the last walk's placement of a fresh share: (order, span, groups, local, runs)
-        self._placed_last: tuple[np.ndarray, tuple[int, int], np.ndarray, np.ndarray, _Runs] | None
+        self._placed_last: tuple[np.ndarray, tuple[int, int], np.ndarray, np.ndarray, Runs] | None
         self._placed_last = None
         self._drop_last = False  # as the loader last asked for this reader's share
         self._walks = 0  # walks begun over this source (early reads begin with the second)
@@ -276,13 +236,13 @@ class Parquet:
         self._counts["bytes_read"] += sum(n for _, n in meta.ranges(rg, self._leaves[file]))
         return value
 
-    def _decode_turns(self) -> _Turns:
+    def _decode_turns(self) -> Turns:
         """This loop's decode turns: one decode per core at a time, the row group needed first
         going first (row groups read ahead arrive together; decoded all at once, each would take
         as long as all of them, and the first batch would wait for the last of them)."""
         loop = asyncio.get_running_loop()
         if self._turns is None or self._turns[0] is not loop:
-            self._turns = (loop, _Turns(_cores()))
+            self._turns = (loop, Turns(cores()))
         return self._turns[1]
 
     def _decode(
@@ -355,10 +315,10 @@ class Parquet:
         samples were delivered before a resume: their keys come, but nothing is read for them."""
         groups, local, runs = self._placed(self.epoch_order(epoch), mine)
         if skipped is not None:
-            runs = _runs(np.where(skipped, -1, groups))
+            runs = runs_of(np.where(skipped, -1, groups))
         return self._walk(epoch, mine, groups, local, runs, skipped)
 
-    def _placed(self, order: np.ndarray, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Runs]:
+    def _placed(self, order: np.ndarray, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray, Runs]:
         """The row group and the row within it of each position of `mine`, and their runs. Kept
         for the next epoch when it is the same (stored order: epochs differ in nothing), so that
         a walk over a large set does not make arrays of millions anew each epoch (fresh memory
@@ -371,7 +331,7 @@ class Parquet:
         rows = order[span[0] : span[0] + span[1]] if span is not None else order[mine]
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         local = rows - self._starts[groups]
-        runs = _runs(groups)
+        runs = runs_of(groups)
         if span is not None:
             groups.setflags(write=False)
             local.setflags(write=False)  # samples hold slices of it, over epochs
@@ -380,10 +340,10 @@ class Parquet:
 
     def _walk(
         self, epoch: int, mine: np.ndarray, groups: np.ndarray, local: np.ndarray,
-        runs: _Runs, skipped: np.ndarray | None,
+        runs: Runs, skipped: np.ndarray | None,
     ) -> Generator[tuple[int, RowRef | RowsRef], None, None]:  # fmt: skip
         self._claim_early(epoch)
-        ahead = _Ahead(self, runs, epoch, self._walks > 0)
+        ahead = Ahead(self, runs, epoch, self._walks > 0)
         self._walks += 1
         k = self.rows_per_sample or 1
         try:
@@ -512,136 +472,6 @@ class Parquet:
         self._decoders.close()
         for remote in self._remotes.values():
             await remote.aclose()
-
-
-_Runs = tuple[np.ndarray, dict[int, int], list[int]]
-
-
-def _runs(groups: np.ndarray) -> _Runs:
-    """Of the row groups of a walk's positions (-1: skipped): each one's first position, in the
-    order first needed; its last position; the row groups in that order. Found from the runs of
-    one row group, in one pass: there are far fewer runs than rows."""
-    starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
-    stops = np.append(starts[1:], len(groups)) - 1  # each run's last position
-    values = groups[starts]
-    keep = values >= 0
-    starts, stops, values = starts[keep], stops[keep], values[keep]
-    uniq, first_i = np.unique(values, return_index=True)
-    _, last_rev = np.unique(values[::-1], return_index=True)
-    last = stops[len(stops) - 1 - last_rev]
-    first = starts[first_i]
-    order = np.argsort(first)
-    return first[order], dict(zip(uniq.tolist(), last.tolist(), strict=True)), uniq[order].tolist()
-
-
-class _Ahead:
-    """The row groups one walk over an epoch holds: those it has handed rows of out and will hand
-    out more of, and up to `row_groups_in_flight` read ahead of that (in the order first needed)."""
-
-    def __init__(self, source: Parquet, runs: _Runs, epoch: int, early: bool) -> None:
-        self.source = source
-        self.epoch = epoch
-        self.early = early  # read the next epoch's first row groups once this one's are asked for
-        self.first, self.last, self.need = runs
-        self.pinned: dict[int, RowGroup] = {}
-        self.ends: list[tuple[int, int]] = []  # (last position, row group) of the pinned ones
-        self.next = 0  # in `need`: the next to pin
-
-    def reach(self, a: int, b: int) -> None:
-        """The walk hands out positions [a, b): pin what they need and read ahead; let go of the
-        row groups whose last position is behind."""
-        reached = int(np.searchsorted(self.first, b, side="left"))  # needed by positions < b
-        while self.next < len(self.need) and (self.next < reached or self._room(reached)):
-            g = self.need[self.next]
-            group = self.pinned[g] = self.source.group(g)
-            group.order = self.next
-            heapq.heappush(self.ends, (self.last[g], g))
-            with contextlib.suppress(RuntimeError):  # no running loop: read when fetched
-                group.start(self.source)
-            self.next += 1
-        while self.ends and self.ends[0][0] < a:
-            _, g = heapq.heappop(self.ends)
-            self._let_go(g)
-        if self.early and self.next == len(self.need):
-            ahead = max(0, self.next - reached)
-            self.source._read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
-
-    def _early_room(self, ahead: int) -> int:
-        """How many of the next epoch's row groups may be read now, `ahead` of this one's being
-        read ahead of the rows handed out."""
-        room = self.source.row_groups_in_flight - ahead
-        limit = self.source.max_bytes_ahead
-        sizes = [g.nbytes for g in self.pinned.values() if g.nbytes]
-        if limit is not None and sizes:
-            room = min(room, int(limit * len(sizes) / sum(sizes)) - ahead)
-        return max(0, room)
-
-    def _room(self, reached: int) -> bool:
-        """Whether one more row group may be read ahead."""
-        ahead = self.next - reached
-        if ahead >= self.source.row_groups_in_flight:
-            return False
-        limit = self.source.max_bytes_ahead
-        if limit is None or ahead == 0:
-            return True
-        sizes = [g.nbytes for g in self.pinned.values() if g.nbytes]
-        return not sizes or (ahead + 1) * sum(sizes) / len(sizes) <= limit
-
-    def group(self, g: int) -> RowGroup:
-        return self.pinned[g]
-
-    def _let_go(self, g: int) -> None:
-        group = self.pinned.pop(g)
-        live = self.source._live
-        if live.get(g) is group:
-            del live[g]  # the samples that hold it keep it until they are done
-
-    def close(self) -> None:
-        for g in list(self.pinned):
-            self._let_go(g)
-        self.ends.clear()
-
-
-class _Turns:
-    """At most `n` holders at once; waiters are let in lowest `order` first."""
-
-    def __init__(self, n: int) -> None:
-        self.free = n
-        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._arrived = itertools.count()  # equal orders: first come, first served
-
-    @contextlib.asynccontextmanager
-    async def turn(self, order: int) -> AsyncIterator[None]:
-        if self.free > 0 and not self._waiting:
-            self.free -= 1
-        else:
-            fut = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (order, next(self._arrived), fut))
-            try:
-                await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():  # handed a turn as it was cancelled
-                    self._release()
-                raise
-        try:
-            yield
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        while self._waiting:
-            fut = heapq.heappop(self._waiting)[2]
-            if not fut.done():  # else: its waiter was cancelled
-                fut.set_result(None)
-                return
-        self.free += 1
-
-
-def _cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
 
 
 def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:

@@ -1,0 +1,194 @@
+"""The row groups of a Parquet source being read: each one's read, one walk's read-ahead, decode turns.
+
+A `RowGroup` is read once (fetch, then decode) by a task on the running loop and shared by the
+samples that need it; dropped by everything, it cancels a read still going. `Ahead` is what one walk
+over an epoch holds (see `parquet.py`): the row groups it still hands rows of out and those read
+ahead of them, in the order first needed, and, once it has asked for all of its own, the next
+epoch's first ones. `Turns` lets decodes in one per core, the row group needed first going first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .parquet import Parquet
+
+__all__ = ["Ahead", "RowGroup", "Runs", "Turns", "cores", "runs_of"]
+
+
+class RowGroup:
+    """One row group of one file: loading, then loaded; shared by the samples that need it."""
+
+    __slots__ = ("__weakref__", "index", "nbytes", "order", "task")
+
+    def __init__(self, index: int) -> None:
+        self.index = index  # among all the files' row groups
+        self.task: asyncio.Task[Any] | None = None
+        self.nbytes = 0
+        self.order = 0  # when the walk needs it, relative to the others read ahead (lower: sooner)
+
+    def start(self, source: Parquet) -> asyncio.Task[Any]:
+        """Begin the read (once), on the running loop."""
+        if self.task is None:
+            self.task = task = asyncio.get_running_loop().create_task(source._load(self))
+            source._reads.add(task)
+            task.add_done_callback(source._reads.discard)
+            task.add_done_callback(_retrieve)
+        return self.task
+
+    async def value(self, source: Parquet) -> Any:
+        """The decoded row group (a fetch that is cancelled leaves the read to the others)."""
+        task = self.start(source)
+        if task.done():
+            return task.result()
+        return await asyncio.shield(task)
+
+    def __del__(self) -> None:  # nothing needs it any more: stop a read still going
+        task = self.task
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # read by the fetches that awaited it; a read-ahead nobody took is dropped
+
+
+Runs = tuple[np.ndarray, dict[int, int], list[int]]
+
+
+def runs_of(groups: np.ndarray) -> Runs:
+    """Of the row groups of a walk's positions (-1: skipped): each one's first position, in the
+    order first needed; its last position; the row groups in that order. Found from the runs of
+    one row group, in one pass: there are far fewer runs than rows."""
+    starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
+    stops = np.append(starts[1:], len(groups)) - 1  # each run's last position
+    values = groups[starts]
+    keep = values >= 0
+    starts, stops, values = starts[keep], stops[keep], values[keep]
+    uniq, first_i = np.unique(values, return_index=True)
+    _, last_rev = np.unique(values[::-1], return_index=True)
+    last = stops[len(stops) - 1 - last_rev]
+    first = starts[first_i]
+    order = np.argsort(first)
+    return first[order], dict(zip(uniq.tolist(), last.tolist(), strict=True)), uniq[order].tolist()
+
+
+class Ahead:
+    """The row groups one walk over an epoch holds: those it has handed rows of out and will hand
+    out more of, and up to `row_groups_in_flight` read ahead of that (in the order first needed)."""
+
+    def __init__(self, source: Parquet, runs: Runs, epoch: int, early: bool) -> None:
+        self.source = source
+        self.epoch = epoch
+        self.early = early  # read the next epoch's first row groups once this one's are asked for
+        self.first, self.last, self.need = runs
+        self.pinned: dict[int, RowGroup] = {}
+        self.ends: list[tuple[int, int]] = []  # (last position, row group) of the pinned ones
+        self.next = 0  # in `need`: the next to pin
+
+    def reach(self, a: int, b: int) -> None:
+        """The walk hands out positions [a, b): pin what they need and read ahead; let go of the
+        row groups whose last position is behind."""
+        reached = int(np.searchsorted(self.first, b, side="left"))  # needed by positions < b
+        while self.next < len(self.need) and (self.next < reached or self._room(reached)):
+            g = self.need[self.next]
+            group = self.pinned[g] = self.source.group(g)
+            group.order = self.next
+            heapq.heappush(self.ends, (self.last[g], g))
+            with contextlib.suppress(RuntimeError):  # no running loop: read when fetched
+                group.start(self.source)
+            self.next += 1
+        while self.ends and self.ends[0][0] < a:
+            _, g = heapq.heappop(self.ends)
+            self._let_go(g)
+        if self.early and self.next == len(self.need):
+            ahead = max(0, self.next - reached)
+            self.source._read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
+
+    def _early_room(self, ahead: int) -> int:
+        """How many of the next epoch's row groups may be read now, `ahead` of this one's being
+        read ahead of the rows handed out."""
+        room = self.source.row_groups_in_flight - ahead
+        limit = self.source.max_bytes_ahead
+        sizes = [g.nbytes for g in self.pinned.values() if g.nbytes]
+        if limit is not None and sizes:
+            room = min(room, int(limit * len(sizes) / sum(sizes)) - ahead)
+        return max(0, room)
+
+    def _room(self, reached: int) -> bool:
+        """Whether one more row group may be read ahead."""
+        ahead = self.next - reached
+        if ahead >= self.source.row_groups_in_flight:
+            return False
+        limit = self.source.max_bytes_ahead
+        if limit is None or ahead == 0:
+            return True
+        sizes = [g.nbytes for g in self.pinned.values() if g.nbytes]
+        return not sizes or (ahead + 1) * sum(sizes) / len(sizes) <= limit
+
+    def group(self, g: int) -> RowGroup:
+        return self.pinned[g]
+
+    def _let_go(self, g: int) -> None:
+        group = self.pinned.pop(g)
+        live = self.source._live
+        if live.get(g) is group:
+            del live[g]  # the samples that hold it keep it until they are done
+
+    def close(self) -> None:
+        for g in list(self.pinned):
+            self._let_go(g)
+        self.ends.clear()
+
+
+class Turns:
+    """At most `n` holders at once; waiters are let in lowest `order` first."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrived = itertools.count()  # equal orders: first come, first served
+
+    @contextlib.asynccontextmanager
+    async def turn(self, order: int) -> AsyncIterator[None]:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (order, next(self._arrived), fut))
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():  # handed a turn as it was cancelled
+                    self._release()
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            fut = heapq.heappop(self._waiting)[2]
+            if not fut.done():  # else: its waiter was cancelled
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
+def cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
