@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from .._util.ranges import Ranges
-from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
 from ._parquet_ahead import Ahead, RowGroup, Runs, Turns, cores, runs_of
 from ._parquet_io import (
@@ -169,9 +168,6 @@ class Parquet:
         self._live: dict[int, RowGroup] = {}
         self._reads: set[asyncio.Task[Any]] = set()  # row groups being read
         self._turns: tuple[asyncio.AbstractEventLoop, Turns] | None = None
-        # the decodes' threads, one per core: always the same few, so pyarrow's allocator keeps
-        # reusing their heaps (a new thread's heap starts in fresh memory)
-        self._decoders = LazyThreadPool(cores(), "aioloader-parquet", grow_after=0)
         self._orders: dict[int, np.ndarray] = {}  # the epochs' orders: this one's and the next's
         self._all_rows = np.arange(self.num_rows)  # a fresh epoch's indices (shares are views)
         self._all_rows.setflags(write=False)
@@ -229,7 +225,7 @@ class Parquet:
         if store.path is None:  # remote: the chunks first; a local file is read by pyarrow
             pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
         async with self._decode_turns().turn(group.order):
-            value, group.nbytes = await self._decoders.run(
+            value, group.nbytes = await asyncio.to_thread(
                 self._decode, meta, rg, pieces, store.path
             )
         self._counts["row_groups_read"] += 1
@@ -469,7 +465,6 @@ class Parquet:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._live.clear()
         self._early.clear()
-        self._decoders.close()
         for remote in self._remotes.values():
             await remote.aclose()
 

@@ -514,3 +514,16 @@ def test_next_epochs_first_row_groups_are_read_while_an_epoch_ends(files: list[s
         got.append(asyncio.run(fourth()))
     assert got == want
     assert sorted(i for b in got[3] for i in b) == list(range(500))
+
+
+def test_direct_iteration_leaves_no_thread_behind(files: list[str]) -> None:
+    """`async for` over the source under asyncio.run: its decode threads end with the loop."""
+    import threading
+
+    before = set(threading.enumerate())
+
+    async def main() -> int:
+        return sum([1 async for _ in parquet(files[:2], ["id"])])
+
+    assert asyncio.run(main()) == 500 + 230
+    assert set(threading.enumerate()) - before == set()
