@@ -24,6 +24,7 @@ from .._util.loops import new_event_loop
 __all__ = ["LoopThread"]
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 STOP_TIMEOUT_S = 2.0
 
@@ -99,16 +100,25 @@ class LoopThread:
 
         Raises `LoaderClosedError` (a RuntimeError) once the loop has been stopped and closed.
         """
+
+        def schedule() -> concurrent.futures.Future[T]:
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._futures.add(future)
+            return future
+
+        return self._schedule(coro, schedule)
+
+    def _schedule(self, coro: Coroutine[Any, Any, Any], schedule: Callable[[], S]) -> S:
+        """`schedule()` (which hands `coro` to the loop) under the submit lock; once the loop has
+        ended, `coro` is closed (not left unawaited) and `LoaderClosedError` raised instead."""
         with self._submit_lock:
             try:
                 if self._ended:
                     raise RuntimeError("ended")
-                future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-            except RuntimeError:  # the loop is closed: close `coro` so it is not left unawaited
+                return schedule()
+            except RuntimeError:  # the loop is closed
                 coro.close()
                 raise LoaderClosedError("the loader's event loop thread was stopped") from None
-            self._futures.add(future)
-        return future
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and block until it ends.
@@ -130,30 +140,25 @@ class LoopThread:
                 self._waits.discard(wait)
             if task.cancelled():
                 wait.cancelled = True
-            elif task.exception() is not None:
-                wait.error = task.exception()
+            elif (error := task.exception()) is not None:
+                wait.error = error
             else:
                 wait.value = task.result()
             wait.done.release()
 
-        with self._submit_lock:
-            try:
-                if self._ended:
-                    raise RuntimeError("ended")
-                self.loop.call_soon_threadsafe(start)
-            except RuntimeError:  # the loop is closed: close `coro` so it is not left unawaited
-                coro.close()
-                raise LoaderClosedError("the loader's event loop thread was stopped") from None
+        def schedule() -> None:
+            self.loop.call_soon_threadsafe(start)
             self._waits.add(wait)
+
+        self._schedule(coro, schedule)
         try:
-            if not wait.done.acquire(timeout=-1 if timeout is None else timeout):
-                self.call_soon(wait.cancel)
-                raise LoaderTimeout(f"no result within timeout={timeout} s")
-        except LoaderTimeout:
-            raise
+            done = wait.done.acquire(timeout=-1 if timeout is None else timeout)
         except BaseException:  # KeyboardInterrupt in the wait: the coroutine is not needed
             self.call_soon(wait.cancel)
             raise
+        if not done:
+            self.call_soon(wait.cancel)
+            raise LoaderTimeout(f"no result within timeout={timeout} s")
         if wait.cancelled:
             raise concurrent.futures.CancelledError()
         if wait.error is not None:
