@@ -29,7 +29,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["Bytearrays", "give_back_freed_memory", "landing", "task_output"]
+__all__ = ["Bytearrays", "give_back_freed_memory", "landing", "size_class", "task_output"]
 
 # Set by a process worker, in the context of each async task, to the task's output slot (a writable
 # memoryview of shared memory) ...
@@ -44,6 +44,17 @@ landing: contextvars.ContextVar[memoryview | None] = contextvars.ContextVar(
 )
 
 MIN_BYTES = 64 * 1024  # below this the allocator recycles blocks itself: not worth a scan
+_PAGE = 4096
+
+
+def size_class(nbytes: int) -> int:
+    """The size a recycled buffer for `nbytes` is made in: 1, 1.25, 1.5 or 1.75 times a power of
+    two, whole pages. Buffers for lengths that vary then come in a few sizes that serve them all
+    (the process arena's slots, the parquet source's chunk buffers)."""
+    if nbytes <= _PAGE:
+        return _PAGE
+    step = 1 << max(nbytes.bit_length() - 3, 10)
+    return -(-nbytes // step) * step if step >= _PAGE else -(-nbytes // _PAGE) * _PAGE
 
 
 def _refs_when_free() -> int:

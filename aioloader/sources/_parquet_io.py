@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import FetchError
-from .._util.bytearrays import Bytearrays, landing
+from .._util.bytearrays import Bytearrays, landing, size_class
 from ._redact import redact_url
 from ._shards import SCHEMES, Options
 
@@ -89,12 +89,16 @@ class Store:
 
     async def read(self, offset: int, length: int) -> Bytes:
         """Bytes [offset, offset + length) (a remote body as received: not copied). The fast
-        engine receives it into a recycled buffer of a size class (`_landing`): chunk ranges
+        engine receives it into a recycled buffer of its size class (`_BODIES`): chunk ranges
         are of every length, and a fresh buffer each time pays a page fault per 4 KiB."""
         if self._remote is not None:
-            token = landing.set(_landing(length))
+            transport = self._remote.transport
+            into = (
+                memoryview(_BODIES.take(size_class(length))) if transport.engine == "fast" else None
+            )
+            token = landing.set(into)
             try:
-                body: Bytes = await self._remote.transport.get(
+                body: Bytes = await transport.get(
                     self._remote_url, key=self.label, offset=offset, length=length
                 )
                 return body
@@ -124,13 +128,6 @@ class Store:
 
 
 _BODIES = Bytearrays(64 << 20)  # the buffers remote chunk ranges are received into, kept
-
-
-def _landing(length: int) -> memoryview:
-    """A free recycled buffer of at least `length` bytes: lengths rounded up to an eighth of
-    their power of two, so that a few sizes serve all, none more than an eighth too long."""
-    step = max(1, (1 << max(0, length - 1).bit_length()) >> 3)
-    return memoryview(_BODIES.take(-(-length // step) * step))
 
 
 def store_for(url: str, remotes: dict[str, Any], options: Options) -> Store:

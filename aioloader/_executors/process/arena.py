@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._util.bytearrays import size_class
 from .slab_memory import Buffer, map_shared, parent_only
 
 __all__ = [
@@ -55,15 +56,6 @@ NAME_PREFIX = "aioloader-"
 # The most bytes one slab maps, and the most slots it holds: few file descriptors, small waste.
 SLAB_BYTES = 16 << 20
 SLOTS_PER_SLAB = 32
-_PAGE = 4096
-
-
-def size_class(nbytes: int) -> int:
-    """The slot size that holds `nbytes`: 1, 1.25, 1.5 or 1.75 times a power of two, whole pages."""
-    if nbytes <= _PAGE:
-        return _PAGE
-    step = 1 << max(nbytes.bit_length() - 3, 10)
-    return -(-nbytes // step) * step if step >= _PAGE else -(-nbytes // _PAGE) * _PAGE
 
 
 def check_room(nbytes: int, path: str = SHM_DIR) -> None:
