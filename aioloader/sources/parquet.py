@@ -319,7 +319,7 @@ class Parquet:
         for the next epoch when it is the same (stored order: epochs differ in nothing), so that
         a walk over a large set does not make arrays of millions anew each epoch (fresh memory
         costs a page fault per 4 KiB)."""
-        whole = mine.base is self._all_rows and mine.base is not None and len(mine) > 0
+        whole = mine.base is self._all_rows and len(mine) > 0
         span = (int(mine[0]), len(mine)) if whole else None  # a run of a fresh epoch's indices
         held = self._placed_last
         if span is not None and held is not None and held[0] is order and held[1] == span:
