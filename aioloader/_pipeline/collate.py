@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,6 +33,7 @@ __all__ = [
     "BufferPool",
     "Buffers",
     "RowPlan",
+    "StackAsRead",
     "default_collate",
     "make_collate",
     "stacks",
@@ -181,6 +183,9 @@ def _make_fn_map(pool: Buffers | None) -> _CollateFnMap:
     torch_tensor_fn = _torch_fn_map[torch.Tensor]
 
     def tensor_fn(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+        stacked = _stacked(batch)
+        if stacked is not None:
+            return stacked
         _check_shapes(batch)
         if pool is None or not _stackable(batch):
             return torch_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
@@ -197,6 +202,9 @@ def _make_fn_map(pool: Buffers | None) -> _CollateFnMap:
             raise CollateError(
                 "cannot batch arrays with samples that are not: " + ", ".join(others)
             )
+        stacked = _stacked(batch)
+        if stacked is not None:
+            return stacked
         if batch[0].dtype.kind in "SaUO":
             raise CollateError(
                 f"default_collate cannot batch numpy arrays of dtype {batch[0].dtype}"
@@ -297,6 +305,154 @@ class RowPlan:
                 return None
             row.copy_(sample)
         return out
+
+
+class SlotBuffers(Buffers, Protocol):
+    """`Buffers` that may first have to be asked for (a process worker's `Carver`)."""
+
+    def ready(self, patient: bool = False) -> bool: ...
+
+
+# Batch tensors that `StackAsRead` filled row by row, by address: the default collate returns one as it
+# is when its batch is exactly its rows, in order (never a tensor of the user's own whose rows they are).
+_STACKED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _remember(batch: torch.Tensor) -> None:
+    ptr = batch.data_ptr()
+    _STACKED[ptr] = weakref.ref(batch, lambda ref: _STACKED.pop(ptr, None))
+
+
+def _address(x: Any) -> int:
+    if type(x) is torch.Tensor:
+        return x.data_ptr()
+    return int(x.ctypes.data) if type(x) is np.ndarray else -1
+
+
+def _stacked(batch: Sequence[Any]) -> torch.Tensor | None:
+    """The batch tensor that `StackAsRead` made of `batch`'s rows, in order; else None."""
+    first = batch[0]
+    ref = _STACKED.get(_address(first))
+    base = None if ref is None else ref()
+    if base is None or base.shape[0] != len(batch):
+        return None
+    step, shape, kind = base[0].numel() * base.element_size(), tuple(base.shape[1:]), type(first)
+    for j, t in enumerate(batch):
+        if type(t) is not kind or _address(t) != base.data_ptr() + j * step or t.shape != shape:
+            return None
+        if kind is torch.Tensor and (t.dtype != base.dtype or not t.is_contiguous()):
+            return None
+        if kind is np.ndarray and (
+            _TORCH_DTYPES.get(t.dtype) != base.dtype or not t.flags.c_contiguous
+        ):
+            return None
+    return base
+
+
+class StackAsRead:
+    """The default collate's stack, done as each sample is read (`append`), so that a worker holds
+    one sample at a time in its own memory and not a whole batch of them.
+
+    The tensors of a sample (and its numeric numpy arrays), alone or in tuples, lists and dicts, are
+    copied into their row of batch tensors taken from `buffers`, and the sample keeps views of those
+    rows in their place; `make_collate(buffers)` over `samples` then finds each leaf already stacked
+    and returns its batch tensor as it is: the batch equals the default collate's. The batch tensors
+    are taken once the first sample is read and `buffers` is `ready` (a patient ask, made again
+    after 2, 4, 8... samples; samples read before are placed then). A sample whose leaves differ from
+    the first's (shape, dtype, structure) ends it: samples from there on are kept as they are, and
+    the collate stacks or rejects them as usual.
+    """
+
+    def __init__(self, buffers: SlotBuffers, size: int) -> None:
+        self.buffers, self.size = buffers, size
+        self.samples: list[Any] = []
+        self._plan: list[tuple[type, tuple[int, ...], torch.dtype]] | None = None
+        self._batch: list[torch.Tensor] | None = None
+        self._off = False
+        self._ask_at = 1
+
+    def append(self, sample: Any) -> None:
+        k = len(self.samples)
+        self.samples.append(sample)
+        if self._off:
+            return
+        leaves = _leaves(sample)
+        plan = [(type(t), tuple(t.shape), _dtype_of(t)) for t in leaves]
+        if self._plan is None:
+            self._plan = plan
+        if not plan or plan != self._plan or k >= self.size:
+            self._off = True
+            return
+        if self._batch is None:
+            if k + 1 < min(self._ask_at, self.size):
+                return
+            self._ask_at *= 2
+            if not self.buffers.ready(patient=True):
+                return
+            self._batch = [self.buffers.take((self.size, *shape), dt) for _, shape, dt in plan]
+            for batch in self._batch:
+                _remember(batch)
+            for j in range(k):
+                self.samples[j] = self._place(j, self.samples[j], _leaves(self.samples[j]))
+        self.samples[k] = self._place(k, sample, leaves)
+
+    def _place(self, j: int, sample: Any, leaves: list[Any]) -> Any:
+        assert self._batch is not None
+        rows = []
+        for leaf, batch in zip(leaves, self._batch, strict=True):
+            row: Any = batch[j]
+            if isinstance(leaf, np.ndarray):  # the sample keeps an array, as it was
+                row = row.numpy()
+                row[...] = leaf
+            else:
+                row.copy_(leaf)
+            rows.append(row)
+        return _put(sample, iter(rows))
+
+
+def _dtype_of(leaf: Any) -> torch.dtype:
+    return leaf.dtype if isinstance(leaf, torch.Tensor) else _TORCH_DTYPES[leaf.dtype]
+
+
+def _numeric(a: np.ndarray[Any, Any]) -> bool:
+    if a.dtype not in _TORCH_DTYPES:
+        try:
+            _TORCH_DTYPES[a.dtype] = torch.from_numpy(np.empty(0, a.dtype)).dtype
+        except (TypeError, ValueError):
+            return False
+    return True
+
+
+_TORCH_DTYPES: dict[np.dtype[Any], torch.dtype] = {}
+
+
+def _leaf(x: Any) -> bool:
+    """A tensor or array the default collate stacks (its own type, not a subclass's)."""
+    if type(x) is torch.Tensor:
+        return _stackable([x])
+    return type(x) is np.ndarray and x.dtype.kind in "biufc" and _numeric(x)
+
+
+def _leaves(x: Any) -> list[Any]:
+    """The stackable leaves of a sample, depth first (tuples, lists, dicts of their own types)."""
+    if _leaf(x):
+        return [x]
+    if type(x) in (tuple, list):
+        return [leaf for item in x for leaf in _leaves(item)]
+    if type(x) is dict:
+        return [leaf for item in x.values() for leaf in _leaves(item)]
+    return []
+
+
+def _put(x: Any, rows: Iterator[Any]) -> Any:
+    """`x` with its leaves (in `_leaves`' order) replaced by `rows`."""
+    if _leaf(x):
+        return next(rows)
+    if type(x) in (tuple, list):
+        return type(x)(_put(item, rows) for item in x)
+    if type(x) is dict:
+        return {key: _put(item, rows) for key, item in x.items()}
+    return x
 
 
 default_collate = make_collate(None)

@@ -32,7 +32,7 @@ from torch.utils.data._utils import worker as torch_worker
 from .._exceptions import WorkerDied
 from .._executors.process import carve as _carve
 from .._executors.process.executor import ProcessExecutor
-from .._pipeline.collate import make_collate
+from .._pipeline.collate import StackAsRead, make_collate
 from .._util.threads import (
     GROW_AFTER_S,
     IDLE_TO_GROW,
@@ -163,15 +163,28 @@ class ReadSamples:
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             samples = getitems(indices)
-        elif self.threads == 1 or len(indices) == 1:
-            samples = [self.dataset[i] for i in indices]
-        elif self.lazy and not _Blocking.seen:
-            samples = _Blocking.watch(self.dataset.__getitem__, indices)
+        elif self.threads == 1 or len(indices) == 1 or (self.lazy and not _Blocking.seen):
+            reading = self._one_by_one(indices)  # kept until collated: its batch tensors with it
+            samples = reading if isinstance(reading, list) else reading.samples
         else:
             readers = _Readers.here(self.threads, self.lazy)
             samples = readers.read(self.dataset.__getitem__, indices)
         keep_freed_memory(samples)
         return collate_here(self.collate, samples)
+
+    def _one_by_one(self, indices: list[Any]) -> list[Any] | StackAsRead:
+        """The samples read on this thread, in order; with the default collate and an output slot,
+        each is stacked into the batch as it is read (`StackAsRead`)."""
+        carver = _carve.current.get()
+        out: list[Any] | StackAsRead = []
+        if self.collate is None and carver is not None:
+            out = StackAsRead(carver, len(indices))
+        if self.threads == 1 or len(indices) == 1:
+            for i in indices:
+                out.append(self.dataset[i])
+        else:
+            _Blocking.watch(self.dataset.__getitem__, indices, out)
+        return out
 
 
 class _Blocking:
@@ -182,8 +195,9 @@ class _Blocking:
     seen = False
 
     @classmethod
-    def watch(cls, getitem: Callable[[Any], Any], indices: list[Any]) -> list[Any]:
-        samples, waits = [], []
+    def watch(cls, getitem: Callable[[Any], Any], indices: list[Any], samples: Any) -> None:
+        """Read `indices` one by one into `samples` (`append`), watching how the calls wait."""
+        waits = []
         start, idle = time.monotonic(), idle_ticks()
         for i in indices:
             began, cpu = time.monotonic(), time.thread_time()
@@ -192,7 +206,6 @@ class _Blocking:
         spare = cores_idle(idle, idle_ticks(), time.monotonic() - start)
         waits.sort()
         cls.seen = waits[len(waits) // 2] >= SLOW_CALL_S and spare >= IDLE_TO_GROW
-        return samples
 
 
 def keep_freed_memory(samples: list[Any]) -> None:

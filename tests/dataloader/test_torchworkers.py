@@ -355,3 +355,28 @@ def test_breaking_out_mid_epoch_then_the_next_epoch_is_whole() -> None:
         assert [b[0, 0, 0].item() for b in loader] == [8.0 * n for n in range(8)]
     assert _children() <= children
     assert _shm_entries() == before
+
+
+class Decoded(Dataset[torch.Tensor]):
+    """Samples that take a while to make, as a decode does (a CPU-bound `__getitem__`)."""
+
+    def __len__(self) -> int:
+        return 16 * 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.002)
+        return torch.full((256, 1024), float(i))  # 1 MiB: a batch fills a slab of its own
+
+
+def test_each_worker_keeps_one_batch_of_shared_memory_when_the_consumer_takes_each_batch() -> None:
+    """A worker asks for its batch's slot as it reads (`wire.py`: WANT): the one it wrote last is
+    free again by then, so it maps one batch slab, not one more for the batch the consumer holds."""
+    slabs = []
+    with DataLoader(Decoded(), batch_size=16, num_workers=2, threads_per_worker=1) as loader:
+        for n, batch in enumerate(loader):
+            assert torch.equal(batch[:, 0, 0], torch.arange(16.0) + 16 * n)
+            del batch
+            pool = loader.stats().extra["decode_pool"]
+            slabs.append(pool["batch_slabs"])
+    assert pool.get("results_pickled", 0) == 0
+    assert max(slabs) == 2, slabs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import gc
 import os
+import re
 import time
 import weakref
 from collections.abc import Mapping
@@ -498,3 +499,94 @@ def test_row_plan_learns_one_shape_and_turns_off_for_good() -> None:
     plan = RowPlan(Executor())
     plan.observe({"x": torch.zeros(1)})  # not one tensor: never
     assert plan.off
+
+
+# -- stacking as samples are read (process workers' one-by-one reads) ----------------------------
+
+
+class Slot:
+    """A worker's output slot as `StackAsRead` sees it (a `Carver`), granted after `grant_after`
+    patient asks; counts what it hands out."""
+
+    def __init__(self, grant_after: int = 0, nbytes: int = 1 << 20) -> None:
+        from aioloader._executors.process.carve import Carver
+
+        self.carver = Carver(None, self._ask)
+        self.grant_after, self.asks, self.nbytes = grant_after, [], nbytes
+
+    def _ask(self, patient: bool) -> memoryview | None:
+        self.asks.append(patient)
+        if patient and len(self.asks) <= self.grant_after:
+            return None
+        return memoryview(bytearray(self.nbytes))
+
+
+def stacked_as_read(samples: list[Any], slot: Slot) -> Any:
+    from aioloader._pipeline.collate import StackAsRead
+
+    reading = StackAsRead(slot.carver, len(samples))
+    for s in samples:
+        reading.append(s)
+    return make_collate(slot.carver)(reading.samples)
+
+
+@pytest.mark.parametrize("samples", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("grant_after", [0, 2, 99])
+def test_stacking_as_samples_are_read_matches_torch(samples: list[Any], grant_after: int) -> None:
+    slot = Slot(grant_after)
+    assert_same(stacked_as_read(samples, slot), torch_collate(samples))
+
+
+def test_samples_read_are_stacked_once_into_the_slot() -> None:
+    """Each leaf's batch is taken from the slot once and filled row by row: the collate returns
+    those batches as they are (no second stack), and the samples' own tensors are not kept."""
+    samples = [(torch.full((4, 8), float(i)), np.full(3, i, np.int32), i) for i in range(6)]
+    slot = Slot(grant_after=1)  # the first patient ask is refused: sample 0 waits, then is placed
+    from aioloader._pipeline.collate import StackAsRead
+
+    reading = StackAsRead(slot.carver, 6)
+    for s in samples:
+        reading.append(s)
+    kept = weakref.ref(samples[3][0])
+    del samples, s
+    assert kept() is None  # row 3 holds its values; the sample's tensor is gone
+    batch = make_collate(slot.carver)(reading.samples)
+    used = slot.carver.used
+    assert slot.carver.where(batch[0]) == 0
+    assert slot.carver.where(batch[1]) is not None
+    assert used == 6 * 4 * 8 * 4 + 6 * 3 * 4  # two batches carved, nothing stacked again
+    assert torch.equal(batch[0][:, 0, 0], torch.arange(6.0))
+    assert batch[1].dtype == torch.int32
+    assert torch.equal(batch[1][:, 0], torch.arange(6, dtype=torch.int32))
+    assert torch.equal(batch[2], torch.arange(6))
+    assert slot.asks == [True, True]  # asked at the first sample, granted at the second
+
+
+def test_a_user_tensor_whose_rows_are_the_samples_is_copied_not_returned() -> None:
+    data = torch.arange(12.0).reshape(4, 3)
+    batch = make_collate(Slot().carver)([data[i] for i in range(4)])
+    assert torch.equal(batch, data)
+    assert batch.data_ptr() != data.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        torch.zeros(3),
+        torch.zeros(2, dtype=torch.float64),
+        (torch.zeros(2), 1),
+        np.zeros(2, np.float32),
+    ],
+    ids=["shape", "dtype", "structure", "array for tensor"],
+)
+def test_a_sample_that_differs_ends_the_stacking_and_collates_as_before(second: Any) -> None:
+    """From the sample that differs, samples are kept as they are: the batch (or the error) is the
+    one the default collate gives for the samples themselves."""
+    samples = [torch.ones(2), second, torch.ones(2)]
+    try:
+        expected: Any = make_collate(Slot().carver)(samples)
+    except (TypeError, RuntimeError) as exc:
+        with pytest.raises(type(exc), match=re.escape(str(exc))):
+            stacked_as_read(samples, Slot())
+    else:
+        assert_same(stacked_as_read(samples, Slot()), expected)

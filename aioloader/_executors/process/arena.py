@@ -199,6 +199,11 @@ class Arena:
         """Bytes of all live slabs."""
         return sum(s.size for s in self._slabs.values())
 
+    @property
+    def batch_slabs(self) -> int:
+        """Live slabs of one slot (whole batches)."""
+        return sum(s.whole for s in self._slabs.values())
+
     def slab_fd(self, slab_id: int) -> tuple[int, int, bool]:
         """(file descriptor, size, whether it is one slot: a batch) of a live slab, for a worker."""
         slab = self._slabs[slab_id]

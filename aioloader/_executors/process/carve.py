@@ -9,6 +9,9 @@ parent maps them where they were written, and nothing is copied after the stack.
 
 A carver that runs out of room hands out ordinary tensors; `wire.pack` then copies them into the
 rest of the slot, or pickles them when the slot is too small.
+
+A task may come without its slot (`wire.py`: `ask`); its carver then asks the parent for one when it
+is first needed (`ready`), and hands out ordinary tensors if none comes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -58,10 +62,24 @@ class Carver:
         ((0, 64), 64)
     """
 
-    def __init__(self, buf: memoryview) -> None:
+    def __init__(
+        self,
+        buf: memoryview | None,
+        ask: Callable[[bool], memoryview | None] | None = None,
+    ) -> None:
         self.buf = buf
+        self._ask = ask  # `buf` None: asks the parent for the slot (see `ready`)
         self.used = 0  # bytes from the start of `buf` that carved tensors may occupy
         self.placed: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, nbytes)
+
+    def ready(self, patient: bool = False) -> bool:
+        """Whether it has its slot, asking the parent for it first if it has none. A `patient` ask
+        takes only a slot that is free now, and may be made again; the other is the last."""
+        if self.buf is None and self._ask is not None:
+            self.buf = self._ask(patient)
+            if self.buf is not None or not patient:
+                self._ask = None
+        return self.buf is not None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` in the slot, or a fresh one when the slot is full."""
@@ -69,9 +87,10 @@ class Carver:
         count = math.prod(shape)
         nbytes = count * itemsize
         offset = align(self.used)
-        if count == 0 or offset + nbytes > len(self.buf):
+        buf = self.buf if count and self.ready() else None
+        if buf is None or offset + nbytes > len(buf):
             return _outside(shape, dtype, nbytes)
-        out = torch.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).view(shape)
+        out = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
         self.used = offset + nbytes
         self.placed[out.data_ptr()] = (offset, nbytes)
         return out

@@ -23,10 +23,11 @@ QUEUE_DEPTH = 2
 ASYNC_DEPTH = 64  # async tasks one worker may hold at once, by default
 COPIES_BYTES = 64 << 20  # recycled bytearrays kept for results copied out of slots, at most
 # Whole batches: the slabs one worker may map for itself, the one it writes and the one it wrote last
-# (the consumer has not taken it yet). Each costs the worker its pages' mapping once. (Measured with
-# one: a worker still made a second whenever both batches waited for the consumer, as they do
-# whenever it is quick.) A task that waits for a slot is woken as soon as one is released.
+# (the consumer has not taken it yet). Each costs the worker its pages' mapping once, and stays. A
+# worker whose batch is read waits up to `SLOT_WAIT_S` for its first to be freed before a second is
+# made; once such a wait has run out (a consumer that keeps batches a while), none waits again.
 SLABS_PER_WORKER = 2
+SLOT_WAIT_S = 0.1
 FIRST_OUTPUT_BYTES = 1 << 20  # output slot for tasks before the first result tells the real size
 CANCEL_GRACE_S = 1.0  # a timed-out async task not ended this long after its cancel: kill the worker
 START_TIMEOUT_S = 60.0  # a worker not ready by then (hung worker_init_fn) fails the pool

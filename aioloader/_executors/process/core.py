@@ -65,7 +65,9 @@ class PoolCore:
         self._ready = threading.Event()
         self._failure: Callable[[], BaseException] | None = None
         self._restarts = 0
-        self._slot_waits = False  # a task waits for an output slot (see `_slot_freed`)
+        self._slot_waits = False  # a task asks for an output slot (see `_slot_freed`)
+        self._wants: list[tuple[Handle, int, float]] = []  # (worker, task id, since): slot asks
+        self._consumer_keeps = False  # a slot ask waited `SLOT_WAIT_S` in vain
         self._out_bytes, self._out_known = FIRST_OUTPUT_BYTES, False
         # from torch's seed, without drawing from its generator (a DataLoader must leave the global
         # RNG as torch's leaves it)

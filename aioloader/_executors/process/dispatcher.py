@@ -30,7 +30,7 @@ from ..._util.loops import is_async_callable
 from ..._util.validate import check_int
 from .arena import Arena
 from .batch_buffer import BatchBuffer, RowTarget
-from .config import JOIN_TIMEOUT_S, START_TIMEOUT_S
+from .config import JOIN_TIMEOUT_S, SLOT_WAIT_S, START_TIMEOUT_S
 from .core import factory, pickle_given
 from .faults import Faults
 from .tasks import Task, encode_arg
@@ -159,6 +159,7 @@ class Pool(Faults):
             **self.counts, "workers": len(self.pids()), "restarts": self._restarts,
             "arena_budget": self.cfg.arena_bytes,
             "arena_mapped": arena.mapped_bytes if arena is not None else 0,
+            "batch_slabs": arena.batch_slabs if arena is not None else 0,
         }  # fmt: skip
 
     def _serve(self) -> None:
@@ -192,6 +193,8 @@ class Pool(Faults):
         while self._cancels:
             self._cancel(self._cancels.popleft())
         self._expire()
+        if self._wants:
+            self._answer_wants()
         self._dispatch()
         for h in self._handles:
             try:
@@ -202,6 +205,7 @@ class Pool(Faults):
 
     def _wait_timeout(self) -> float | None:
         deadlines = [h.spawned_at + START_TIMEOUT_S for h in self._handles if not h.ready]
+        deadlines += [since + SLOT_WAIT_S for _, _, since in self._wants]
         if self.cfg.timeout is not None:
             deadlines += [h.head_since + self.cfg.timeout for h in self._handles if h.sync_n]
             deadlines += [d for h in self._handles for d in self._async_deadlines(h)]

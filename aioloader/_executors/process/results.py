@@ -7,6 +7,8 @@ import time
 from typing import Any
 
 from . import wire
+from .arena import Slot
+from .config import SLOT_WAIT_S
 from .outcomes import cancelled
 from .sending import Sending
 from .tasks import Handle, Task
@@ -32,6 +34,8 @@ class Results(Sending):
                 self._done(h, *msg[1:])
             elif kind == wire.NEED:
                 self._grow(h, *msg[1:])
+            elif kind == wire.WANT:
+                self._want(h, *msg[1:])
             elif kind == wire.FAILED:
                 self._failed(h, *msg[1:])
             elif kind == wire.READY:
@@ -71,6 +75,67 @@ class Results(Sending):
             h.share(self._arena, task.out_slot.slab_id)
             ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
         h.send((wire.GROWN, task_id, ref))
+
+    def _want(self, h: Handle, task_id: int, patient: bool) -> None:
+        """A running whole-batch task asks for its output slot (`wire.py`: WANT). A free one is
+        granted at once, and so is a patient ask's None; the last ask may wait (`_answer_wants`)."""
+        task = h.inflight.get(task_id)
+        if task is None or self._arena is None:
+            h.send((wire.SLOT, task_id, None))
+            return
+        if task.out_slot is None:
+            if patient:
+                task.out_slot = self._free_slot(h, patient=True)
+            else:
+                self._wants.append((h, task_id, time.monotonic()))
+                self._answer_wants()
+                return
+        self._grant(h, task_id, task.out_slot)
+
+    def _grant(self, h: Handle, task_id: int, slot: Slot | None) -> None:
+        ref = None
+        if slot is not None and self._arena is not None:
+            h.share(self._arena, slot.slab_id)
+            ref = (slot.slab_id, slot.offset, slot.capacity)
+        h.send((wire.SLOT, task_id, ref))
+
+    def _answer_wants(self) -> None:
+        """Answer the last asks for a slot (`_want`) that can be answered now.
+
+        A free slot is granted at once. Else the ask waits up to `SLOT_WAIT_S` for one to be freed;
+        once such a wait has run out (the consumer keeps its batches a while), asks wait no more
+        for that and `h` may get a slab more (`_more_slot`). Past that, an ask waits while another
+        worker is busy and not waiting itself (its result, or the consumer, will free a slot), and
+        else gets None (the batch is pickled: never a wait that could deadlock). An ask whose task
+        or worker is gone is dropped: its worker is being replaced.
+        """
+        self._slot_waits = True  # before: a slot freed meanwhile wakes us
+        wants, self._wants = self._wants, []
+        now = time.monotonic()
+        for i, (h, task_id, since) in enumerate(wants):
+            task = h.inflight.get(task_id)
+            if task is None or not h.open:
+                continue
+            slot = self._free_slot(h)
+            if slot is None and (self._consumer_keeps or now >= since + SLOT_WAIT_S):
+                self._consumer_keeps = True
+                waiting = {w[0] for w in wants[i + 1 :]} | {w[0] for w in self._wants}
+                alone = not any(
+                    other.inflight
+                    for other in self._handles
+                    if other is not h and other not in waiting
+                )
+                slot = self._more_slot(h, alone=alone)
+                if slot is None and alone:
+                    task.out_slot = None
+                    self._grant(h, task_id, None)
+                    continue
+            if slot is None:
+                self._wants.append((h, task_id, since))
+                continue
+            task.out_slot = slot
+            self._grant(h, task_id, slot)
+        self._slot_waits = bool(self._wants)
 
     def _done(self, h: Handle, task_id: int, data: Any, how: str, needed: int) -> None:
         task = self._finish(h, task_id, needed)

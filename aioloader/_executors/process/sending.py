@@ -83,22 +83,39 @@ class Sending(WorkerProcesses):
         return best
 
     def _out_slot(self, h: Handle, nbytes: int | None = None) -> Slot | None:
-        """An output slot for a task sent to `h`. For whole batches (`size_first`), one of the
-        slabs `h` has mapped, or a new one while it has fewer than `SLABS_PER_WORKER`; past that,
-        it waits for its own while other tasks run, else takes any (never a deadlock)."""
+        """An output slot for a task sent to `h` (for whole batches: `_free_slot`, else
+        `_more_slot`)."""
         arena, nbytes = self._arena, nbytes or self._out_bytes
         assert arena is not None
         if not self.cfg.size_first:
             return arena.acquire(nbytes, h.slabs)
-        room = arena.whole_slabs(h.slabs, nbytes) < SLABS_PER_WORKER
-        slot = arena.acquire(nbytes, h.slabs, only=True, new=room)
-        if slot is None and not self._busy():
-            slot = arena.acquire(nbytes)
+        alone = not any(other.inflight for other in self._handles if other is not h)
+        return self._free_slot(h, nbytes) or self._more_slot(h, nbytes, alone)
+
+    def _free_slot(
+        self, h: Handle, nbytes: int | None = None, patient: bool = False
+    ) -> Slot | None:
+        """For a whole batch of `h`: a free slot of a slab `h` has mapped, or its first slab; else
+        (not `patient`) a free slot of any slab."""
+        arena, nbytes = self._arena, nbytes or self._out_bytes
+        assert arena is not None
+        first = arena.whole_slabs(h.slabs, nbytes) == 0
+        slot = arena.acquire(nbytes, h.slabs, only=True, new=first)
+        if slot is None and not patient:
+            slot = arena.acquire(nbytes, new=False)
         return slot
 
-    def _busy(self) -> bool:
-        """Whether any worker has a task in flight (whose result will free, or fill, a slot)."""
-        return any(h.inflight for h in self._handles)
+    def _more_slot(self, h: Handle, nbytes: int | None = None, alone: bool = False) -> Slot | None:
+        """For a whole batch of `h` when no slot is free: the second slab of `h` (below
+        `SLABS_PER_WORKER`), else, `alone` (no other worker is busy: no result of theirs will free
+        a slot), one within the budget; else None."""
+        arena, nbytes = self._arena, nbytes or self._out_bytes
+        assert arena is not None
+        room = arena.whole_slabs(h.slabs, nbytes) < SLABS_PER_WORKER
+        slot = arena.acquire(nbytes, h.slabs, only=True, new=room)
+        if slot is None and alone:
+            slot = arena.acquire(nbytes)
+        return slot
 
     def _async_room(self) -> int:
         """Async tasks one worker may hold now. Until the first result tells how large results are,
@@ -130,12 +147,14 @@ class Sending(WorkerProcesses):
             elif h.inflight:
                 return False  # no slot free: send it inline, but only to an idle worker
         row = None if task.row is None else task.row.batch.wire(task.row.row)
+        grow = self.cfg.size_first and not task.is_async and row is None
+        ask = False
         if self._out_bytes and task.out_slot is None and row is None:
-            self._slot_waits = self.cfg.size_first  # before: a slot freed meanwhile wakes us
-            task.out_slot = self._out_slot(h)
-            if task.out_slot is None and self.cfg.size_first and self._busy():
-                return False  # no slot for it: wait for one (a result, or the consumer, frees it)
-            self._slot_waits = False
+            if grow and self._out_known:  # only a free slot now; else the worker asks (`wire.py`)
+                task.out_slot = arena.acquire(self._out_bytes, h.slabs, only=True, new=False)
+                ask = task.out_slot is None
+            else:
+                task.out_slot = self._out_slot(h)
         if task.out_slot is not None:
             h.share(arena, task.out_slot.slab_id)
             out_ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
@@ -144,9 +163,9 @@ class Sending(WorkerProcesses):
         now = time.monotonic()
         if not task.is_async and not h.sync_n:
             h.head_since = now
-        grow = self.cfg.size_first and not task.is_async and row is None
         h.send((
             wire.TASK, task.id, task.fn_id, task.seed, task.kind, inline, in_ref, out_ref, row, grow,
+            ask,
         ))  # fmt: skip
         h.inflight[task.id] = task
         task.worker, task.sent_at = h, now

@@ -20,9 +20,10 @@ Messages are pickled tuples, first item the kind:
     (SLAB, slab_id, size, whole) + fd (SCM_RIGHTS) (INIT_FAILED, error)
     (DROP, slab_id)                                (DONE, task_id, data, how, needed)
     (TASK, task_id, fn_id, seed, kind, inline,     (FAILED, task_id, error)
-     in_ref, out_ref, row, grow)                   (NEED, task_id, needed)
-    (CANCEL, task_id)
+     in_ref, out_ref, row, grow, ask)              (NEED, task_id, needed)
+    (CANCEL, task_id)                              (WANT, task_id, patient)
     (GROWN, task_id, out_ref)
+    (SLOT, task_id, out_ref)
 
 A `blob` that is an int names an object the worker was given as it started (`GIVEN`: inherited by
 a fork, or the first message), not pickled: a dataset holding a `multiprocessing.Value` or a
@@ -32,6 +33,15 @@ With `grow`, a plain task whose result does not fit its output slot keeps the re
 NEED with the bytes it needs; the parent answers GROWN with a slot that large (or None: the result is
 then pickled), and the worker packs the result there. How a pool that hands over whole batches learns
 their size without pickling the first ones through the pipe.
+
+With `ask`, a whole-batch task comes without an output slot (none of the worker's own was free when it
+was sent: the consumer still held the batch it wrote last), and the worker asks for one when it first
+needs it (WANT); the parent answers SLOT with a slot or None. A `patient` ask is answered at once and
+takes only a free slot of the worker's own slabs (or its first); the worker then keeps the samples it
+has read in its own memory a while longer and asks again later. The last ask, as the batch is
+stacked, waits for a free slot, a short while at most before a slab is made for it (`config`:
+`SLOT_WAIT_S`). So a worker keeps one batch of shared memory, not two, whenever the consumer takes
+each batch before the next is stacked.
 """
 
 from __future__ import annotations
@@ -66,7 +76,9 @@ __all__ = [
 ]
 
 READY, INIT_FAILED, DONE, FAILED, NEED = "ready", "init-failed", "done", "failed", "need"
+WANT = "want"
 FN, SLAB, DROP, TASK, CANCEL, GROWN = "fn", "slab", "drop", "task", "cancel", "grown"
+SLOT = "slot"
 RAW, RAW_BYTEARRAY, PICKLED = "raw", "bytearray", "pickled"  # how a task's argument travels
 # how a result travels: in its output slot (pickled with persistent ids), alone in its output slot
 # (the answer carries its persistent id), or written into a batch row

@@ -17,6 +17,7 @@ end the main process holds, and calls `os._exit` at once, even in the middle of 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -57,7 +58,9 @@ from .wire import (
     SHM,
     SINGLE,
     SLAB,
+    SLOT,
     TASK,
+    WANT,
     _into_row,
     _overflow,
     carved_in,
@@ -120,6 +123,7 @@ class _Worker:
         self._readable = select.poll()  # is another message waiting?
         self._readable.register(conn.fileno(), select.POLLIN)
         self._waiting: dict[int, Any] = {}  # results that asked for a larger slot (NEED)
+        self._later: collections.deque[tuple[Any, ...]] = collections.deque()  # read while asking
 
     def send(self, msg: tuple[Any, ...]) -> None:
         data = pickle.dumps(msg, protocol=5)
@@ -153,34 +157,55 @@ class _Worker:
 
     def _serve(self) -> None:
         while True:
-            msg = pickle.loads(self.conn.recv_bytes())
+            msg = self._later.popleft() if self._later else pickle.loads(self.conn.recv_bytes())
             kind = msg[0]
             if kind != TASK:
                 self._start_async()  # a CANCEL must find the tasks read before it started
             if kind == TASK:
                 self.task(*msg[1:])
-                if self._starts and not self._readable.poll(0):
+                if self._starts and not self._later and not self._readable.poll(0):
                     self._start_async()  # nothing more to read now: hand them over in one call
-            elif kind == FN:
-                self.fns[msg[1]] = _load_fn(msg[2])
-                if msg[3]:
-                    self.async_fns.add(msg[1])
             elif kind == CANCEL:
                 if self.worker_loop is not None:
                     self.worker_loop.cancel(msg[1])
-            elif kind == SLAB:
-                _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
-                mm = mmap.mmap(fds[0], msg[2])
-                os.close(fds[0])
-                if msg[3]:  # a batch buffer: every page of it will be written
-                    _populate(mm)
-                self.slabs[msg[1]] = (mm, memoryview(mm))
-            elif kind == DROP:
-                self.slabs.pop(msg[1], None)  # unmapped once no array of ours views it
             elif kind == GROWN:
                 out = None if msg[2] is None else self.region(msg[2])
                 self.answer(msg[1], out, None, self._waiting.pop(msg[1]))
                 del out  # keep nothing of it while the next message is awaited
+            else:
+                self._setup(msg)
+
+    def _setup(self, msg: tuple[Any, ...]) -> None:
+        """FN, SLAB or DROP: what the worker holds, not a task's turn (handled even while a task
+        asks for its slot)."""
+        kind = msg[0]
+        if kind == FN:
+            self.fns[msg[1]] = _load_fn(msg[2])
+            if msg[3]:
+                self.async_fns.add(msg[1])
+        elif kind == SLAB:
+            _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
+            mm = mmap.mmap(fds[0], msg[2])
+            os.close(fds[0])
+            if msg[3]:  # a batch buffer: every page of it will be written
+                _populate(mm)
+            self.slabs[msg[1]] = (mm, memoryview(mm))
+        elif kind == DROP:
+            self.slabs.pop(msg[1], None)  # unmapped once no array of ours views it
+
+    def _ask(self, task_id: int, patient: bool) -> memoryview | None:
+        """The output slot of the running task, asked of the parent now (`wire.py`: WANT). Messages
+        read meanwhile that are not the answer wait their turn, but a slab's is mapped at once (the
+        answer may name it)."""
+        self.send((WANT, task_id, patient))
+        while True:
+            msg = pickle.loads(self.conn.recv_bytes())
+            if msg[0] == SLOT and msg[1] == task_id:
+                return None if msg[2] is None else self.region(msg[2])
+            if msg[0] in (FN, SLAB, DROP):
+                self._setup(msg)
+            else:
+                self._later.append(msg)
 
     def region(self, ref: tuple[int, int, int]) -> memoryview:
         slab_id, offset, size = ref
@@ -189,7 +214,7 @@ class _Worker:
     def task(self, task_id: int, fn_id: int, seed: int | None, kind: str, inline: Any,
              in_ref: tuple[int, int, int] | None, out_ref: tuple[int, int, int] | None,
              row: tuple[int, int, int, str, tuple[int, ...]] | None,
-             grow: bool = False) -> None:  # fmt: skip
+             grow: bool = False, ask: bool = False) -> None:  # fmt: skip
         try:
             fn = self.fns[fn_id]
             if isinstance(fn, BaseException):
@@ -204,13 +229,18 @@ class _Worker:
                 self.async_loop()
                 self._starts.append((task_id, fn, arg, seed, out, answer))
                 return
-            carver = None if out is None or into is not None else Carver(out)
+            carver = None
+            if into is None and (out is not None or ask):
+                carver = Carver(out, functools.partial(self._ask, task_id) if ask else None)
             token = _carve.current.set(carver)
             try:
                 result = call_seeded(fn, arg, seed)
             finally:
                 _carve.current.reset(token)
             del arg
+            if carver is not None:
+                carver.ready()  # a result not carved (a user's collate) travels in the slot too
+                out = carver.buf
         except Exception as exc:
             self.send((FAILED, task_id, encode_error(exc)))
             return
