@@ -31,6 +31,7 @@ import torch
 import aioloader
 from aioloader import DecodeError, LoaderClosedError, WorkerDied, WorkerTimeout
 from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR
+from aioloader._executors.process.config import RELEASES_STOP_S
 from aioloader._executors.process.dispatcher import Pool
 from aioloader._executors.process.executor import ProcessExecutor
 from aioloader._util.rng import call_seeded
@@ -767,3 +768,30 @@ def test_a_task_pinned_to_a_busy_worker_does_not_hold_back_the_others(
         marker.touch()
     for f in held:
         f.result(timeout=WAIT_S)
+
+
+def batch_of_17_mib(i: int) -> torch.Tensor:
+    """A whole batch as a DataLoader worker makes it: one slab of its own per batch."""
+    return torch.full((17, 1 << 18), float(i))
+
+
+def test_whole_batches_kept_by_the_consumer_past_the_budget_are_pickled_not_waited_for(
+    make: Any,
+) -> None:
+    """Workers ask for their batch's slot as they need it. A consumer that lets its first batches go
+    and then keeps every one: the arena runs out, and once no slot has been freed for
+    `RELEASES_STOP_S` the rest travel pickled. Every result arrives, in order; no deadlock, and the
+    pool waits for the consumer once, not once per batch."""
+    pool = make(2, arena_bytes=100 << 20, size_first=True)  # room for 2 slabs per worker, no more
+    for i in range(4):
+        assert int(pool.submit(batch_of_17_mib, i).result(WAIT_S)[0, 0]) == i  # and let go
+    futures = [pool.submit(batch_of_17_mib, i) for i in range(10)]
+    start = time.monotonic()
+    held = [f.result(WAIT_S) for f in futures]
+    waited = time.monotonic() - start
+    assert [int(b[0, 0]) for b in held] == list(range(10))
+    stats = pool.stats()
+    assert stats["results_pickled"] >= 4
+    assert stats["results_in_shm"] > 4
+    assert stats["arena_mapped"] <= 100 << 20
+    assert waited < 3 * RELEASES_STOP_S, waited

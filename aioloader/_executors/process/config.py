@@ -28,6 +28,9 @@ COPIES_BYTES = 64 << 20  # recycled bytearrays kept for results copied out of sl
 # made; once such a wait has run out (a consumer that keeps batches a while), none waits again.
 SLABS_PER_WORKER = 2
 SLOT_WAIT_S = 0.1
+# A batch that finds no slot and no room for one waits for the consumer to free one while it frees
+# slots at all: none freed for this long, and it is pickled instead (a consumer that keeps them all).
+RELEASES_STOP_S = 1.0
 FIRST_OUTPUT_BYTES = 1 << 20  # output slot for tasks before the first result tells the real size
 CANCEL_GRACE_S = 1.0  # a timed-out async task not ended this long after its cancel: kill the worker
 START_TIMEOUT_S = 60.0  # a worker not ready by then (hung worker_init_fn) fails the pool

@@ -11,6 +11,7 @@ import os
 import pickle
 import selectors
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,6 +69,7 @@ class PoolCore:
         self._slot_waits = False  # a task asks for an output slot (see `_slot_freed`)
         self._wants: list[tuple[Handle, int, float]] = []  # (worker, task id, since): slot asks
         self._consumer_keeps = False  # a slot ask waited `SLOT_WAIT_S` in vain
+        self._freed_at = 0.0  # when a slot was last freed (the consumer let go of a batch)
         self._out_bytes, self._out_known = FIRST_OUTPUT_BYTES, False
         # from torch's seed, without drawing from its generator (a DataLoader must leave the global
         # RNG as torch's leaves it)
@@ -89,6 +91,7 @@ class PoolCore:
     def _slot_freed(self) -> None:
         """(Any thread: a view's finalizer.) A slot came back: wake the pool's thread if a task
         waits for one. It takes no lock: a finalizer may run in a thread that holds one of ours."""
+        self._freed_at = time.monotonic()
         if self._slot_waits:
             self._slot_waits = False
             fd = self._wake_w

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import wire
 from .arena import Slot
-from .config import SLOT_WAIT_S
+from .config import RELEASES_STOP_S, SLOT_WAIT_S
 from .outcomes import cancelled
 from .sending import Sending
 from .tasks import Handle, Task
@@ -105,9 +105,10 @@ class Results(Sending):
         A free slot is granted at once. Else the ask waits up to `SLOT_WAIT_S` for one to be freed;
         once such a wait has run out (the consumer keeps its batches a while), asks wait no more
         for that and `h` may get a slab more (`_more_slot`). Past that, an ask waits while another
-        worker is busy and not waiting itself (its result, or the consumer, will free a slot), and
-        else gets None (the batch is pickled: never a wait that could deadlock). An ask whose task
-        or worker is gone is dropped: its worker is being replaced.
+        worker is busy and not waiting itself (its result, or the consumer, will free a slot), or
+        while the consumer frees slots (one freed in the last `RELEASES_STOP_S`); else it gets None
+        (the batch is pickled: a consumer that keeps every batch never deadlocks the pool). An ask
+        whose task or worker is gone is dropped: its worker is being replaced.
         """
         self._slot_waits = True  # before: a slot freed meanwhile wakes us
         wants, self._wants = self._wants, []
@@ -126,8 +127,8 @@ class Results(Sending):
                     if other is not h and other not in waiting
                 )
                 slot = self._more_slot(h, alone=alone)
-                if slot is None and alone:
-                    task.out_slot = None
+                if slot is None and alone and now >= self._freed_at + RELEASES_STOP_S:
+                    task.out_slot = None  # the consumer keeps what it has, so none would come
                     self._grant(h, task_id, None)
                     continue
             if slot is None:

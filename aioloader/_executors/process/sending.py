@@ -7,7 +7,7 @@ import contextlib
 import time
 
 from . import wire
-from .arena import Slot
+from .arena import Slot, size_class
 from .config import QUEUE_DEPTH, SLABS_PER_WORKER
 from .outcomes import cancelled
 from .tasks import Handle, Task
@@ -117,6 +117,16 @@ class Sending(WorkerProcesses):
             slot = arena.acquire(nbytes)
         return slot
 
+    def _roomy(self) -> bool:
+        """Whether the budget holds `SLABS_PER_WORKER` batch slabs for every worker. Only then
+        is a whole batch sent without a slot, its worker asking for one as it needs it: a worker
+        waits only for its own, which its earlier batches hold (the consumer takes them first). A
+        tighter budget could be spent by later batches while the next one the consumer needs waits
+        for room, so there a task is sent only with its slot, the oldest first."""
+        assert self._arena is not None
+        need = self.cfg.workers * SLABS_PER_WORKER * size_class(self._out_bytes)
+        return need <= self._arena.budget
+
     def _async_room(self) -> int:
         """Async tasks one worker may hold now. Until the first result tells how large results are,
         one: a first wave of `async_depth` tasks per worker would either fill the arena with slots of
@@ -150,11 +160,18 @@ class Sending(WorkerProcesses):
         grow = self.cfg.size_first and not task.is_async and row is None
         ask = False
         if self._out_bytes and task.out_slot is None and row is None:
-            if grow and self._out_known:  # only a free slot now; else the worker asks (`wire.py`)
+            if grow and self._out_known and self._roomy():
+                # only a free slot now; else the worker asks as it needs one (`wire.py`)
                 task.out_slot = arena.acquire(self._out_bytes, h.slabs, only=True, new=False)
                 ask = task.out_slot is None
             else:
+                self._slot_waits = grow  # before: a slot freed meanwhile wakes us
                 task.out_slot = self._out_slot(h)
+                if task.out_slot is None and grow and any(x.inflight for x in self._handles):
+                    return (
+                        False  # no slot for it: wait for one (a result, or the consumer, frees it)
+                    )
+                self._slot_waits = bool(self._wants)
         if task.out_slot is not None:
             h.share(arena, task.out_slot.slab_id)
             out_ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
