@@ -85,7 +85,7 @@ class Results(Sending):
             return
         if task.out_slot is None:
             if patient:
-                task.out_slot = self._free_slot(h, patient=True)
+                task.out_slot = self._free_slot(h, others=False)
             else:
                 self._wants.append((h, task_id, time.monotonic()))
                 self._answer_wants()
@@ -102,22 +102,29 @@ class Results(Sending):
     def _answer_wants(self) -> None:
         """Answer the last asks for a slot (`_want`) that can be answered now.
 
-        A free slot is granted at once. Else the ask waits up to `SLOT_WAIT_S` for one to be freed;
-        once such a wait has run out (the consumer keeps its batches a while), asks wait no more
-        for that and `h` may get a slab more (`_more_slot`). Past that, an ask waits while another
-        worker is busy and not waiting itself (its result, or the consumer, will free a slot), or
-        while the consumer frees slots (one freed in the last `RELEASES_STOP_S`); else it gets None
-        (the batch is pickled: a consumer that keeps every batch never deadlocks the pool). An ask
-        whose task or worker is gone is dropped: its worker is being replaced.
+        A free slot of `h`'s slabs is granted at once (of any slab, to the oldest task in flight).
+        Else the ask waits up to `SLOT_WAIT_S` for one to be freed, counted from when no older task
+        is in flight (until then the consumer waits for that one); once such a wait has run out (the
+        consumer keeps its batches a while), asks wait no more for that, and `h` may get a slab more
+        (`_more_slot`). Past that, an ask waits while another worker is busy and not waiting itself
+        (its result, or the consumer, will free a slot), or while the consumer frees slots (one
+        freed in the last `RELEASES_STOP_S`); else it gets None (the batch is pickled: a consumer
+        that keeps every batch never deadlocks the pool). An ask whose task or worker is gone is
+        dropped: its worker is being replaced.
         """
         self._slot_waits = True  # before: a slot freed meanwhile wakes us
         wants, self._wants = self._wants, []
         now = time.monotonic()
+        oldest = min((t for x in self._handles for t in x.inflight), default=None)
         for i, (h, task_id, since) in enumerate(wants):
             task = h.inflight.get(task_id)
             if task is None or not h.open:
                 continue
-            slot = self._free_slot(h)
+            if oldest is not None and oldest < task_id:
+                since = now  # the consumer waits for an older batch: not a sign that it keeps ours
+            # another worker's free slot only for the oldest batch: one taken by a later batch stays
+            # held (the consumer takes batches in order) while the one it needs waits for room
+            slot = self._free_slot(h, others=oldest is None or oldest >= task_id)
             if slot is None and (self._consumer_keeps or now >= since + SLOT_WAIT_S):
                 self._consumer_keeps = True
                 waiting = {w[0] for w in wants[i + 1 :]} | {w[0] for w in self._wants}

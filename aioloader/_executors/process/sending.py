@@ -92,16 +92,14 @@ class Sending(WorkerProcesses):
         alone = not any(other.inflight for other in self._handles if other is not h)
         return self._free_slot(h, nbytes) or self._more_slot(h, nbytes, alone)
 
-    def _free_slot(
-        self, h: Handle, nbytes: int | None = None, patient: bool = False
-    ) -> Slot | None:
-        """For a whole batch of `h`: a free slot of a slab `h` has mapped, or its first slab; else
-        (not `patient`) a free slot of any slab."""
+    def _free_slot(self, h: Handle, nbytes: int | None = None, others: bool = True) -> Slot | None:
+        """For a whole batch of `h`: a free slot of a slab `h` has mapped, or its first slab; else,
+        with `others`, a free slot of any slab."""
         arena, nbytes = self._arena, nbytes or self._out_bytes
         assert arena is not None
         first = arena.whole_slabs(h.slabs, nbytes) == 0
         slot = arena.acquire(nbytes, h.slabs, only=True, new=first)
-        if slot is None and not patient:
+        if slot is None and others:
             slot = arena.acquire(nbytes, new=False)
         return slot
 
