@@ -14,15 +14,27 @@ import contextlib
 import heapq
 import itertools
 import os
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .parquet import Parquet
+__all__ = ["Ahead", "Reader", "RowGroup", "Runs", "Turns", "cores", "runs_of"]
 
-__all__ = ["Ahead", "RowGroup", "Runs", "Turns", "cores", "runs_of"]
+
+class Reader(Protocol):
+    """What the row groups and the read-ahead use of their source (`parquet.Parquet`)."""
+
+    row_groups_in_flight: int
+    max_bytes_ahead: int | None
+    _reads: set[asyncio.Task[Any]]
+    _live: dict[int, RowGroup]
+
+    def _load(self, group: RowGroup) -> Coroutine[Any, Any, Any]: ...
+
+    def group(self, index: int) -> RowGroup: ...
+
+    def _read_early(self, epoch: int, room: int, order: int) -> None: ...
 
 
 class RowGroup:
@@ -36,7 +48,7 @@ class RowGroup:
         self.nbytes = 0
         self.order = 0  # when the walk needs it, relative to the others read ahead (lower: sooner)
 
-    def start(self, source: Parquet) -> asyncio.Task[Any]:
+    def start(self, source: Reader) -> asyncio.Task[Any]:
         """Begin the read (once), on the running loop."""
         if self.task is None:
             self.task = task = asyncio.get_running_loop().create_task(source._load(self))
@@ -45,7 +57,7 @@ class RowGroup:
             task.add_done_callback(_retrieve)
         return self.task
 
-    async def value(self, source: Parquet) -> Any:
+    async def value(self, source: Reader) -> Any:
         """The decoded row group (a fetch that is cancelled leaves the read to the others)."""
         task = self.start(source)
         if task.done():
@@ -88,7 +100,7 @@ class Ahead:
     """The row groups one walk over an epoch holds: those it has handed rows of out and will hand
     out more of, and up to `row_groups_in_flight` read ahead of that (in the order first needed)."""
 
-    def __init__(self, source: Parquet, runs: Runs, epoch: int, early: bool) -> None:
+    def __init__(self, source: Reader, runs: Runs, epoch: int, early: bool) -> None:
         self.source = source
         self.epoch = epoch
         self.early = early  # read the next epoch's first row groups once this one's are asked for
