@@ -320,7 +320,12 @@ _STACKED: dict[int, weakref.ref[torch.Tensor]] = {}
 
 def _remember(batch: torch.Tensor) -> None:
     ptr = batch.data_ptr()
-    _STACKED[ptr] = weakref.ref(batch, lambda ref: _STACKED.pop(ptr, None))
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:  # not a later batch's at the same address
+        if _STACKED.get(ptr) is ref:
+            del _STACKED[ptr]
+
+    _STACKED[ptr] = weakref.ref(batch, forget)
 
 
 def _address(x: Any) -> int:

@@ -128,11 +128,7 @@ class Results(Sending):
             if slot is None and (self._consumer_keeps or now >= since + SLOT_WAIT_S):
                 self._consumer_keeps = True
                 waiting = {w[0] for w in wants[i + 1 :]} | {w[0] for w in self._wants}
-                alone = not any(
-                    other.inflight
-                    for other in self._handles
-                    if other is not h and other not in waiting
-                )
+                alone = not self._busy(but=h, waiting=waiting)
                 slot = self._more_slot(h, alone=alone)
                 if slot is None and alone and now >= self._freed_at + RELEASES_STOP_S:
                     task.out_slot = None  # the consumer keeps what it has, so none would come

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+from collections.abc import Container
 
 from . import wire
 from .arena import Slot, size_class
@@ -89,8 +90,7 @@ class Sending(WorkerProcesses):
         assert arena is not None
         if not self.cfg.size_first:
             return arena.acquire(nbytes, h.slabs)
-        alone = not any(other.inflight for other in self._handles if other is not h)
-        return self._free_slot(h, nbytes) or self._more_slot(h, nbytes, alone)
+        return self._free_slot(h, nbytes) or self._more_slot(h, nbytes, not self._busy(but=h))
 
     def _free_slot(self, h: Handle, nbytes: int | None = None, others: bool = True) -> Slot | None:
         """For a whole batch of `h`: a free slot of a slab `h` has mapped, or its first slab; else,
@@ -114,6 +114,11 @@ class Sending(WorkerProcesses):
         if slot is None and alone:
             slot = arena.acquire(nbytes)
         return slot
+
+    def _busy(self, but: Handle | None = None, waiting: Container[Handle] = ()) -> bool:
+        """Whether a worker (other than `but`, and not one `waiting` for a slot) has a task in
+        flight: its result, or the consumer taking the results before it, will free a slot."""
+        return any(h.inflight for h in self._handles if h is not but and h not in waiting)
 
     def _roomy(self) -> bool:
         """Whether the budget holds `SLABS_PER_WORKER` batch slabs for every worker. Only then
@@ -165,7 +170,7 @@ class Sending(WorkerProcesses):
             else:
                 self._slot_waits = grow  # before: a slot freed meanwhile wakes us
                 task.out_slot = self._out_slot(h)
-                if task.out_slot is None and grow and any(x.inflight for x in self._handles):
+                if task.out_slot is None and grow and self._busy():
                     return (
                         False  # no slot for it: wait for one (a result, or the consumer, frees it)
                     )
