@@ -104,6 +104,23 @@ class Bytearrays:
                 return kept[j]
             return self._make(n, kept)
 
+    def fit(self, n: int) -> bytearray:
+        """A bytearray of at least `n` bytes (under twice `n`) that nothing else refers to: a
+        free kept one of the smallest length that serves, else a new one of `size_class(n)`.
+        For callers that use a prefix of it (a body received into it): one kept set of buffers
+        then serves lengths that vary, where `take` keeps a set per length, and a set past
+        `max_bytes` is made afresh each time."""
+        if n < self.min_bytes:
+            return bytearray(n)
+        want = size_class(n)
+        with self._lock:
+            for length in sorted(k for k in self._kept if want <= k < 2 * n or k == want):
+                for buf in self._kept[length]:
+                    if sys.getrefcount(buf) == _FREE + 1 and len(buf) == length:
+                        self.reused += 1
+                        return buf
+            return self._make(want, self._kept.setdefault(want, []))
+
     def _make(self, n: int, kept: list[bytearray]) -> bytearray:
         self.made += 1
         fresh = bytearray(n)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import contextvars
 import ssl as _ssl
 from urllib.parse import unquote, urlsplit
 
@@ -216,9 +217,14 @@ class FastPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(self.bodies), host, port, ssl=ssl
+                # made in an empty context: a transport keeps the context it is made in for as
+                # long as the connection lives, and this request's holds `landing` (the recycled
+                # buffer its body goes to), which would never be free to be used again
+                made = loop.create_task(
+                    loop.create_connection(lambda: _Connection(self.bodies), host, port, ssl=ssl),
+                    context=contextvars.Context(),
                 )
+                _, conn = await made
         except TimeoutError:
             raise Failure(f"timed out connecting to {host}:{port}", retryable=True) from None
         except _ssl.SSLCertVerificationError as exc:
@@ -270,13 +276,18 @@ class FastPool:
                 fut.set_exception(Failure(f"timed out: no byte for {timeout:g} s", retryable=True))
             else:
                 seen = conn.progress
-                timer[0] = loop.call_later(timeout, check)
+                timer[0] = loop.call_later(timeout, check, context=contextvars.Context())
 
-        timer = [loop.call_later(timeout, check)]
+        # In an empty context: this request's holds `landing`, the recycled buffer its body goes
+        # to, and a cancelled timer may be kept until its time comes (asyncio's own loop keeps it
+        # in its heap); the buffer would not be free for `timeout` seconds.
+        timer = [loop.call_later(timeout, check, context=contextvars.Context())]
         try:
             return await fut
         finally:
-            timer[0].cancel()
+            # popped, not only cancelled: the timer refers to `check`, which refers to `timer`,
+            # a cycle that only the garbage collector would free, with the connection in it
+            timer.pop().cancel()
 
     def _discard(self, conn: _Connection) -> None:
         self._open.discard(conn)

@@ -29,6 +29,8 @@ class Reader(Protocol):
     max_bytes_ahead: int | None
     _reads: set[asyncio.Task[Any]]
     _live: dict[int, RowGroup]
+    _early: dict[int, RowGroup]
+    _early_for: int
 
     def _load(self, group: RowGroup) -> Coroutine[Any, Any, Any]: ...
 
@@ -113,7 +115,14 @@ class Ahead:
         """The walk hands out positions [a, b): pin what they need and read ahead; let go of the
         row groups whose last position is behind."""
         reached = int(np.searchsorted(self.first, b, side="left"))  # needed by positions < b
-        while self.next < len(self.need) and (self.next < reached or self._room(reached)):
+        # reads ahead go out in bursts, once half of those read ahead are reached: a server
+        # (SeaweedFS here) spends about half the CPU per request on requests that come together
+        # than on the same requests one after the other
+        low = self.source.row_groups_in_flight // 2
+        refill = self.next - reached <= low
+        while self.next < len(self.need) and (
+            self.next < reached or (refill and self._room(reached))
+        ):
             g = self.need[self.next]
             group = self.pinned[g] = self.source.group(g)
             group.order = self.next
@@ -126,7 +135,10 @@ class Ahead:
             self._let_go(g)
         if self.early and self.next == len(self.need):
             ahead = max(0, self.next - reached)
-            self.source._read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
+            source = self.source
+            early = len(source._early) if source._early_for == self.epoch + 1 else 0
+            if ahead + early <= low:
+                self.source._read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
 
     def _early_room(self, ahead: int) -> int:
         """How many of the next epoch's row groups may be read now, `ahead` of this one's being

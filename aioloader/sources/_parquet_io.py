@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import FetchError
-from .._util.bytearrays import Bytearrays, landing, size_class
+from .._util.bytearrays import Bytearrays, landing
 from ._redact import redact_url
 from ._shards import SCHEMES, Options
 
@@ -89,13 +89,11 @@ class Store:
 
     async def read(self, offset: int, length: int) -> Bytes:
         """Bytes [offset, offset + length) (a remote body as received: not copied). The fast
-        engine receives it into a recycled buffer of its size class (`_BODIES`): chunk ranges
+        engine receives it into the start of a recycled buffer (`_BODIES.fit`): chunk ranges
         are of every length, and a fresh buffer each time pays a page fault per 4 KiB."""
         if self._remote is not None:
             transport = self._remote.transport
-            into = (
-                memoryview(_BODIES.take(size_class(length))) if transport.engine == "fast" else None
-            )
+            into = memoryview(_BODIES.fit(length)) if transport.engine == "fast" else None
             token = landing.set(into)
             try:
                 body: Bytes = await transport.get(

@@ -418,7 +418,8 @@ class Parquet:
         most = max(self.row_counts, default=0) * (self.row_groups_in_flight + 1)
         rows = self.epoch_order(epoch)[mine[:most]]
         groups = np.searchsorted(self._starts, rows, side="right") - 1
-        return list(dict.fromkeys(groups.tolist()))[: self.row_groups_in_flight]
+        runs = groups[np.flatnonzero(np.diff(groups, prepend=-1))]  # rows of a group come in runs
+        return list(dict.fromkeys(runs.tolist()))[: self.row_groups_in_flight]
 
     # -- samples -------------------------------------------------------------------------------------
 
@@ -435,7 +436,8 @@ class Parquet:
             table = await group.value(self)
             tables.append(_take(table, rows))
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
-        return table.combine_chunks().to_batches()[0]
+        batches = table.to_batches()
+        return batches[0] if len(batches) == 1 else table.combine_chunks().to_batches()[0]
 
     async def samples(self, epoch: int) -> AsyncIterator[Any]:
         """The samples of `epoch` for this reader, one after the other (row groups read ahead)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -158,6 +159,63 @@ async def test_a_body_lands_in_the_slot_it_is_given_when_it_fits(
         plain = await src.fetch(keys[2])
         assert type(plain) is bytearray
         assert plain == objects[keys[2]]
+    finally:
+        await src.aclose()
+
+
+def test_fit_serves_lengths_that_vary_from_one_kept_set() -> None:
+    pool = Bytearrays(max_bytes=1 << 22)
+    sizes = [300_000, 310_000, 290_000, 305_000, 280_000, 299_999]
+    first = [pool.fit(n) for n in sizes[:2]]
+    assert [len(b) >= n for b, n in zip(first, sizes, strict=False)] == [True, True]
+    made = pool.made
+    del first
+    for n in sizes:  # one at a time: the two kept ones serve every length
+        body = pool.fit(n)
+        assert n <= len(body) < 2 * n
+        del body
+    assert pool.made == made
+    held = pool.fit(300_000)
+    assert pool.fit(300_000) is not held  # still referenced: another one
+    small = pool.fit(100_000)  # no kept one under twice its length: its own
+    assert 100_000 <= len(small) < 200_000
+    assert len(pool.fit(1000)) == 1000  # below min_bytes: not kept
+
+
+@pytest.mark.asyncio
+async def test_a_kept_connection_does_not_hold_the_slot_its_first_body_landed_in(
+    big_origin: tuple[Origin, dict[str, bytes]],
+) -> None:
+    # The connection is made during the first request, whose context holds that request's
+    # landing slot; the connection lives on (kept alive), the slot must not be held with it, nor
+    # by the request's read-timeout timer, else a recycled buffer is never free again.
+    origin, objects = big_origin
+    keys = list(objects)
+    src = http(origin.url + "/", keys, engine="fast")
+    slot = bytearray(SIZE + 100)
+    free = sys.getrefcount(slot)
+
+    async def fetch_into(key: str) -> int:
+        landing.set(memoryview(slot))
+        body = await src.fetch(key)
+        n = len(body)
+        del body
+        return n
+
+    async def fetched(key: str) -> None:
+        assert await asyncio.create_task(fetch_into(key)) == SIZE
+        await asyncio.sleep(0)  # the finished task's own callbacks let go of it
+        assert bytes(slot[:SIZE]) == objects[key]
+
+    try:
+        await fetched(keys[0])
+        fast = src.transport._fast
+        assert fast is not None
+        assert len(fast._open) == 1
+        assert sys.getrefcount(slot) == free  # no garbage collection needed
+        await fetched(keys[1])  # over the same connection
+        assert len(fast._open) == 1
+        assert sys.getrefcount(slot) == free
     finally:
         await src.aclose()
 
