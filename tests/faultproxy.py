@@ -3,8 +3,8 @@
 `Origin` serves in-memory objects (GET with Range, optional auth). `FaultProxy` sits between a client
 and an origin and, for the n-th request of each path, does what `proxy.plan(path, n)` says: forward it
 (after `Fault.seconds`), answer 503 (with or without Retry-After, or as S3's "SlowDown"), reset the
-connection, send a body shorter than its Content-Length, or stall. Each runs its own event loop on
-its own thread.
+connection, send a body shorter than its Content-Length, stall, or send the body slowly in pieces.
+Each runs its own event loop on its own thread.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from aiohttp import web
 
 __all__ = ["Fault", "FaultProxy", "Origin", "ServerThread"]
 
-KINDS = ("503", "503-retry-after", "429", "reset", "reset-mid-body", "truncate", "stall", "latency")
+KINDS = ("503", "503-retry-after", "429", "reset", "reset-mid-body", "truncate", "stall", "latency",
+         "trickle")  # fmt: skip
 SLOWDOWN = (
     b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 )
@@ -40,7 +41,8 @@ AZURE_BUSY = {
 
 @dataclass(frozen=True)
 class Fault:
-    """What the proxy does to one request. `kind` is one of KINDS; `seconds` is the latency or stall."""
+    """What the proxy does to one request. `kind` is one of KINDS; `seconds` is the latency or stall
+    ("trickle": the pause between the eight pieces of the body)."""
 
     kind: str
     seconds: float = 0.0
@@ -207,6 +209,13 @@ class FaultProxy(ServerThread):
         resp = web.StreamResponse(status=status, headers=headers)
         resp.content_length = len(body)
         await resp.prepare(request)
+        if fault.kind == "trickle":
+            step = -(-len(body) // 8)
+            for i in range(0, len(body), step):
+                await resp.write(body[i : i + step])
+                await asyncio.sleep(fault.seconds)
+            await resp.write_eof()
+            return resp
         await resp.write(body[: len(body) // 2])
         if fault.kind == "reset-mid-body":
             _reset(request)

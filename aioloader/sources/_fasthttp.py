@@ -169,6 +169,45 @@ class _Connection(asyncio.BufferedProtocol):
         return False
 
 
+class _ReadTimer:
+    """A request's read timeout: fails `fut` once no byte has come for `timeout` seconds, re-armed
+    while bytes keep coming (one timer per request, not one per read).
+
+    Its timers run in an empty context: the request's own holds `landing`, the recycled buffer
+    its body goes to, and a cancelled timer may be kept until its time comes (asyncio's own loop
+    keeps it in its heap), so the buffer would not be free again for `timeout` seconds. `cancel`
+    drops the timer, which refers back to this object: no cycle is left for the garbage
+    collector to find (one per request, the connection in it)."""
+
+    __slots__ = ("_handle", "conn", "fut", "seen", "timeout")
+
+    def __init__(self, conn: _Connection, fut: asyncio.Future[None], timeout: float) -> None:
+        self.conn, self.fut, self.timeout = conn, fut, timeout
+        self.seen = conn.progress
+        self._handle: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._handle = loop.call_later(self.timeout, self._check, context=contextvars.Context())
+
+    def _check(self) -> None:
+        if self.fut.done():
+            return
+        if self.conn.progress == self.seen:
+            self.fut.set_exception(
+                Failure(f"timed out: no byte for {self.timeout:g} s", retryable=True)
+            )
+        else:
+            self.seen = self.conn.progress
+            self._arm()
+
+    def cancel(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.cancel()
+
+
 class FastPool:
     """Keep-alive connections per host, at most `limit` requests at once. Use on one event loop."""
 
@@ -265,29 +304,11 @@ class FastPool:
         timeout = self.read_timeout
         if timeout is None:
             return await fut
-        loop = asyncio.get_running_loop()
-        seen = conn.progress
-
-        def check() -> None:  # one timer per request, re-armed while bytes keep coming
-            nonlocal seen
-            if fut.done():
-                return
-            if conn.progress == seen:
-                fut.set_exception(Failure(f"timed out: no byte for {timeout:g} s", retryable=True))
-            else:
-                seen = conn.progress
-                timer[0] = loop.call_later(timeout, check, context=contextvars.Context())
-
-        # In an empty context: this request's holds `landing`, the recycled buffer its body goes
-        # to, and a cancelled timer may be kept until its time comes (asyncio's own loop keeps it
-        # in its heap); the buffer would not be free for `timeout` seconds.
-        timer = [loop.call_later(timeout, check, context=contextvars.Context())]
+        timer = _ReadTimer(conn, fut, timeout)
         try:
             return await fut
         finally:
-            # popped, not only cancelled: the timer refers to `check`, which refers to `timer`,
-            # a cycle that only the garbage collector would free, with the connection in it
-            timer.pop().cancel()
+            timer.cancel()
 
     def _discard(self, conn: _Connection) -> None:
         self._open.discard(conn)

@@ -116,6 +116,21 @@ def test_stalls_time_out_and_retry_after_is_honoured(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_a_body_that_keeps_coming_is_not_timed_out_however_long_it_takes(
+    engine: str, proxy: FaultProxy, objects: dict[str, bytes]
+) -> None:
+    # read_timeout is the longest silence, not the longest body: eight pieces 0.15 s apart take
+    # over 1 s, four times read_timeout, and arrive at the first attempt
+    slow = "obj/00003.bin"
+    proxy.plan = lambda path, n: Fault("trickle", 0.15) if path == slow else None
+    src = http(proxy.url, [slow], read_timeout=0.3, **FAST, engine=engine)
+    (got,) = load_all(src)
+    assert got == [objects[slow]]
+    assert proxy.seen[slow] == 1
+    assert src.stats()["retries"] == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_persistent_failure_is_a_typed_error_naming_the_key(engine: str, proxy: FaultProxy) -> None:
     proxy.plan = lambda path, n: Fault("503") if path.endswith("00005.bin") else None
     keys = [f"obj/{i:05d}.bin" for i in range(10)]

@@ -220,6 +220,31 @@ async def test_a_kept_connection_does_not_hold_the_slot_its_first_body_landed_in
         await src.aclose()
 
 
+@pytest.mark.asyncio
+async def test_a_fast_request_leaves_no_garbage_cycle_behind(
+    big_origin: tuple[Origin, dict[str, bytes]],
+) -> None:
+    # a cycle per request (its read timer and what refers back to it) holds the request's
+    # objects, its body's buffer among them, until a garbage collection finds it
+    origin, objects = big_origin
+    keys = list(objects)
+    src = http(origin.url + "/", keys, engine="fast")
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for key in keys * 3:
+            assert bytes(await src.fetch(key)) == objects[key]
+        gc.collect()
+        ours = [o for o in gc.garbage if "aioloader" in (getattr(o, "__module__", None) or "")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        await src.aclose()
+    assert ours == []
+
+
 def test_only_a_view_of_the_slots_start_is_answered_without_a_copy() -> None:
     slot = memoryview(bytearray(1000))
     assert _lies_at_start(slot[:10], slot)
