@@ -127,7 +127,7 @@ class Epochs(Resumable, Generic[T]):
             while True:
                 t0 = time.perf_counter()
                 try:
-                    index, batch = runner.run(run.get(), self._timeout)
+                    index, batch = runner.run(run.get(), self._timeout, run.ready)
                 except LoaderTimeout:
                     raise self._timed_out(run) from None
                 except concurrent.futures.CancelledError:

@@ -158,7 +158,15 @@ class Epoch:
     async def get(self) -> tuple[int, Any]:
         """(group index, batch) of the next batch, `(-1, END)` after the last; raises the epoch's
         error in its place."""
-        index, batch, size, held_bytes, error = await self._out.get()
+        return self._got(await self._out.get())
+
+    def ready(self) -> tuple[int, Any] | None:
+        """`get()` at once when a batch is waiting (None when none is): a consumer in another
+        thread then needs no task on the loop for it."""
+        return None if self._out.empty() else self._got(self._out.get_nowait())
+
+    def _got(self, item: Item) -> tuple[int, Any]:
+        index, batch, size, held_bytes, error = item
         for _ in range(size):
             self._held.release()
         self._bytes.release(held_bytes)
@@ -167,7 +175,7 @@ class Epoch:
         rec.held_bytes -= held_bytes
         warning = self._bytes.over(held_bytes)
         if warning is not None:  # to the consumer (a warning that is an error reaches it as one)
-            warnings.warn(warning, ResourceWarning, stacklevel=2)
+            warnings.warn(warning, ResourceWarning, stacklevel=3)
         if error is not None:
             if index >= 0 and self._stages.batch_errors:
                 return index, BatchFailed(error)

@@ -120,8 +120,16 @@ class LoopThread:
                 coro.close()
                 raise LoaderClosedError("the loader's event loop thread was stopped") from None
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout: float | None = None,
+        now: Callable[[], T | None] | None = None,
+    ) -> T:
         """Run `coro` on the loop and block until it ends.
+
+        `now`, if given, is called on the loop first: what it returns, unless None, is the result,
+        and `coro` is closed unrun (a batch already waiting needs no task made for it).
 
         Raises `LoaderTimeout` (a TimeoutError) when `timeout` passes first; a TimeoutError that
         `coro` itself raises comes through as it is; `concurrent.futures.CancelledError` when the
@@ -130,20 +138,37 @@ class LoopThread:
         wait = _Wait()
 
         def start() -> None:  # on the loop
+            if now is not None:
+                try:
+                    value = now()
+                except BaseException as exc:  # the consumer's to raise, as the task's would be
+                    coro.close()
+                    return settle(None, exc)
+                if value is not None:
+                    coro.close()
+                    return settle(value, None)
             wait.task = self.loop.create_task(coro)
             wait.task.add_done_callback(finish)
 
         def finish(task: asyncio.Task[T]) -> None:  # on the loop
+            if task.cancelled():
+                with self._submit_lock:
+                    if wait not in self._waits:  # released already: the loop is ending
+                        return
+                    self._waits.discard(wait)
+                wait.cancelled = True
+                wait.done.release()
+            else:
+                error = task.exception()
+                settle(None if error is not None else task.result(), error)
+
+        def settle(value: T | None, error: BaseException | None) -> None:  # on the loop
             with self._submit_lock:
                 if wait not in self._waits:  # released already: the loop is ending
                     return
                 self._waits.discard(wait)
-            if task.cancelled():
-                wait.cancelled = True
-            elif (error := task.exception()) is not None:
-                wait.error = error
-            else:
-                wait.value = task.result()
+            wait.error = error
+            wait.value = value
             wait.done.release()
 
         def schedule() -> None:

@@ -289,6 +289,15 @@ class Feed:
             raise error
         return item
 
+    def ready(self) -> tuple[int, Any] | None:
+        """`get()` at once when a staged batch is waiting, else None."""
+        if self._out.empty():
+            return None
+        item, error = self._out.get_nowait()
+        if error is not None:
+            raise error
+        return item
+
     async def aclose(self) -> None:
         """Cancel the staging and the epoch and wait until both have ended. Idempotent."""
         self._task.cancel()

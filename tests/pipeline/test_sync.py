@@ -243,3 +243,43 @@ def test_interpreter_exits_promptly_with_a_live_loader(body: str) -> None:
     assert elapsed < EXIT_DEADLINE_S, f"exit took {elapsed:.1f} s"
     assert "Traceback" not in err, err
     assert "Warning" not in err, err
+
+
+# -- a batch already waiting --------------------------------------------------------------------------
+
+
+def test_a_result_ready_on_the_loop_is_handed_over_without_running_the_coroutine() -> None:
+    from aioloader._pipeline.handover import LoopThread
+
+    ran: list[str] = []
+    tasks: list[int] = []
+
+    async def slow(name: str) -> str:
+        ran.append(name)
+        return name
+
+    def counted(value: str | None) -> Callable[[], str | None]:
+        def now() -> str | None:
+            tasks.append(len(asyncio.all_tasks()))  # on the loop: no task of ours is running
+            return value
+
+        return now
+
+    def fails() -> str | None:
+        raise KeyError("the epoch's error")
+
+    runner = LoopThread()
+    try:
+        coro = slow("never")
+        assert runner.run(coro, now=counted("ready")) == "ready"
+        assert coro.cr_frame is None  # closed, never started: no "never awaited" warning
+        assert runner.run(slow("ran"), now=counted(None)) == "ran"  # nothing ready: it runs
+        assert ran == ["ran"]
+        assert tasks == [0, 0]
+        coro = slow("not either")
+        with pytest.raises(KeyError, match="the epoch's error"):
+            runner.run(coro, now=fails)
+        assert coro.cr_frame is None
+        assert ran == ["ran"]
+    finally:
+        runner.stop()
