@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -137,7 +138,10 @@ def measure(name: str, epochs: Callable[[], Iterable[Any]], close: Callable[[], 
     epoch ends moves work from one epoch to the next, and only the run of them shows its rate. Two
     warm-up epochs: aioloader's reader begins reading ahead across epochs in its second (its first
     epoch of a run reads nothing early, its second reads early for the third), as it does in every
-    run of many epochs."""
+    run of many epochs. Each contender starts from a full garbage collection, else what the one
+    before left to the collector (torch's batches unpickled in this process) can make a full
+    collection, 0.1 s with torch imported, land in the next one's timed epochs."""
+    gc.collect()
     try:
         warm = [sum(rows_in(b) for b in epochs()) for _ in range(WARM_EPOCHS)][-1]
         start, ttfbs, rows = time.perf_counter(), [], 0
