@@ -10,8 +10,8 @@ counts on every rank, `state_dict()` / `load_state_dict()` and elastic resume as
 are `RowRef`s (one row) or `RowsRef`s (`rows_per_sample` rows) that name their row group and rows, and
 `fetch` turns one into its sample. A row group is held while the order has rows of it to hand out and
 while any sample of it is in flight; at most `row_groups_in_flight` are read ahead of the rows handed
-out, fewer when their decoded bytes would pass half of the loader's `max_bytes_in_flight` (the reads
-and the read-ahead: `_parquet_ahead.py`).
+out, fewer when their decoded bytes would pass half of the loader's `max_bytes_in_flight`, asked for a
+quarter of them at a time (the reads and the read-ahead: `_parquet_ahead.py`).
 
 From its second epoch on, a reader that has asked for every row group of its epoch reads the first
 row groups of the next epoch (as a fresh epoch of this reader would begin it) in the room left,
