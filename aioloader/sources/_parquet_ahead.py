@@ -115,10 +115,11 @@ class Ahead:
         """The walk hands out positions [a, b): pin what they need and read ahead; let go of the
         row groups whose last position is behind."""
         reached = int(np.searchsorted(self.first, b, side="left"))  # needed by positions < b
-        # Reads ahead go out a quarter of row_groups_in_flight at a time, once that many are
-        # reached: a server (SeaweedFS here) spends about half the CPU per request on requests
-        # that come together than on the same ones one after the other. Three quarters stay read
-        # ahead, to cover a far store's latency (with half, W8 behind 20 ms was slower).
+        # Reads ahead go out a quarter of row_groups_in_flight at a time, once that many have
+        # been reached: a server (SeaweedFS here) spends about half as much CPU per request on
+        # requests that come together as on the same ones one after the other. Three quarters
+        # stay read ahead, to cover a far store's latency (with half, W8 behind 20 ms was slower).
+        # Under a byte limit fewer are read ahead, and each goes out as soon as it may.
         flight = self.source.row_groups_in_flight
         low = flight - max(1, flight // 4)
         refill = self.next - reached <= low
