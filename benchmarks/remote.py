@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -207,6 +208,7 @@ def run_s3(keys: list[str], concurrency: int) -> Result | None:
         return run_aio(f"aioloader s3 fast (concurrency {concurrency})", src, concurrency)
     finally:
         server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # the server's volumes
 
 
 def main() -> None:
