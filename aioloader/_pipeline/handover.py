@@ -152,23 +152,19 @@ class LoopThread:
 
         def finish(task: asyncio.Task[T]) -> None:  # on the loop
             if task.cancelled():
-                with self._submit_lock:
-                    if wait not in self._waits:  # released already: the loop is ending
-                        return
-                    self._waits.discard(wait)
-                wait.cancelled = True
-                wait.done.release()
+                settle(None, None, cancelled=True)
             else:
                 error = task.exception()
                 settle(None if error is not None else task.result(), error)
 
-        def settle(value: T | None, error: BaseException | None) -> None:  # on the loop
+        def settle(  # on the loop
+            value: T | None, error: BaseException | None, cancelled: bool = False
+        ) -> None:
             with self._submit_lock:
                 if wait not in self._waits:  # released already: the loop is ending
                     return
                 self._waits.discard(wait)
-            wait.error = error
-            wait.value = value
+            wait.cancelled, wait.error, wait.value = cancelled, error, value
             wait.done.release()
 
         def schedule() -> None:

@@ -284,19 +284,11 @@ class Feed:
 
     async def get(self) -> tuple[int, Any]:
         """The next `(index, Staged)`, `(-1, END)` after the last; safe to cancel."""
-        item, error = await self._out.get()
-        if error is not None:
-            raise error
-        return item
+        return _got(await self._out.get())
 
     def ready(self) -> tuple[int, Any] | None:
         """`get()` at once when a staged batch is waiting, else None."""
-        if self._out.empty():
-            return None
-        item, error = self._out.get_nowait()
-        if error is not None:
-            raise error
-        return item
+        return None if self._out.empty() else _got(self._out.get_nowait())
 
     async def aclose(self) -> None:
         """Cancel the staging and the epoch and wait until both have ended. Idempotent."""
@@ -412,3 +404,10 @@ def _collect_into(found: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.T
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _got(out: tuple[tuple[int, Any], BaseException | None]) -> tuple[int, Any]:
+    item, error = out
+    if error is not None:
+        raise error
+    return item

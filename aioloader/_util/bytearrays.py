@@ -114,7 +114,7 @@ class Bytearrays:
             return bytearray(n)
         want = size_class(n)
         with self._lock:
-            for length in sorted(k for k in self._kept if want <= k < 2 * n or k == want):
+            for length in sorted(k for k in self._kept if want <= k < 2 * n):  # want < 2n
                 for buf in self._kept[length]:
                     if sys.getrefcount(buf) == _FREE + 1 and len(buf) == length:
                         self.reused += 1

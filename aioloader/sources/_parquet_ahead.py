@@ -85,6 +85,8 @@ def runs_of(groups: np.ndarray) -> Runs:
     """Of the row groups of a walk's positions (-1: skipped): each one's first position, in the
     order first needed; its last position; the row groups in that order. Found from the runs of
     one row group, in one pass: there are far fewer runs than rows."""
+    if len(groups) == 0:  # no positions (a share with nothing left): no row groups
+        return np.empty(0, np.int64), {}, []
     starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
     stops = np.append(starts[1:], len(groups)) - 1  # each run's last position
     values = groups[starts]
@@ -141,7 +143,7 @@ class Ahead:
             source = self.source
             early = len(source._early) if source._early_for == self.epoch + 1 else 0
             if ahead + early <= low:
-                self.source._read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
+                source._read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
 
     def _early_room(self, ahead: int) -> int:
         """How many of the next epoch's row groups may be read now, `ahead` of this one's being

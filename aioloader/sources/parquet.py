@@ -418,8 +418,7 @@ class Parquet:
         most = max(self.row_counts, default=0) * (self.row_groups_in_flight + 1)
         rows = self.epoch_order(epoch)[mine[:most]]
         groups = np.searchsorted(self._starts, rows, side="right") - 1
-        runs = groups[np.flatnonzero(np.diff(groups, prepend=-1))]  # rows of a group come in runs
-        return list(dict.fromkeys(runs.tolist()))[: self.row_groups_in_flight]
+        return runs_of(groups)[2][: self.row_groups_in_flight]  # in the order first needed
 
     # -- samples -------------------------------------------------------------------------------------
 
