@@ -27,8 +27,8 @@ from ._pipeline.ordered import OrdersItself, OwnPlan
 from ._pipeline.stages import Stages
 from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
 from ._tuning.auto import resolve_concurrency, resolve_decoder
-from ._tuning.bounds import DEFAULT_MAX_BYTES, ErrorPolicy
-from ._tuning.memory import MemoryBudget
+from ._tuning.bounds import ErrorPolicy
+from ._tuning.memory import AUTO, MemoryBudget
 from ._util.loops import is_async_callable
 from ._util.ranks import resolve_rank
 from ._util.validate import check_callable, check_int, check_timeout
@@ -137,7 +137,7 @@ class Loader(Epochs[T]):
         pin_memory: bool | None = None,
         on_error: str = "raise",
         max_skipped: int | float | None = 0.05,
-        max_bytes_in_flight: int | None = DEFAULT_MAX_BYTES,
+        max_bytes_in_flight: int | str | None = AUTO,
         fetch_in_workers: bool = False,
     ) -> None:
         self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
@@ -183,8 +183,9 @@ class Loader(Epochs[T]):
                 fetch, decode, executor, workers, concurrency, source
             )
         plan = KeyPlan(order, batch_size, drop_last)
+        budget = MemoryBudget.of(max_bytes_in_flight)
         if keys is source and isinstance(source, OrdersItself):  # e.g. sources.parquet
-            plan = OwnPlan(source, batch_size, drop_last, max_bytes_in_flight)
+            plan = OwnPlan(source, batch_size, drop_last, budget.max_bytes)
         self._setup(
             plan, fetch, decode=decode, collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
@@ -192,7 +193,7 @@ class Loader(Epochs[T]):
             seed=seed, device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch,
                 memory_format=memory_format, stacklevel=3,
-            ), errors=ErrorPolicy(on_error, max_skipped), max_bytes=max_bytes_in_flight, stats=stats,
+            ), errors=ErrorPolicy(on_error, max_skipped), budget=budget, stats=stats,
             own_executor=owned,
         )  # fmt: skip
 
@@ -215,7 +216,7 @@ class Loader(Epochs[T]):
         seed: int = 0,
         device: DeviceStage | None = None,
         errors: ErrorPolicy | None = None,
-        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        budget: MemoryBudget | None = None,
         stats: bool = True,
         own_executor: bool = False,
         batch_errors: bool = False,
@@ -223,14 +224,15 @@ class Loader(Epochs[T]):
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
         check_int("prefetch", prefetch, minimum=1)
+        budget = budget or MemoryBudget.of(AUTO)
         self._concurrency_arg = concurrency
         recorder = Recorder() if stats else NullRecorder()
         concurrency, tuner = resolve_concurrency(
-            concurrency, is_async=is_async_callable(fetch), recorder=recorder, max_bytes=max_bytes,
+            concurrency, is_async=is_async_callable(fetch), recorder=recorder,
+            max_bytes=budget.max_bytes,
             source=source,
         )  # fmt: skip
         executor = executor_named(executor, decode)
-        budget = MemoryBudget(max_bytes)
         self._pool = buffer_pool(collate, budget, budget.waiting_batches(
             prefetch, plan.group_size, concurrency
         ))  # fmt: skip

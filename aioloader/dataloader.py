@@ -52,7 +52,7 @@ from ._torch.reads import WorkerIds, batch_reader, converting, reads_batches
 from ._torch.sampler import SamplerPlan, draw_seed
 from ._torch.streams import ReadStream, StreamExecutor, WorkerStreams
 from ._torch.workers import ReadItem, ReadSamples, RoundRobin, WorkerSetup, check_threads
-from ._tuning.memory import MemoryBudget
+from ._tuning.memory import AUTO, MemoryBudget
 
 __all__ = ["DataLoader"]
 
@@ -164,6 +164,7 @@ class DataLoader(Loader[T]):
             num_workers > 0 and worker_mode == "process"
             and not inspect.iscoroutinefunction(dataset.__getitem__)
         )  # fmt: skip
+        self._budget = MemoryBudget.of(AUTO)  # its workers' batches are admitted against it
         fetch, decode, executor, plan, auto_collation, concurrency, prefetch = self._wiring(
             processes, iterable, auto_collation, collate_fn, concurrency, threads, lazy
         )
@@ -177,7 +178,7 @@ class DataLoader(Loader[T]):
             device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
             ) if device is not None else None,
-            own_executor=True, batch_errors=True,
+            own_executor=True, batch_errors=True, budget=self._budget,
         )  # fmt: skip
         self._processes = processes
         warn_if_many_workers(num_workers)
@@ -333,7 +334,7 @@ class DataLoader(Loader[T]):
         self._workers = ProcessExecutor(
             self.num_workers, start_method=self._start_method,
             worker_init_fn=self._worker_setup,
-            arena_bytes=MemoryBudget().arena_bytes(), size_first=size_first, given=(read,),
+            arena_bytes=self._budget.arena_bytes(), size_first=size_first, given=(read,),
             fork_like_torch=True,
         )  # fmt: skip
         return self._workers

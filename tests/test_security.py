@@ -35,12 +35,18 @@ from faultproxy import Fault, FaultProxy, Origin, ServerThread
 from scripts.tarcraft import END, member
 
 from aioloader import FetchError, Loader, ProcessExecutor
-from aioloader._executors.process.arena import Arena
+from aioloader._executors.process.arena import SLAB_LINKS, Arena
 from aioloader.sources import http, tar_shards
 from aioloader.sources._redact import redact_url
 
 WAIT_S = 30.0
-SLAB_NAME = re.compile(r"^/dev/shm/aioloader-(\d+)-([0-9a-f]{24}) \(deleted\)$")
+SLAB_NAME = re.compile(r"^(?:/memfd:|/dev/shm/)aioloader-(\d+)-([0-9a-f]{24}) \(deleted\)$")
+
+
+def _slab_line(line: str) -> bool:
+    """Whether a line of /proc/PID/maps maps a slab."""
+    fields = line.split(maxsplit=5)
+    return len(fields) > 5 and fields[5].startswith(SLAB_LINKS)
 
 
 def make_tensor(n: int) -> torch.Tensor:
@@ -54,7 +60,7 @@ def slab_fds() -> dict[int, str]:
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith("/dev/shm/aioloader-"):
+            if target.startswith(SLAB_LINKS):
                 out[int(name)] = target
     return out
 
@@ -90,16 +96,16 @@ def test_slabs_are_private_unguessable_and_unlinked() -> None:
         ] == []
         (worker,) = executor.pids
         maps = Path(f"/proc/{worker}/maps").read_text().splitlines()
-        mapped = {line.split(maxsplit=5)[5] for line in maps if "/dev/shm/aioloader-" in line}
+        mapped = {line.split(maxsplit=5)[5] for line in maps if _slab_line(line)}
         # the worker maps what it was handed (and what it inherited at fork), nothing else: every
         # slab it maps is one this process maps too (a slab no longer needs a descriptor for that)
         ours = {line.split(maxsplit=5)[5] for line in Path("/proc/self/maps").read_text().splitlines()
-                if "/dev/shm/aioloader-" in line}  # fmt: skip
+                if _slab_line(line)}  # fmt: skip
         assert set(fds.values()) <= ours
         assert mapped <= ours
-        assert all(line.split()[1].endswith("s") for line in maps if "/dev/shm/aioloader-" in line)
+        assert all(line.split()[1].endswith("s") for line in maps if _slab_line(line))
         links = [os.readlink(f"/proc/{worker}/fd/{n}") for n in os.listdir(f"/proc/{worker}/fd")]
-        assert {t for t in links if "/dev/shm/" in t} <= set(fds.values())
+        assert {t for t in links if t.startswith(SLAB_LINKS)} <= set(fds.values())
         del kept
 
 

@@ -107,7 +107,10 @@ class _View:
         )
         if st.max_bytes_in_flight:
             share = 100 * st.held_bytes / st.max_bytes_in_flight
-            lines.append(f"memory: {share:.0f}% of max_bytes_in_flight held now")
+            lines.append(
+                f"memory: {share:.0f}% of max_bytes_in_flight ({st.max_bytes_in_flight / 2**20:.0f}"
+                f" MiB: {st.budget_origin}) held now"
+            )
         return lines
 
 

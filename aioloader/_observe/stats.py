@@ -90,7 +90,8 @@ class LoaderStats:
         first_batch_s: the first wait (start-up), included in the two above; None before it.
         ready_batches: batches collated and waiting for the consumer (the output queue).
         held_samples, held_bytes: samples and bytes held from launch to hand-over, against
-            `max_bytes_in_flight` (None: no byte bound).
+            `max_bytes_in_flight` (None: no byte bound); `budget_origin` says where that figure
+            came from (given, a quarter of RAM, or the memory cgroup's limit and what it left free).
         reserved_bytes: bytes reserved for the fetches in flight whose size is not known yet (the
             mean size so far each); peak_held_bytes: the most `held_bytes` has been.
         concurrency: the fetch limit now (it moves with `concurrency="auto"`).
@@ -122,6 +123,7 @@ class LoaderStats:
     first_batch_s: float | None = None
     reserved_bytes: int = 0
     peak_held_bytes: int = 0
+    budget_origin: str = "given"
 
     def table(self) -> str:
         """These numbers as a plain-text table, one row per stage, then the consumer and memory."""
@@ -352,7 +354,7 @@ def format_table(st: LoaderStats) -> str:
     first = "" if st.first_batch_s is None else f", first batch after {st.first_batch_s:.2f} s"
     budget = "no byte budget" if st.max_bytes_in_flight is None else (
         f"of a {_size(st.max_bytes_in_flight)} budget "
-        f"({100 * st.held_bytes / st.max_bytes_in_flight:.1f}%)")  # fmt: skip
+        f"({100 * st.held_bytes / st.max_bytes_in_flight:.1f}%; {st.budget_origin})")  # fmt: skip
     lines += [
         f"consumer: {st.batches} batches, {st.samples} samples in {st.wall_s:.2f} s; waited "
         f"{st.consumer_wait_s:.2f} s for data ({st.data_bound_pct:.1f}% data-bound{first}); "

@@ -187,9 +187,17 @@ def _make_fn_map(pool: Buffers | None) -> _CollateFnMap:
         if stacked is not None:
             return stacked
         _check_shapes(batch)
-        if pool is None or not _stackable(batch):
+        if not _stackable(batch):
             return torch_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
-        out = pool.take((len(batch), *batch[0].shape), batch[0].dtype)
+        shape = (len(batch), *batch[0].shape)
+        # Without a pool, into the process's own memory: torch's collate, called in a worker process,
+        # would allocate the batch in /dev/shm (torch's shared memory), which a container's 64 MB
+        # mount cannot hold, only for a process worker to copy it into its slot or pipe anyway.
+        out = (
+            torch.empty(shape, dtype=batch[0].dtype)
+            if pool is None
+            else pool.take(shape, batch[0].dtype)
+        )
         return _stack_into(batch, out)
 
     def ndarray_fn(batch: Sequence[np.ndarray[Any, Any]], *, collate_fn_map: Any = None) -> Any:

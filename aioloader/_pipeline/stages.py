@@ -101,5 +101,5 @@ class Stages:
             max_bytes_in_flight=self.budget.max_bytes, concurrency=self.tuner.limit,
             skipped=list(rec.skipped), skipped_count=rec.skipped_count, extra=extra,
             first_batch_s=rec.first_wait_s, reserved_bytes=rec.reserved_bytes,
-            peak_held_bytes=rec.peak_held_bytes,
+            peak_held_bytes=rec.peak_held_bytes, budget_origin=self.budget.origin,
         )  # fmt: skip

@@ -16,8 +16,10 @@ so the parent only maps views.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
+import itertools
 import random
 import threading
 import time
@@ -40,6 +42,7 @@ from .._util.threads import (
     LazyThreadPool,
     cores_idle,
     idle_ticks,
+    runnable_clock,
 )
 
 __all__ = [
@@ -168,17 +171,24 @@ class ReadSamples:
             samples = reading if isinstance(reading, list) else reading.samples
         else:
             readers = _Readers.here(self.threads, self.lazy)
-            samples = readers.read(self.dataset.__getitem__, indices)
+            reading = self._collector(len(indices))
+            readers.read(self.dataset.__getitem__, indices, reading)
+            samples = reading if isinstance(reading, list) else reading.samples
         keep_freed_memory(samples)
         return collate_here(self.collate, samples)
+
+    def _collector(self, size: int) -> list[Any] | StackAsRead:
+        """Where a batch's samples go as they are read, in order: with the default collate and an
+        output slot, each is stacked into the batch (`StackAsRead`), else kept in a list."""
+        carver = _carve.current.get()
+        if self.collate is None and carver is not None:
+            return StackAsRead(carver, size)
+        return []
 
     def _one_by_one(self, indices: list[Any]) -> list[Any] | StackAsRead:
         """The samples read on this thread, in order; with the default collate and an output slot,
         each is stacked into the batch as it is read (`StackAsRead`)."""
-        carver = _carve.current.get()
-        out: list[Any] | StackAsRead = []
-        if self.collate is None and carver is not None:
-            out = StackAsRead(carver, len(indices))
+        out = self._collector(len(indices))
         if self.threads == 1 or len(indices) == 1:
             for i in indices:
                 out.append(self.dataset[i])
@@ -188,9 +198,10 @@ class ReadSamples:
 
 
 class _Blocking:
-    """Whether a worker's reads block: a batch read one by one whose calls waited (did not run on
-    the thread's CPU) `SLOW_CALL_S` or more at the median while cores sat idle. Set once per
-    process; calls that compute (a JPEG decode) never set it, and need no thread."""
+    """Whether a worker's reads block: a batch read one by one whose calls were blocked (neither
+    ran nor waited for a core: `runnable_clock`) `SLOW_CALL_S` or more at the median while cores
+    sat idle. Set once per process; calls that compute (a JPEG decode) never set it, and need no
+    thread, however long other processes keep them from a core."""
 
     seen = False
 
@@ -200,9 +211,9 @@ class _Blocking:
         waits = []
         start, idle = time.monotonic(), idle_ticks()
         for i in indices:
-            began, cpu = time.monotonic(), time.thread_time()
+            began, cpu = time.monotonic(), runnable_clock()
             samples.append(getitem(i))
-            waits.append(time.monotonic() - began - (time.thread_time() - cpu))
+            waits.append(time.monotonic() - began - (runnable_clock() - cpu))
         spare = cores_idle(idle, idle_ticks(), time.monotonic() - start)
         waits.sort()
         cls.seen = waits[len(waits) // 2] >= SLOW_CALL_S and spare >= IDLE_TO_GROW
@@ -275,16 +286,32 @@ class _Readers:
                 mine = cls._mine = cls(threads, lazy)
             return mine
 
-    def read(self, getitem: Callable[[Any], Any], indices: list[Any]) -> list[Any]:
-        results = self.loop.run_until_complete(self._gather(getitem, indices))
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result  # the first failure in the sampler's order
-        return results
+    def read(self, getitem: Callable[[Any], Any], indices: list[Any], out: Any) -> None:
+        """Read `indices` in the pool's threads into `out` (`append`), in order; the first failing
+        read, in that order, raises.
 
-    async def _gather(self, getitem: Callable[[Any], Any], indices: list[Any]) -> list[Any]:
-        runs = [self.pool.run(getitem, i) for i in indices]
-        return await asyncio.gather(*runs, return_exceptions=True)
+        At most as many reads as the pool has threads run ahead of the next sample to append: a
+        worker holds that many samples of its own, not a batch of them (with `StackAsRead`, each is
+        stacked into the batch's slot as its turn comes, and while the slot is asked for, reading
+        pauses)."""
+        self.loop.run_until_complete(self._read_into(getitem, indices, out))
+
+    async def _read_into(self, getitem: Callable[[Any], Any], indices: list[Any], out: Any) -> None:
+        ahead: collections.deque[asyncio.Future[Any]] = collections.deque()
+        rest = iter(indices)
+        for i in itertools.islice(rest, max(1, self.pool.size)):
+            ahead.append(asyncio.ensure_future(self.pool.run(getitem, i)))
+        try:
+            while ahead:
+                sample = await ahead.popleft()
+                for i in itertools.islice(rest, 1):
+                    ahead.append(asyncio.ensure_future(self.pool.run(getitem, i)))
+                out.append(sample)
+                del sample
+        finally:  # a read failed: those after it are not waited for
+            for run in ahead:
+                run.cancel()
+            await asyncio.gather(*ahead, return_exceptions=True)
 
 
 # -- the parent's side of an IterableDataset read in workers ------------------------------------------

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._util.bytearrays import give_back_freed_memory
 
 __all__ = [
-    "DEFAULT_MAX_BYTES",
     "ByteBudget",
     "ErrorPolicy",
     "FixedConcurrency",
@@ -20,19 +18,6 @@ __all__ = [
 ]
 
 ON_ERROR = ("raise", "skip")
-
-
-def _default_max_bytes() -> int:
-    """A quarter of the machine's memory, at most 2 GiB."""
-    try:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 << 30
-    return int(min(2 << 30, ram // 4))
-
-
-DEFAULT_MAX_BYTES = _default_max_bytes()
-"""The default `max_bytes_in_flight`: min(2 GiB, a quarter of RAM)."""
 
 
 class Tuner:

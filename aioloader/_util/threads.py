@@ -16,12 +16,13 @@ would not help them.
 
 `spare_cores=True`, for a pool in one of several processes that share the cores (a process worker's
 read threads), looks at waiting rather than time: the median counts only the part of each call that
-did not run on its thread's CPU (`time.thread_time()`), and a third condition must hold, that the
-machine had at least `IDLE_TO_GROW` of a core idle over the last `IDLE_WINDOW_S` (Linux's
-/proc/stat). Calls that compute keep the cores busy and start no thread, however long they take or
-wait for the GIL; calls that sleep or wait on a socket leave cores idle. (Measured, JPEG decode in
-2 workers on 2 cores: the first two rules alone grew each worker to 16 threads, 170 MB more memory
-for no speed.)
+neither ran on its thread's CPU nor waited in a run queue for a core (`runnable_clock`: a call that
+computes while other processes hold the cores is preempted, not blocked), and a third condition must
+hold, that the machine had at least `IDLE_TO_GROW` of a core idle over the last `IDLE_WINDOW_S`
+(Linux's /proc/stat). Calls that compute keep the cores busy and start no thread, however long they
+take or wait for the GIL; calls that sleep or wait on a socket leave cores idle. (Measured, JPEG
+decode in 2 workers on 2 cores: the first two rules alone grew each worker to 16 threads, 170 MB
+more memory for no speed.)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "BUSY_TO_GROW", "GROW_AFTER_S", "IDLE_TO_GROW", "SLOW_CALL_S", "LazyThreadPool", "cores_idle",
-    "default_workers", "idle_ticks",
+    "default_workers", "idle_ticks", "runnable_clock",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -61,6 +62,30 @@ def idle_ticks() -> int | None:
     except OSError:
         return None
     return int(fields[4]) + int(fields[5])  # idle + iowait
+
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def runnable_clock() -> float:
+    """Seconds this thread has spent running or runnable (waiting in a run queue for a core).
+
+    Linux's schedstat counts both; what a call's wall time has beyond it, the call spent blocked (a
+    sleep, a socket, a cold disk). `time.thread_time()` alone counts only the running part, so a
+    call that computes while other processes hold the cores would look blocked for as long as it
+    was preempted. Where schedstat is not there, `time.thread_time()`.
+    """
+    try:
+        fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+    except OSError:
+        return time.thread_time()
+    try:
+        ran, queued, _ = os.read(fd, 96).split()
+    except (OSError, ValueError):
+        return time.thread_time()
+    finally:
+        os.close(fd)
+    return (int(ran) + int(queued)) / 1e9
 
 
 def cores_idle(ticks: int | None, ticks_now: int | None, seconds: float) -> float:
@@ -205,15 +230,15 @@ class _Crew:
             if not call.future.cancelled():
                 result, error = None, None
                 began = since[index] = time.monotonic()
-                cpu = time.thread_time() if self.pool.spare_cores else 0.0
+                cpu = runnable_clock() if self.pool.spare_cores else 0.0
                 try:
                     result = call.fn(*call.args)
                 except BaseException as exc:  # handed to the caller
                     error = exc
                 took = time.monotonic() - began
                 spent[index] += took
-                if self.pool.spare_cores:  # the time it waited, not the time it computed
-                    took -= time.thread_time() - cpu
+                if self.pool.spare_cores:  # the time it was blocked, not the time it computed
+                    took -= runnable_clock() - cpu
                 self.recent.append(took)
                 since[index] = 0.0
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed

@@ -184,10 +184,15 @@ def test_too_small_dev_shm_is_named_with_the_size_needed(monkeypatch: pytest.Mon
     monkeypatch.setattr(arena_module.os, "statvfs", lambda path: Tiny())
     with pytest.raises(OSError, match=r"/dev/shm has .* MiB free .* needs 64\.0 MiB"):
         check_room(64 << 20)
+    # where slabs are files in /dev/shm (asked for, or no memfd_create), its room is checked
     with pytest.raises(OSError, match="/dev/shm"):
-        arena_budget(None)
+        arena_budget(None, SHM_DIR)
     with pytest.raises(OSError, match="/dev/shm"):
-        Arena(budget=64 << 20)
+        Arena(budget=64 << 20, directory=SHM_DIR)
+    # anonymous memory does not live in /dev/shm: its size does not bound the arena
+    if arena_module.MEMFD:
+        assert arena_budget(None) == arena_module.DEFAULT_ARENA_BYTES
+        Arena(budget=64 << 20).close()
 
 
 def links_to(target: str) -> list[int]:
@@ -253,7 +258,10 @@ def test_a_loaders_own_pool_gets_an_arena_as_large_as_its_share_of_the_memory_bu
     half_free = st.f_bavail * st.f_frsize // 2
     assert loader_arena(None) is None
     assert loader_arena(1) == MIN_ARENA_BYTES
-    assert loader_arena(1 << 40) <= half_free
+    assert loader_arena(1 << 40, SHM_DIR) <= half_free  # files in /dev/shm: half its free space
+    if arena_module.MEMFD:  # anonymous memory: the budget alone
+        assert loader_arena(1 << 40) == 1 << 40
+        half_free = 1 << 62
     budget = 700 << 20
     with Loader(range(4), abs, decode=abs, executor="process", workers=1,
                 max_bytes_in_flight=budget) as loader:  # fmt: skip

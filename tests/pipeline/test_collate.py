@@ -22,6 +22,7 @@ from torch.utils.data import default_collate as torch_collate
 
 import aioloader
 from aioloader import BufferPool, CollateError, Loader
+from aioloader._executors.process.arena import SLAB_LINKS
 from aioloader._pipeline.collate import make_collate
 from aioloader._pipeline.epoch import ROWS_AHEAD_PER_WORKER
 
@@ -405,7 +406,7 @@ def _in_shared_memory(t: torch.Tensor) -> bool:
             fields = line.split()
             start, end = (int(x, 16) for x in fields[0].split("-"))
             if start <= ptr < end:
-                return len(fields) > 5 and fields[5].startswith("/dev/shm/")
+                return len(fields) > 5 and fields[5].startswith(SLAB_LINKS)
     return False
 
 

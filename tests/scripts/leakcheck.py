@@ -1,7 +1,8 @@
 """What this process holds, for the leak checks of the reliability tests and the soak runner.
 
 `census()` takes a snapshot: resident memory, open file descriptors (and how many are sockets),
-OS threads, live "aioloader*" threads, descendant processes and this process's /dev/shm entries.
+OS threads, live "aioloader*" threads, descendant processes and this process's shared-memory slabs:
+its /dev/shm entries, and the anonymous (memfd) slabs it still holds a descriptor of or maps.
 Two snapshots taken around a piece of work say what it left behind (`left_behind`).
 
 Call `warm_up()` before the first snapshot: it makes the once-per-process state that any event loop
@@ -56,10 +57,22 @@ def fd_targets() -> dict[int, str]:
     return out
 
 
+MEMFD_LINK = f"/memfd:{SHM_PREFIX}"  # arena.SLAB_LINKS: what /proc shows of an anonymous slab
+
+
 def shm_entries(pid: int | None = None) -> list[str]:
-    """/dev/shm names aioloader made (in process `pid` only, when given)."""
+    """/dev/shm names aioloader made (in process `pid` only, when given), and, for this process,
+    the anonymous slabs it holds a descriptor of or maps: a slab is gone once both are."""
     prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}-"
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
+    names = {name for name in os.listdir(SHM_DIR) if name.startswith(prefix)}
+    if pid == os.getpid():
+        names |= {t for t in fd_targets().values() if t.startswith(MEMFD_LINK)}
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) > 5 and fields[5].startswith(MEMFD_LINK):
+                    names.add(fields[5].strip())
+    return sorted(names)
 
 
 def _is_stdlib_helper(proc: psutil.Process) -> bool:

@@ -1,9 +1,15 @@
 """The shared-memory arena of the process executor: slabs, slots, and who owns them.
 
-The parent process alone creates and unlinks shared memory. A *slab* is a file in /dev/shm, created
-with an unguessable name, mode 0600 and O_EXCL, mapped, and unlinked at once: its name exists for
-microseconds, so nothing is left in /dev/shm whatever happens to the parent later (SIGKILL included).
-Workers get the slab's file descriptor over their socket (SCM_RIGHTS) and map it themselves.
+The parent process alone creates shared memory. A *slab* is anonymous memory made by
+`memfd_create` (Linux): it has no name in any filesystem, is counted by the memory cgroup like any
+other memory of the process, and is not bounded by the size of the /dev/shm mount (64 MB in a
+Docker container or a Kubernetes pod by default, where torch's shared memory fails with "No space
+left on device"). It is gone once its last descriptor and mapping are, whatever happens to the
+parent (SIGKILL included): nothing is ever left behind. Where memfd_create is missing (not Linux),
+or where a directory is given, a slab is a file there instead (/dev/shm), created with an
+unguessable name, mode 0600 and O_EXCL, mapped, and unlinked at once: its name exists for
+microseconds. Either way it is mode 0600, and workers get its descriptor over their socket
+(SCM_RIGHTS) and map it themselves.
 
 The parent maps a slab with libc's mmap(2), not Python's `mmap.mmap`, which on Python < 3.13 keeps a
 duplicate of the descriptor for as long as the mapping lives. A mapping needs no descriptor, so a
@@ -44,6 +50,7 @@ from .slab_memory import Buffer, map_shared, parent_only
 __all__ = [
     "NAME_PREFIX",
     "SHM_DIR",
+    "SLAB_LINKS",
     "Arena",
     "Slot",
     "arena_budget",
@@ -53,6 +60,10 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "aioloader-"
+# Slabs live in anonymous memory (memfd) where the system has it; else in /dev/shm.
+MEMFD = hasattr(os, "memfd_create")
+# What a slab's descriptor links to in /proc/PID/fd, and its mapping is named in /proc/PID/maps.
+SLAB_LINKS = (f"/memfd:{NAME_PREFIX}", f"{SHM_DIR}/{NAME_PREFIX}")
 # The most bytes one slab maps, and the most slots it holds: few file descriptors, small waste.
 SLAB_BYTES = 16 << 20
 SLOTS_PER_SLAB = 32
@@ -71,16 +82,44 @@ def check_room(nbytes: int, path: str = SHM_DIR) -> None:
         )
 
 
+def _new_file(directory: str | None) -> int:
+    """A new, empty, unnamed file of mode 0600 for a slab: anonymous memory (`directory` None, where
+    the system has memfd_create), else a file in `directory` unlinked as soon as it is made."""
+    name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
+    if directory is None and MEMFD:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.fchmod(fd, 0o600)  # (only its descriptor reaches it; its mode says so too)
+        return fd
+    path = os.path.join(directory or SHM_DIR, name)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    os.unlink(path)
+    return fd
+
+
+def _room(nbytes: int, directory: str | None) -> None:
+    """`check_room` where slabs are files in a mounted directory; anonymous memory has no mount,
+    and no more of it can be made than the machine has (OSError ENOMEM naming both)."""
+    if directory is not None or not MEMFD:
+        check_room(nbytes, directory or SHM_DIR)
+        return
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if nbytes > ram:
+        raise OSError(
+            errno.ENOMEM,
+            f"the process executor's shared-memory arena of {nbytes / 2**20:.1f} MiB is more than "
+            f"this machine's {ram / 2**20:.1f} MiB of memory: pass a smaller arena_bytes",
+        )
+
+
 class _Slab:
     __slots__ = ("buf", "closed", "fd", "free", "id", "pinned", "size", "slot_size", "unmap")
 
-    def __init__(self, slab_id: int, slot_size: int, count: int, directory: str) -> None:
+    def __init__(self, slab_id: int, slot_size: int, count: int, directory: str | None) -> None:
         self.id = slab_id
         self.slot_size = slot_size
         self.size = slot_size * count
-        path = os.path.join(directory, f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(12)}")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.fd = os.open(path, flags, 0o600)
+        self.fd = _new_file(directory)
         try:
             os.ftruncate(self.fd, self.size)
             self.buf: Buffer | None
@@ -88,8 +127,6 @@ class _Slab:
         except BaseException:
             os.close(self.fd)
             raise
-        finally:
-            os.unlink(path)
         self.free = [Slot(self, i * slot_size) for i in reversed(range(count))]
         self.pinned = 0  # slots leased or viewed
         self.closed = False
@@ -181,8 +218,8 @@ class Arena:
         >>> arena.close()
     """
 
-    def __init__(self, budget: int, directory: str = SHM_DIR) -> None:
-        check_room(budget, directory)
+    def __init__(self, budget: int, directory: str | None = None) -> None:
+        _room(budget, directory)
         self.budget = budget
         self.directory = directory
         self._slabs: dict[int, _Slab] = {}
@@ -244,7 +281,7 @@ class Arena:
             if count < 1:
                 return None
             try:
-                check_room(size * count, self.directory)
+                _room(size * count, self.directory)
                 slab = _Slab(self._next_id, size, count, self.directory)
             except OSError:
                 return None
@@ -346,27 +383,39 @@ DEFAULT_ARENA_BYTES = 256 << 20
 MIN_ARENA_BYTES = 16 << 20
 
 
-def loader_arena(max_bytes: int | None, directory: str = SHM_DIR) -> int | None:
+def _shm_cap(directory: str | None) -> int | None:
+    """Half the free space of the directory slabs are files in; None for anonymous memory."""
+    if directory is None and MEMFD:
+        return None
+    st = os.statvfs(directory or SHM_DIR)
+    return st.f_bavail * st.f_frsize // 2
+
+
+def loader_arena(max_bytes: int | None, directory: str | None = None) -> int | None:
     """The arena of a process pool a loader makes for itself: as large as the loader's memory
-    budget (so a few batches of any size fit, and workers can write them in place), but never more
-    than half the free /dev/shm; None (the pool's default) without a budget. Slabs are made as they
-    are needed: a large budget costs nothing until it is used."""
+    budget (so a few batches of any size fit, and workers can write them in place), and, where
+    slabs are files in /dev/shm, never more than half its free space; None (the pool's default)
+    without a budget. Slabs are made as they are needed: a large budget costs nothing until it is
+    used."""
     if max_bytes is None:
         return None
-    st = os.statvfs(directory)
-    return max(MIN_ARENA_BYTES, min(max_bytes, st.f_bavail * st.f_frsize // 2))
+    cap = _shm_cap(directory)
+    return max(MIN_ARENA_BYTES, max_bytes if cap is None else min(max_bytes, cap))
 
 
-def arena_budget(requested: int | None, directory: str = SHM_DIR) -> int:
-    """The arena budget: `requested` if `directory` has room for it, else OSError naming both.
+def arena_budget(requested: int | None, directory: str | None = None) -> int:
+    """The arena budget: `requested` if there is room for it, else OSError naming the directory.
 
-    None picks 256 MiB or half of the free space, whichever is less (at least 16 MiB).
+    None picks 256 MiB (where slabs are files in /dev/shm: or half its free space, whichever is
+    less; at least 16 MiB).
     """
     if requested is not None:
-        check_room(requested, directory)
+        _room(requested, directory)
         return requested
-    st = os.statvfs(directory)
-    budget = min(DEFAULT_ARENA_BYTES, st.f_bavail * st.f_frsize // 2)
+    cap = _shm_cap(directory)
+    if cap is None:
+        return DEFAULT_ARENA_BYTES
+    budget = min(DEFAULT_ARENA_BYTES, cap)
     if budget < MIN_ARENA_BYTES:
-        check_room(2 * MIN_ARENA_BYTES, directory)
+        check_room(2 * MIN_ARENA_BYTES, directory or SHM_DIR)
     return max(budget, MIN_ARENA_BYTES)

@@ -66,9 +66,11 @@ class Carver:
         self,
         buf: memoryview | None,
         ask: Callable[[bool], memoryview | None] | None = None,
+        grow: Callable[[int], memoryview | None] | None = None,
     ) -> None:
         self.buf = buf
         self._ask = ask  # `buf` None: asks the parent for the slot (see `ready`)
+        self._grow = grow  # asks the parent for a slot of n bytes, once, before anything is carved
         self.used = 0  # bytes from the start of `buf` that carved tensors may occupy
         self.placed: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, nbytes)
 
@@ -88,6 +90,11 @@ class Carver:
         nbytes = count * itemsize
         offset = align(self.used)
         buf = self.buf if count and self.ready() else None
+        small = buf is None or offset + nbytes > len(buf)
+        if count and small and self._grow is not None and not self.placed:
+            grow, self._grow = self._grow, None
+            buf = grow(offset + nbytes) or buf  # a larger slot, in place of the one it had
+            self.buf = buf
         if buf is None or offset + nbytes > len(buf):
             return _outside(shape, dtype, nbytes)
         out = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)

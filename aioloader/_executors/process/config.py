@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .main_guard import check_main_guard
 from .zygote import zygote_allowed
 
 __all__ = ["ASYNC_DEPTH", "Config", "pick_start_method"]
@@ -46,11 +47,15 @@ def pick_start_method(
     method: str | None, like_torch: bool = False
 ) -> tuple[str, BaseContext | None]:
     """(method, its multiprocessing context; None for "zygote"). None picks as the docstring says;
-    `like_torch`: forks where torch's DataLoader does (any Linux process, threads or CUDA)."""
+    `like_torch`: forks where torch's DataLoader does (any Linux process, threads or CUDA).
+    Raises RuntimeError where "forkserver" or "spawn" workers would run the caller's unguarded
+    top-level script code again (`check_main_guard`)."""
     methods = [*mp.get_all_start_methods(), "zygote"]
     torch_fork = like_torch and method is None and sys.platform.startswith("linux")
+    no_zygote = None
     if method is None:
-        method = "zygote" if torch_fork or zygote_allowed() is None else "forkserver"
+        no_zygote = None if torch_fork else zygote_allowed()
+        method = "zygote" if no_zygote is None else "forkserver"
         method = method if method in methods else "spawn"
     if method not in methods:
         raise ValueError(f"start_method must be one of {methods}, got {method!r}")
@@ -62,6 +67,7 @@ def pick_start_method(
         )
     if method == "zygote":
         return method, None
+    check_main_guard(method, no_zygote)  # before a forkserver or worker runs the script again
     ctx = mp.get_context(method)
     if method == "forkserver":
         from multiprocessing import forkserver

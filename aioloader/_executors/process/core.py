@@ -67,6 +67,7 @@ class PoolCore:
         self._failure: Callable[[], BaseException] | None = None
         self._restarts = 0
         self._slot_waits = False  # a task asks for an output slot (see `_slot_freed`)
+        self._send_waits = False  # a task waits to be sent until a slot is freed (`_releasing`)
         self._wants: list[tuple[Handle, int, float]] = []  # (worker, task id, since): slot asks
         self._consumer_keeps = False  # a slot ask waited `SLOT_WAIT_S` in vain
         self._freed_at = 0.0  # when a slot was last freed (the consumer let go of a batch)

@@ -209,6 +209,10 @@ class Pool(Faults):
             deadlines += [since + SLOT_WAIT_S for _, _, since in self._wants]
         elif self._wants and self._freed_at + RELEASES_STOP_S > time.monotonic():
             deadlines.append(self._freed_at + RELEASES_STOP_S)  # else: a slot freed, or a result
+        if self._send_waits and self._pending:
+            self._send_waits = False
+            if self._freed_at + RELEASES_STOP_S > time.monotonic():
+                deadlines.append(self._freed_at + RELEASES_STOP_S)
         if self.cfg.timeout is not None:
             deadlines += [h.head_since + self.cfg.timeout for h in self._handles if h.sync_n]
             deadlines += [d for h in self._handles for d in self._async_deadlines(h)]

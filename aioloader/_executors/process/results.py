@@ -76,13 +76,20 @@ class Results(Sending):
             ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
         h.send((wire.GROWN, task_id, ref))
 
-    def _want(self, h: Handle, task_id: int, patient: bool) -> None:
+    def _want(self, h: Handle, task_id: int, patient: bool, nbytes: int = 0) -> None:
         """A running whole-batch task asks for its output slot (`wire.py`: WANT). A free one is
-        granted at once, and so is a patient ask's None; the last ask may wait (`_answer_wants`)."""
+        granted at once, and so is a patient ask's None; the last ask may wait (`_answer_wants`).
+        An ask with `nbytes` more than the task's slot holds (a first batch, larger than the guess)
+        gives that slot back and tells the pool the size of its results."""
         task = h.inflight.get(task_id)
         if task is None or self._arena is None:
             h.send((wire.SLOT, task_id, None))
             return
+        if task.out_slot is not None and nbytes > task.out_slot.capacity:
+            self._free(task.out_slot)
+            task.out_slot = None
+            self._out_bytes = max(self._out_bytes, nbytes) if self._out_known else nbytes
+            self._out_known = True
         if task.out_slot is None:
             if patient:
                 task.out_slot = self._free_slot(h, others=False)
@@ -116,12 +123,16 @@ class Results(Sending):
         wants, self._wants = self._wants, []
         now = time.monotonic()
         oldest = min((t for x in self._handles for t in x.inflight), default=None)
+        roomy = self._roomy()
         for i, (h, task_id, since) in enumerate(wants):
             task = h.inflight.get(task_id)
             if task is None or not h.open:
                 continue
             if oldest is not None and oldest < task_id:
                 since = now  # the consumer waits for an older batch: not a sign that it keeps ours
+                if not roomy and self._older_unslotted(task_id):
+                    self._wants.append((h, task_id, since))
+                    continue
             # another worker's free slot only for the oldest batch: one taken by a later batch stays
             # held (the consumer takes batches in order) while the one it needs waits for room
             slot = self._free_slot(h, others=oldest is None or oldest >= task_id)
@@ -140,6 +151,19 @@ class Results(Sending):
             task.out_slot = slot
             self._grant(h, task_id, slot)
         self._slot_waits = bool(self._wants)
+
+    def _older_unslotted(self, task_id: int) -> bool:
+        """Whether a whole batch sent before `task_id` has no output slot of the size results take
+        yet. Under a budget that does not hold two batches per worker, slots go to batches in the
+        order the consumer takes them: a later batch that took the last room would be held in the
+        consumer's reorder while the batch it needs first waits for room that never comes (and is
+        then made in its worker's memory and pickled, past the budget)."""
+        size = self._out_bytes
+        return any(
+            t < task_id and not task.is_async and task.row is None
+            and (task.out_slot is None or task.out_slot.capacity < size)
+            for x in self._handles for t, task in x.inflight.items()
+        )  # fmt: skip
 
     def _done(self, h: Handle, task_id: int, data: Any, how: str, needed: int) -> None:
         task = self._finish(h, task_id, needed)

@@ -21,7 +21,7 @@ Messages are pickled tuples, first item the kind:
     (DROP, slab_id)                                (DONE, task_id, data, how, needed)
     (TASK, task_id, fn_id, seed, kind, inline,     (FAILED, task_id, error)
      in_ref, out_ref, row, grow, ask)              (NEED, task_id, needed)
-    (CANCEL, task_id)                              (WANT, task_id, patient)
+    (CANCEL, task_id)                              (WANT, task_id, patient, nbytes)
     (GROWN, task_id, out_ref)
     (SLOT, task_id, out_ref)
 
@@ -32,7 +32,12 @@ lambda then works, and `worker_init_fn` and the tasks see the very same objects.
 With `grow`, a plain task whose result does not fit its output slot keeps the result and answers
 NEED with the bytes it needs; the parent answers GROWN with a slot that large (or None: the result is
 then pickled), and the worker packs the result there. How a pool that hands over whole batches learns
-their size without pickling the first ones through the pipe.
+their size without pickling the first ones through the pipe. A `grow` task whose batch tensor is
+larger than its slot asks before it stacks it (WANT with the bytes it needs): the parent frees the
+small slot and answers SLOT as for the last ask below, so that the first batches, whose size nobody
+knew, are admitted against the arena's budget like any other, and none is made in a worker's heap
+while the budget is spent (inside a container's memory limit, eight workers each stacking a 150 MB
+batch of their own would be killed by it).
 
 With `ask`, a whole-batch task comes without an output slot (none of the worker's own was free when it
 was sent: the consumer still held the batch it wrote last), and the worker asks for one when it first

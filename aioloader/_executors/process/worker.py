@@ -193,11 +193,12 @@ class _Worker:
         elif kind == DROP:
             self.slabs.pop(msg[1], None)  # unmapped once no array of ours views it
 
-    def _ask(self, task_id: int, patient: bool) -> memoryview | None:
-        """The output slot of the running task, asked of the parent now (`wire.py`: WANT). Messages
-        read meanwhile that are not the answer wait their turn, but a slab's is mapped at once (the
-        answer may name it)."""
-        self.send((WANT, task_id, patient))
+    def _ask(self, task_id: int, patient: bool, nbytes: int = 0) -> memoryview | None:
+        """The output slot of the running task, asked of the parent now (`wire.py`: WANT); with
+        `nbytes`, one at least that large, in place of the one it came with. Messages read meanwhile
+        that are not the answer wait their turn, but a slab's is mapped at once (the answer may
+        name it)."""
+        self.send((WANT, task_id, patient, nbytes))
         while True:
             msg = pickle.loads(self.conn.recv_bytes())
             if msg[0] == SLOT and msg[1] == task_id:
@@ -231,7 +232,10 @@ class _Worker:
                 return
             carver = None
             if into is None and (out is not None or ask):
-                carver = Carver(out, functools.partial(self._ask, task_id) if ask else None)
+                carver = Carver(
+                    out, functools.partial(self._ask, task_id) if ask else None,
+                    functools.partial(self._ask, task_id, False) if grow else None,
+                )  # fmt: skip
             token = _carve.current.set(carver)
             try:
                 result = call_seeded(fn, arg, seed)
