@@ -31,7 +31,7 @@ import pytest
 import torch
 from conftest import POLL_INTERVAL_S
 from scripts.images import decode_jpeg, jpeg
-from scripts.leakcheck import census, left_behind_after, shm_entries, warm_up
+from scripts.leakcheck import census, left_behind_after, shm_names, warm_up
 
 from aioloader import Loader, LoaderTimeout, ProcessExecutor, WorkerDied, WorkerTimeout
 from aioloader.sources import files
@@ -88,7 +88,7 @@ class Saboteur:
 
     def _run(self) -> None:
         self.pid = int(wait_for_file(self.folder / "blocked"))
-        self.shm_seen = shm_entries(os.getpid())  # mid-epoch: slabs exist, but no name is left
+        self.shm_seen = shm_names(os.getpid())  # mid-epoch: slabs exist, but no name is left
         os.kill(self.pid, self.sig)
         self.at = time.monotonic()
         (self.folder / "go").touch()

@@ -299,7 +299,11 @@ class Epoch:
             self._active[where] = ("decode", key, time.monotonic())
             t0 = rec.start("decode")
             work = self._decode(state, slot, (key, raw) if stages.keyed else raw, seed)
-            raw, exc = await _attempt(rec, "decode", t0, work, key)
+            self._bytes.decode_started()
+            try:
+                raw, exc = await _attempt(rec, "decode", t0, work, key)
+            finally:
+                self._bytes.decode_ended()
             if exc is not None:
                 return await self._failed(state, slot, key, "decode", exc)
             if raw is None and stages.errors.on_error == "skip":  # "no sample": this one alone
@@ -314,7 +318,7 @@ class Epoch:
                 stages.rows.observe(raw)
             grown = max(0, decoded - size)
             self._hold(state, grown)
-            self._bytes.grew(grown)  # what a launch reserves covers what decode adds
+            self._bytes.grew(grown, size)  # what a launch reserves covers what decode adds
         state.samples[slot] = raw
         await self._done(state)
 

@@ -73,21 +73,33 @@ class Gate:
 
 
 class SampleSizes:
-    """The sizes of the samples a loader has fetched, for `ByteBudget`'s estimate; kept across
-    epochs, so only a loader's very first samples wait for a first size."""
+    """The sizes of the samples a loader has fetched, and what decode added to those it gave back,
+    for `ByteBudget`'s estimate; kept across epochs, so only a loader's very first samples wait for
+    a first size."""
 
-    __slots__ = ("count", "fetched", "total")
+    __slots__ = ("count", "decoded", "decoded_fetched", "fetched", "grown")
 
     def __init__(self) -> None:
-        self.total = 0  # bytes held per sample: as fetched, plus what decode added
-        self.count = 0
-        self.fetched = 0  # bytes as fetched (`total` / `fetched`: how much decode grows a sample)
+        self.count = 0  # samples fetched
+        self.fetched = 0  # their bytes as fetched
+        self.decoded = 0  # samples decode has given back
+        self.decoded_fetched = 0  # their bytes as fetched
+        self.grown = 0  # what decode added to them
+
+    @property
+    def growth(self) -> float:
+        """What decode adds to a sample, on average (0 before the first is back)."""
+        return self.grown / self.decoded if self.decoded else 0.0
+
+    def mean(self) -> int:
+        """What a sample holds on average: as fetched, plus what decode adds."""
+        return int(self.fetched / self.count + self.growth) if self.count else 0
 
     def expect(self, known: int) -> int:
         """What a sample that a source says is `known` bytes will hold, decode's growth included."""
-        if not self.fetched:
+        if not self.decoded_fetched:
             return known
-        return max(known, int(known * self.total / self.fetched))
+        return max(known, int(known * (self.decoded_fetched + self.grown) / self.decoded_fetched))
 
 
 class ByteBudget:
@@ -95,7 +107,9 @@ class ByteBudget:
 
     A launch reserves what its sample will hold: from the size its source knows before fetching it
     (a file's or an object's size: `Source.size`), grown as decode has grown samples so far; else the
-    mean size seen so far (what samples were fetched as, plus what decode added). Until a first size
+    mean size seen so far (what samples were fetched as, plus what decode added); a sample being
+    decoded reserves what decode adds on average until it is back (and until a first sample is back
+    from decode, samples go to decode one at a time). Until a first size
     is measured, samples of unknown size are admitted one at a time (a first wave of `concurrency`
     samples of unknown size could hold many times the budget). The oldest batch still being
     assembled is never held back, so a batch larger than the whole budget still completes (the
@@ -107,6 +121,7 @@ class ByteBudget:
         self.held = 0
         self.pending = 0  # launched, size not yet known
         self.pending_known = 0  # bytes reserved for launched samples whose size their source knew
+        self.decoding = 0  # fetched, not decoded yet: each reserves what decode adds on average
         self.sizes = SampleSizes() if sizes is None else sizes  # the loader's, kept across epochs
         self._warned = False
         self._changed = asyncio.Event()
@@ -117,8 +132,7 @@ class ByteBudget:
         """Bytes reserved for the samples launched and not measured yet (known sizes as expected,
         the others at the mean)."""
         sizes = self.sizes
-        unknown = int(self.pending * sizes.total / sizes.count) if sizes.count else 0
-        return self.pending_known + unknown
+        return self.pending_known + self.pending * sizes.mean() + int(self.decoding * sizes.growth)
 
     def expect(self, known: int | None) -> int | None:
         """What to reserve for a sample its source says is `known` bytes (None: not known)."""
@@ -128,10 +142,12 @@ class ByteBudget:
         if self.max_bytes is None:
             return False
         sizes = self.sizes
+        if self.decoding and not sizes.decoded:  # what decode adds is not known yet: one at a time
+            return True
         if expected is None:
             if not sizes.count:  # nothing measured yet: one sample at a time
                 return self.pending > 0
-            expected = int(sizes.total / sizes.count)
+            expected = sizes.mean()
         return self.held + self.reserved + expected > self.max_bytes
 
     async def room(self, oldest: Callable[[], bool], expected: int | None = None) -> None:
@@ -171,15 +187,27 @@ class ByteBudget:
         else:
             self.pending_known -= expected
         if n is not None:
-            self.sizes.total += n
             self.sizes.fetched += n
             self.sizes.count += 1
         self._changed.set()
 
-    def grew(self, n: int) -> None:
-        """A measured sample came to hold `n` more bytes (decoded larger than fetched): the
+    def decode_started(self) -> None:
+        """A fetched sample goes to decode: until it is back, it reserves what decode adds to a
+        sample on average (held as fetched, a sample of a few bytes, a key or a path, would
+        otherwise let every launch through while its decode, queued or running, makes it large)."""
+        self.decoding += 1
+
+    def decode_ended(self) -> None:
+        self.decoding -= 1
+        self._changed.set()
+
+    def grew(self, n: int, fetched: int) -> None:
+        """A sample fetched as `fetched` bytes came back from decode holding `n` more: the
         estimate a launch reserves grows with it."""
-        self.sizes.total += n
+        sizes = self.sizes
+        sizes.grown += n
+        sizes.decoded += 1
+        sizes.decoded_fetched += fetched
 
     def add(self, n: int) -> None:
         self.held += n

@@ -2,7 +2,11 @@
 worker processes behind a slow consumer; growth is counted from the first batch on, once the
 workers have started.
 
-Usage: budget_pss.py BUDGET_MB SAMPLE_MB BATCH_SIZE  -> prints JSON {"peak_growth_mb": ..., "batch_mb": ...}
+Usage: budget_pss.py BUDGET_MB SAMPLE_MB BATCH_SIZE [fill]
+  -> prints JSON {"peak_growth_mb": ..., "batch_mb": ..., "pickled": ..., "in_shm": ..., "in_rows": ...}
+With `fill`, the consumer takes each batch only once the loader holds all it may (`prefetch` batches
+ready, or the epoch's last): what it holds then is set by events, not by how fast a busy machine
+lets the workers run during a fixed step.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ def decode(sample_mb: int, key: int) -> np.ndarray:
     return out
 
 
+def _wait_full(loader: aioloader.Loader[int], batches: int) -> None:
+    """Until `batches` batches wait for the consumer (a slow model, however slow the machine)."""
+    end = time.monotonic() + FILL_WAIT_S
+    while loader.stats().ready_batches < batches and time.monotonic() < end:
+        time.sleep(0.005)
+
+
 def tree_pss(proc: psutil.Process) -> int:
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
@@ -41,11 +52,17 @@ def tree_pss(proc: psutil.Process) -> int:
     return total
 
 
-def main(budget: int, sample_mb: int, batch_size: int) -> None:
+PREFETCH = 8
+FILL_WAIT_S = (
+    30.0  # `fill`: at most this long for the loader to fill up (it does in well under 1 s)
+)
+
+
+def main(budget: int, sample_mb: int, batch_size: int, fill: bool = False) -> None:
     proc = psutil.Process()
     loader = aioloader.Loader(
         list(range(12 * batch_size)), fetch, decode=partial(decode, sample_mb),
-        batch_size=batch_size, prefetch=8, concurrency=16, executor="process", workers=2,
+        batch_size=batch_size, prefetch=PREFETCH, concurrency=16, executor="process", workers=2,
         max_bytes_in_flight=budget,
     )  # fmt: skip
     stop = threading.Event()
@@ -61,14 +78,22 @@ def main(budget: int, sample_mb: int, batch_size: int) -> None:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        for batch in batches:
-            time.sleep(0.1)  # a slow model step
+        for left, batch in enumerate(batches, start=2):
+            if fill:
+                _wait_full(loader, min(PREFETCH, 12 - left))
+            else:
+                time.sleep(0.1)  # a slow model step
             del batch
         stop.set()
         sampler.join()
+        pool = loader.stats().extra.get("decode_pool", {})
     growth = (peak[0] - base) / 2**20
-    print(json.dumps({"peak_growth_mb": growth, "batch_mb": sample_mb * batch_size}))
+    print(json.dumps({
+        "peak_growth_mb": growth, "batch_mb": sample_mb * batch_size,
+        "pickled": pool.get("results_pickled", 0), "in_shm": pool.get("results_in_shm", 0),
+        "in_rows": pool.get("results_in_rows", 0),
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) * 2**20, int(sys.argv[2]), int(sys.argv[3]))
+    main(int(sys.argv[1]) * 2**20, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["fill"])

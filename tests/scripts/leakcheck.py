@@ -60,11 +60,16 @@ def fd_targets() -> dict[int, str]:
 MEMFD_LINK = f"/memfd:{SHM_PREFIX}"  # arena.SLAB_LINKS: what /proc shows of an anonymous slab
 
 
-def shm_entries(pid: int | None = None) -> list[str]:
-    """/dev/shm names aioloader made (in process `pid` only, when given), and, for this process,
-    the anonymous slabs it holds a descriptor of or maps: a slab is gone once both are."""
+def shm_names(pid: int | None = None) -> list[str]:
+    """/dev/shm names aioloader made (in process `pid` only, when given)."""
     prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}-"
-    names = {name for name in os.listdir(SHM_DIR) if name.startswith(prefix)}
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
+
+
+def shm_entries(pid: int | None = None) -> list[str]:
+    """`shm_names`, and, for this process, the anonymous slabs it holds a descriptor of or maps:
+    a slab is gone once both are."""
+    names = set(shm_names(pid))
     if pid == os.getpid():
         names |= {t for t in fd_targets().values() if t.startswith(MEMFD_LINK)}
         with open("/proc/self/maps") as maps:

@@ -89,12 +89,13 @@ class Carver:
         count = math.prod(shape)
         nbytes = count * itemsize
         offset = align(self.used)
-        buf = self.buf if count and self.ready() else None
-        small = buf is None or offset + nbytes > len(buf)
+        small = self.buf is None or offset + nbytes > len(self.buf)
         if count and small and self._grow is not None and not self.placed:
-            grow, self._grow = self._grow, None
-            buf = grow(offset + nbytes) or buf  # a larger slot, in place of the one it had
-            self.buf = buf
+            # a slot of this size, in place of the one it had (which the parent frees: never
+            # written again), or none; asked once, and instead of `ready`'s ask
+            grow, self._grow, self._ask = self._grow, None, None
+            self.buf = grow(offset + nbytes)
+        buf = self.buf if count and self.ready() else None
         if buf is None or offset + nbytes > len(buf):
             return _outside(shape, dtype, nbytes)
         out = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)

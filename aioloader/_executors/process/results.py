@@ -85,9 +85,10 @@ class Results(Sending):
         if task is None or self._arena is None:
             h.send((wire.SLOT, task_id, None))
             return
-        if task.out_slot is not None and nbytes > task.out_slot.capacity:
-            self._free(task.out_slot)
-            task.out_slot = None
+        if nbytes:
+            if task.out_slot is not None and nbytes > task.out_slot.capacity:
+                self._free(task.out_slot)
+                task.out_slot = None
             self._out_bytes = max(self._out_bytes, nbytes) if self._out_known else nbytes
             self._out_known = True
         if task.out_slot is None:
@@ -120,7 +121,7 @@ class Results(Sending):
         dropped: its worker is being replaced.
         """
         self._slot_waits = True  # before: a slot freed meanwhile wakes us
-        wants, self._wants = self._wants, []
+        wants, self._wants = sorted(self._wants, key=lambda want: want[1]), []  # oldest first
         now = time.monotonic()
         oldest = min((t for x in self._handles for t in x.inflight), default=None)
         roomy = self._roomy()
