@@ -141,6 +141,7 @@ class Epoch:
         self._bytes = ByteBudget(
             stages.budget.in_flight_bytes(stages.pool_bytes),
             stages.sizes,
+            first_decodes=max(1, stages.limits()["decode"] or 1),
         )
         self._skipped = 0
         self._order = reorder(

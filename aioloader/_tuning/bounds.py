@@ -106,18 +106,21 @@ class ByteBudget:
     """Bytes held from fetch to hand-over, against `max_bytes` (None: no byte bound).
 
     A launch reserves what its sample will hold: from the size its source knows before fetching it
-    (a file's or an object's size: `Source.size`), grown as decode has grown samples so far; else the
-    mean size seen so far (what samples were fetched as, plus what decode added); a sample being
+    (a file's or an object's size: `Source.size`), grown as decode has grown samples so far; else
+    the mean size seen so far (what samples were fetched as, plus what decode added); a sample being
     decoded reserves what decode adds on average until it is back (and until a first sample is back
-    from decode, samples go to decode one at a time). Until a first size
-    is measured, samples of unknown size are admitted one at a time (a first wave of `concurrency`
-    samples of unknown size could hold many times the budget). The oldest batch still being
-    assembled is never held back, so a batch larger than the whole budget still completes (the
-    bound is then exceeded by that one batch, and a warning names the sizes once).
+    from decode, no more go to decode than it runs at once, `first_decodes`: none waits queued).
+    Until a first size is measured, samples of unknown size are admitted one at a time (a first wave
+    of `concurrency` samples of unknown size could hold many times the budget). The oldest batch
+    still being assembled is never held back, so a batch larger than the whole budget still
+    completes (the bound is then exceeded by that one batch, and a warning names the sizes once).
     """
 
-    def __init__(self, max_bytes: int | None, sizes: SampleSizes | None = None) -> None:
+    def __init__(
+        self, max_bytes: int | None, sizes: SampleSizes | None = None, first_decodes: int = 1
+    ) -> None:
         self.max_bytes = max_bytes
+        self.first_decodes = first_decodes  # decodes at once before what decode adds is known
         self.held = 0
         self.pending = 0  # launched, size not yet known
         self.pending_known = 0  # bytes reserved for launched samples whose size their source knew
@@ -142,8 +145,8 @@ class ByteBudget:
         if self.max_bytes is None:
             return False
         sizes = self.sizes
-        if self.decoding and not sizes.decoded:  # what decode adds is not known yet: one at a time
-            return True
+        if self.decoding >= self.first_decodes and not sizes.decoded:
+            return True  # what decode adds is not known yet: as many as decode runs at once
         if expected is None:
             if not sizes.count:  # nothing measured yet: one sample at a time
                 return self.pending > 0
