@@ -63,9 +63,11 @@ def run(library: str, workers: int, batches: int) -> None:
         if got == 2:
             start = time.perf_counter()
         time.sleep(STEP_S)
-    print(
-        json.dumps({"batches": got, "s_per_batch": (time.perf_counter() - start) / max(1, got - 2)})
-    )
+    out = {"batches": got, "s_per_batch": (time.perf_counter() - start) / max(1, got - 2)}
+    stats = getattr(loader, "stats", None)  # aioloader's: the budget, and where it came from
+    if stats is not None:
+        out |= {"budget": stats().max_bytes_in_flight, "budget_origin": stats().budget_origin}
+    print(json.dumps(out))
 
 
 def contender(prefix: list[str], library: str, workers: int, batches: int) -> dict[str, Any]:

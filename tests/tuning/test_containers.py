@@ -16,12 +16,14 @@ import pytest
 from aioloader import Loader
 from aioloader._tuning.memory import DEFAULT_CAP, MemoryBudget, Room, default_budget, memory_room
 
-SEED = Path(__file__).resolve().parents[1] / "scripts" / "seed_workload.py"
+# the seed workload as a torch user writes it (1.2 MB samples, batch 128: 153 MB batches), run by
+# the containers benchmark's own runner: `--run aioloader WORKERS BATCHES`
+SEED = Path(__file__).resolve().parents[2] / "benchmarks" / "containers.py"
 
 
 def _run_seed(prefix: list[str], workers: int, batches: int) -> dict[str, object]:
     done = subprocess.run(
-        [*prefix, sys.executable, str(SEED), str(workers), "2", str(batches)],
+        [*prefix, sys.executable, str(SEED), "--run", "aioloader", str(workers), str(batches)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
