@@ -11,6 +11,7 @@ import asyncio
 import ctypes
 import faulthandler
 import gc
+import operator
 import os
 import signal
 import subprocess
@@ -529,7 +530,10 @@ def test_a_stalled_worker_times_out_and_is_replaced(make: Any, how: str, method:
     executor = make(1, timeout=0.5, start_method=method)
     (pid,) = executor.pids
     stalled = executor.submit(stall, how)
-    queued = executor.submit(echo, 7)  # behind it on the same worker: retried elsewhere
+    # behind it on the same worker: retried on its replacement, under the same 0.5 s timeout. A
+    # stdlib function: a fresh forkserver worker finds it at once, where this module's `echo` has it
+    # import this test module (pytest, torch, numpy) first, which on a busy machine takes longer
+    queued = executor.submit(operator.abs, -7)
     with pytest.raises(WorkerTimeout, match=f"pid {pid}") as info:
         stalled.result(WAIT_S)
     assert info.value.timeout == 0.5

@@ -3,6 +3,7 @@ a real memory cgroup, made by the test; skipped, saying why, where that cannot b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -85,8 +86,10 @@ def cgroup_of(request: pytest.FixtureRequest) -> object:
         made.append(folder)
         v1 = (folder / "memory.limit_in_bytes").exists()
         (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(limit))
-        if not v1:
-            (folder / "memory.swap.max").write_text("0")
+        swap = folder / ("memory.memsw.limit_in_bytes" if v1 else "memory.swap.max")
+        if swap.exists():  # no swapping out of the limit either (where swap is accounted)
+            with contextlib.suppress(OSError):
+                swap.write_text(str(limit) if v1 else "0")
         enter = f'echo $$ > {folder}/cgroup.procs && exec "$@"'
         return ["sh", "-c", enter, "sh"], folder
 
