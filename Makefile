@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads
 BENCHES += mix parquet cache cloud_gcs cloud_azure containers
 
-.PHONY: setup test test-stress lint demo bench bench-quick soak clean
+.PHONY: setup test test-stress test-containers lint demo bench bench-quick soak clean
 
 setup: $(STAMP) $(AZURITE)
 
@@ -38,6 +38,11 @@ test: setup lint
 # tests take their time from events, not wall clocks, and pass here too.
 test-stress: setup lint
 	$(VPY) scripts/with_hogs.py 2 $(VPY) -m pytest -q
+
+# The container tests, the 1.5 GiB memory cgroup one included (root; it is not in `make test` while
+# it is OOM-killed in about one run of five).
+test-containers: setup
+	AIOLOADER_CGROUP_TEST=1 $(VPY) -m pytest -q tests/tuning/test_containers.py
 
 demo: setup
 	$(VPY) examples/demo.py
