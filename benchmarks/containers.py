@@ -66,7 +66,8 @@ def run(library: str, workers: int, batches: int) -> None:
     out = {"batches": got, "s_per_batch": (time.perf_counter() - start) / max(1, got - 2)}
     stats = getattr(loader, "stats", None)  # aioloader's: the budget, and where it came from
     if stats is not None:
-        out |= {"budget": stats().max_bytes_in_flight, "budget_origin": stats().budget_origin}
+        got_stats = stats()
+        out |= {"budget": got_stats.max_bytes_in_flight, "budget_origin": got_stats.budget_origin}
     print(json.dumps(out))
 
 

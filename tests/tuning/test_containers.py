@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -100,8 +101,6 @@ def cgroup_of(request: pytest.FixtureRequest) -> object:
                 folder.rmdir()
                 break
             except OSError:  # its last process is still exiting
-                import time
-
                 time.sleep(0.1)
 
 
