@@ -115,10 +115,6 @@ def _oom_kills(folder: Path) -> int:
     return 0
 
 
-@pytest.mark.skipif(
-    os.environ.get("AIOLOADER_CGROUP_TEST") != "1",
-    reason="OOM-killed in about 1 run of 5 (issue 29 stays open): `make test-containers` runs it",
-)
 def test_eight_workers_of_153_mb_batches_fit_a_1_5_gib_container(cgroup_of: object) -> None:
     # the default budget follows the cgroup's limit: whole batches in flight, and the worker slabs
     # they are made in, are admitted against it; none is made in a worker's own memory meanwhile

@@ -19,7 +19,7 @@ import torch
 
 from ..._util.bytearrays import Bytearrays
 from .arena import Arena, Slot
-from .config import COPIES_BYTES, FIRST_OUTPUT_BYTES, FORKED, Config
+from .config import COPIES_BYTES, FIRST_OUTPUT_BYTES, FORKED, RELEASES_STOP_S, Config
 from .outcomes import Mailbox, Outcome, cancelled, settle_future
 from .tasks import Handle, Task
 from .worker import GIVEN, serve
@@ -71,6 +71,8 @@ class PoolCore:
         self._wants: list[tuple[Handle, int, float]] = []  # (worker, task id, since): slot asks
         self._consumer_keeps = False  # a slot ask waited `SLOT_WAIT_S` in vain
         self._freed_at = 0.0  # when a slot was last freed (the consumer let go of a batch)
+        self._free_gap = 0.0  # the usual time between two frees (a moving mean)
+        self._delivered_at = 0.0  # when the consumer was last handed a result
         self._out_bytes, self._out_known = FIRST_OUTPUT_BYTES, False
         # from torch's seed, without drawing from its generator (a DataLoader must leave the global
         # RNG as torch's leaves it)
@@ -92,13 +94,24 @@ class PoolCore:
     def _slot_freed(self) -> None:
         """(Any thread: a view's finalizer.) A slot came back: wake the pool's thread if a task
         waits for one. It takes no lock: a finalizer may run in a thread that holds one of ours."""
-        self._freed_at = time.monotonic()
+        now = time.monotonic()
+        if self._freed_at:
+            self._free_gap += (now - self._freed_at - self._free_gap) / 4
+        self._freed_at = now
         if self._slot_waits:
             self._slot_waits = False
             fd = self._wake_w
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.write(fd, b"\0")
+
+    def _keeps_from(self) -> float:
+        """When the consumer will be taken to keep the batches it holds, if it frees none before:
+        `RELEASES_STOP_S`, or three of its usual gaps between frees where that is longer (a slow
+        step is not keeping), after the later of its last free and the last slot it was handed
+        (results just handed over in slots are not kept yet: the consumer has not seen them)."""
+        since = max(self._freed_at, self._delivered_at)
+        return since + max(RELEASES_STOP_S, 3 * self._free_gap)
 
     def _settle(self, task: Task, result: Any = None, error: BaseException | None = None) -> None:
         """Give `task` its outcome: a concurrent future at once, an asyncio one at `_hand_over`."""

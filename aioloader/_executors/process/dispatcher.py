@@ -30,7 +30,7 @@ from ..._util.loops import is_async_callable
 from ..._util.validate import check_int
 from .arena import Arena
 from .batch_buffer import BatchBuffer, RowTarget
-from .config import JOIN_TIMEOUT_S, RELEASES_STOP_S, SLOT_WAIT_S, START_TIMEOUT_S
+from .config import JOIN_TIMEOUT_S, SLOT_WAIT_S, START_TIMEOUT_S
 from .core import factory, pickle_given
 from .faults import Faults
 from .tasks import Task, encode_arg
@@ -207,12 +207,12 @@ class Pool(Faults):
         deadlines = [h.spawned_at + START_TIMEOUT_S for h in self._handles if not h.ready]
         if self._wants and not self._consumer_keeps:
             deadlines += [since + SLOT_WAIT_S for _, _, since in self._wants]
-        elif self._wants and self._freed_at + RELEASES_STOP_S > time.monotonic():
-            deadlines.append(self._freed_at + RELEASES_STOP_S)  # else: a slot freed, or a result
+        elif self._wants and self._keeps_from() > time.monotonic():
+            deadlines.append(self._keeps_from())  # else: a slot freed, or a result
         if self._send_waits and self._pending:
             self._send_waits = False
-            if self._freed_at + RELEASES_STOP_S > time.monotonic():
-                deadlines.append(self._freed_at + RELEASES_STOP_S)
+            if self._keeps_from() > time.monotonic():
+                deadlines.append(self._keeps_from())
         if self.cfg.timeout is not None:
             deadlines += [h.head_since + self.cfg.timeout for h in self._handles if h.sync_n]
             deadlines += [d for h in self._handles for d in self._async_deadlines(h)]

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import wire
 from .arena import Slot
-from .config import RELEASES_STOP_S, SLOT_WAIT_S
+from .config import SLOT_WAIT_S
 from .outcomes import cancelled
 from .sending import Sending
 from .tasks import Handle, Task
@@ -116,7 +116,7 @@ class Results(Sending):
         consumer keeps its batches a while), asks wait no more for that, and `h` may get a slab more
         (`_more_slot`). Past that, an ask waits while another worker is busy and not waiting itself
         (its result, or the consumer, will free a slot), or while the consumer frees slots (one
-        freed in the last `RELEASES_STOP_S`); else it gets None (the batch is pickled: a consumer
+        freed lately: `_keeps_from`); else it gets None (the batch is pickled: a consumer
         that keeps every batch never deadlocks the pool). An ask whose task or worker is gone is
         dropped: its worker is being replaced.
         """
@@ -142,7 +142,7 @@ class Results(Sending):
                 waiting = {w[0] for w in wants[i + 1 :]} | {w[0] for w in self._wants}
                 alone = not self._busy(but=h, waiting=waiting)
                 slot = self._more_slot(h, alone=alone)
-                if slot is None and alone and now >= self._freed_at + RELEASES_STOP_S:
+                if slot is None and alone and now >= self._keeps_from():
                     task.out_slot = None  # the consumer keeps what it has, so none would come
                     self._grant(h, task_id, None)
                     continue
@@ -171,6 +171,8 @@ class Results(Sending):
         if task is None:
             return
         slot, task.out_slot = task.out_slot, None
+        if slot is not None and how in (wire.SINGLE, wire.SHM):
+            self._delivered_at = time.monotonic()  # a slot the consumer has not seen yet
         if task.abandoned:
             self._free(slot)
             self._settle(task, error=cancelled())

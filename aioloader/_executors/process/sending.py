@@ -9,7 +9,7 @@ from collections.abc import Container
 
 from . import wire
 from .arena import Slot, size_class
-from .config import QUEUE_DEPTH, RELEASES_STOP_S, SLABS_PER_WORKER
+from .config import QUEUE_DEPTH, SLABS_PER_WORKER
 from .outcomes import cancelled
 from .tasks import Handle, Task
 from .workers import WorkerProcesses
@@ -121,9 +121,8 @@ class Sending(WorkerProcesses):
         return any(h.inflight for h in self._handles if h is not but and h not in waiting)
 
     def _releasing(self) -> bool:
-        """Whether the consumer freed a slot in the last `RELEASES_STOP_S` (and may free more)."""
-        self._send_waits = True  # `_wait_timeout` looks again once that time has passed
-        return time.monotonic() < self._freed_at + RELEASES_STOP_S
+        """Whether the consumer is not yet taken to keep what it holds (`_keeps_from`)."""
+        return time.monotonic() < self._keeps_from()
 
     def _roomy(self) -> bool:
         """Whether the budget holds `SLABS_PER_WORKER` batch slabs for every worker. Only then
@@ -177,8 +176,9 @@ class Sending(WorkerProcesses):
                 task.out_slot = self._out_slot(h)
                 # no slot for it: wait for one, while a result or the consumer may free it (else
                 # it would be made in its worker's memory, past the budget); a consumer that has
-                # freed none for `RELEASES_STOP_S` keeps what it has, and the batch goes without
+                # freed none for a while keeps what it has (`_keeps_from`), and the batch goes without
                 if task.out_slot is None and grow and (self._busy() or self._releasing()):
+                    self._send_waits = True  # `_wait_timeout` looks again by `_keeps_from`
                     return False
                 self._slot_waits = bool(self._wants)
         if task.out_slot is not None:
