@@ -185,7 +185,7 @@ class Loader(Epochs[T]):
         plan = KeyPlan(order, batch_size, drop_last)
         budget = MemoryBudget.of(max_bytes_in_flight)
         if keys is source and isinstance(source, OrdersItself):  # e.g. sources.parquet
-            plan = OwnPlan(source, batch_size, drop_last, budget.max_bytes)
+            plan = OwnPlan(source, batch_size, drop_last, budget.read_ahead_bytes)
         self._setup(
             plan, fetch, decode=decode, collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
@@ -229,7 +229,7 @@ class Loader(Epochs[T]):
         recorder = Recorder() if stats else NullRecorder()
         concurrency, tuner = resolve_concurrency(
             concurrency, is_async=is_async_callable(fetch), recorder=recorder,
-            max_bytes=budget.max_bytes,
+            budget=budget,
             source=source,
         )  # fmt: skip
         executor = executor_named(executor, decode)

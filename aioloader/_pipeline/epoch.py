@@ -138,10 +138,12 @@ class Epoch:
             if stages.rows is None or is_async_callable(stages.decode)
             else asyncio.Semaphore(ROWS_AHEAD_PER_WORKER * max(1, stages.limits()["decode"] or 1))
         )
+        in_flight = stages.budget.in_flight_bytes(stages.pool_bytes)
         self._bytes = ByteBudget(
-            stages.budget.in_flight_bytes(stages.pool_bytes),
+            in_flight,
             stages.sizes,
             first_decodes=max(1, stages.limits()["decode"] or 1),
+            give_back_every=stages.budget.give_back_every(in_flight),
         )
         self._skipped = 0
         self._order = reorder(

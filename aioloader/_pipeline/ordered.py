@@ -80,10 +80,10 @@ class OwnPlan(KeyPlan):
     order: OwnOrder
 
     def __init__(
-        self, source: OrdersItself, batch_size: int | None, drop_last: bool, max_bytes: int | None
+        self, source: OrdersItself, batch_size: int | None, drop_last: bool, read_ahead: int | None
     ) -> None:
         super().__init__(OwnOrder(source, drop_last), batch_size, drop_last)
-        source.max_bytes_ahead = None if max_bytes is None else max_bytes // 2
+        source.max_bytes_ahead = read_ahead  # the budget's share for it (`MemoryBudget`)
 
     def rank_and_world(self) -> tuple[int, int]:
         return self.order.source.slot, self.order.source.slots

@@ -32,6 +32,7 @@ from .._util.validate import check_int
 from .aimd import Slots
 from .bounds import Tuner
 from .climber import Climber
+from .memory import MemoryBudget
 
 __all__ = ["AutoConcurrency", "AutoWorkers", "Climber", "resolve_concurrency", "resolve_decoder"]
 
@@ -61,12 +62,12 @@ class AutoConcurrency(Tuner):
         *,
         initial: int = 16,
         maximum: int = 256,
-        max_bytes: int | None = None,
+        budget: MemoryBudget | None = None,
         throttles: Callable[[], int] | None = None,
     ) -> None:
         self.climber = Climber("fetch concurrency", initial, 1, maximum)
         self.limit = self.climber.limit
-        self._rec, self._max_bytes, self._throttles = recorder, max_bytes, throttles
+        self._rec, self._budget, self._throttles = recorder, budget or MemoryBudget(), throttles
         self._seen = throttles() if throttles is not None else 0
         self._checked = self._t = time.perf_counter()
         self._area = 0.0
@@ -81,9 +82,9 @@ class AutoConcurrency(Tuner):
 
     def _ceiling(self) -> int | None:
         s = self._rec.stages["fetch"]
-        if self._max_bytes is None or not s.items or not s.bytes:
+        if not s.items or not s.bytes:
             return None
-        return max(1, self._max_bytes // max(1, s.bytes // s.items))
+        return self._budget.samples_held(s.bytes // s.items)
 
     def completed(self, now: float) -> None:
         now = time.perf_counter()  # the recorder's clock does not move with stats off
@@ -151,14 +152,14 @@ def resolve_concurrency(
     *,
     is_async: bool,
     recorder: Recorder,
-    max_bytes: int | None,
+    budget: MemoryBudget,
     source: object = None,
 ) -> tuple[int, Tuner | None]:
     """(the most fetches ever in flight, the tuner) for `concurrency` (an int or "auto")."""
     if concurrency == "auto":
         maximum = AUTO_MAX_ASYNC if is_async else AUTO_MAX_THREADS
         tuner = AutoConcurrency(
-            recorder, initial=AUTO_INITIAL, maximum=maximum, max_bytes=max_bytes,
+            recorder, initial=AUTO_INITIAL, maximum=maximum, budget=budget,
             throttles=_source_throttles(source),
         )  # fmt: skip
         return maximum, tuner

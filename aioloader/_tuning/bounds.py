@@ -117,9 +117,15 @@ class ByteBudget:
     """
 
     def __init__(
-        self, max_bytes: int | None, sizes: SampleSizes | None = None, first_decodes: int = 1
+        self,
+        max_bytes: int | None,
+        sizes: SampleSizes | None = None,
+        first_decodes: int = 1,
+        give_back_every: int | None = None,
     ) -> None:
         self.max_bytes = max_bytes
+        # bytes released between two hand-backs of the allocator's slack (`_give_back`); None: never
+        self.give_back_every = give_back_every
         self.first_decodes = first_decodes  # decodes at once before what decode adds is known
         self.held = 0
         self.pending = 0  # launched, size not yet known
@@ -164,11 +170,11 @@ class ByteBudget:
 
     def _give_back(self) -> None:
         """The budget binds: hand the allocator's slack back to the system, at most once per
-        quarter of the budget released. Samples freed by one thread go back to the heap arena of
-        the thread that allocated them, and a fetch on another thread allocates anew: each arena
-        keeps a sample or two that nothing uses, and the process outgrows the budget by them."""
-        assert self.max_bytes is not None
-        if self._released < self.max_bytes // 4:
+        `give_back_every` bytes released (`MemoryBudget.give_back_every`). Samples freed by one
+        thread go back to the heap arena of the thread that allocated them, and a fetch on another
+        thread allocates anew: each arena keeps a sample or two that nothing uses, and the process
+        outgrows the budget by them."""
+        if self.give_back_every is None or self._released < self.give_back_every:
             return
         self._released = 0
         give_back_freed_memory()

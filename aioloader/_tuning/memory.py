@@ -14,19 +14,24 @@ The budget says where it came from (`MemoryBudget.origin`), and `stats()` and `d
   do instead of the pool's); a DataLoader's workers get the whole budget for their batches. Slabs
   are anonymous memory, which the cgroup counts: whole batches in flight are admitted against it.
 - `concurrency="auto"` climbs no higher than the budget holds samples of the mean size.
+- A source that reads ahead by itself (Parquet row groups) may read half the budget ahead.
+- The allocator hands its slack back to the system each time a quarter of the share of samples in
+  flight has been released while that share binds (`ByteBudget`).
 - A buffer pool keeps, per shape, one buffer for each batch that may wait (made ahead of the
   consumer: `prefetch` batches and the samples of `concurrency` fetches), plus `SPARE_BUFFERS`.
 
-None (no budget) bounds none of these by bytes.
+None (no budget) bounds none of these by bytes. This module is the only one that divides the budget
+(`tests/tuning/test_memory_shares.py` checks it); the limits it obeys are read here (the cgroup) and
+in `_util/system_memory.py` (RAM, a directory's free space).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._executors.process.arena import loader_arena
+from .._executors.process.arena import MIN_ARENA_BYTES, shm_cap
+from .._util.system_memory import ram_bytes
 from .._util.validate import check_int
 
 __all__ = [
@@ -135,16 +140,9 @@ def _cgroup_room(proc_cgroup: str, root: str) -> Room | None:
     return best
 
 
-def _ram() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
-
-
 def memory_room(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> Room:
     """The memory this process may use: its cgroup's where that limits it below RAM, else RAM."""
-    ram = _ram()
+    ram = ram_bytes()
     room = _cgroup_room(proc_cgroup, root)
     if room is None or room.limit >= ram:
         return Room(ram, 0, "RAM")
@@ -199,10 +197,33 @@ class MemoryBudget:
         """What samples in flight may hold, when the batch buffers may keep `pool_bytes`."""
         return None if self.max_bytes is None else self.max_bytes - pool_bytes
 
-    def arena_bytes(self, pool_bytes: int = 0) -> int | None:
+    def arena_bytes(self, pool_bytes: int = 0, directory: str | None = None) -> int | None:
         """The shared-memory arena of a process pool made for the loader, when the batch buffers
-        may keep `pool_bytes` (None: the pool's default)."""
-        return loader_arena(self.in_flight_bytes(pool_bytes))
+        may keep `pool_bytes`: as large as the share of samples in flight (so a few batches of any
+        size fit, and workers write them in place), and, where slabs are files in a directory
+        (/dev/shm), never more than half its free space; at least `MIN_ARENA_BYTES`. None (the
+        pool's own default) without a budget. Slabs are made as they are needed: a large arena
+        costs nothing until it is used."""
+        share = self.in_flight_bytes(pool_bytes)
+        if share is None:
+            return None
+        cap = shm_cap(directory)
+        return max(MIN_ARENA_BYTES, share if cap is None else min(share, cap))
+
+    def give_back_every(self, in_flight: int | None) -> int | None:
+        """Bytes of samples released between two hand-backs of the allocator's slack, while the
+        share of samples in flight (`in_flight`) binds: a quarter of it."""
+        return None if in_flight is None else in_flight // 4
+
+    def samples_held(self, mean_sample: int) -> int | None:
+        """How many samples of `mean_sample` bytes the budget holds (at least one): the ceiling
+        of `concurrency="auto"`; None without a budget."""
+        return None if self.max_bytes is None else max(1, self.max_bytes // max(1, mean_sample))
+
+    @property
+    def read_ahead_bytes(self) -> int | None:
+        """What a source that reads ahead by itself (Parquet row groups) may hold: half the budget."""
+        return None if self.max_bytes is None else self.max_bytes // 2
 
     @staticmethod
     def buffers_per_shape(waiting: int) -> int:

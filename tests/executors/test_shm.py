@@ -252,15 +252,17 @@ def test_a_retired_slab_is_unmapped_and_refuses_access_rather_than_faulting() ->
 
 def test_a_loaders_own_pool_gets_an_arena_as_large_as_its_share_of_the_memory_budget() -> None:
     from aioloader import Loader
-    from aioloader._executors.process.arena import MIN_ARENA_BYTES, loader_arena
+    from aioloader._executors.process.arena import MIN_ARENA_BYTES
+    from aioloader._tuning.memory import MemoryBudget
 
     st = os.statvfs("/dev/shm")
     half_free = st.f_bavail * st.f_frsize // 2
-    assert loader_arena(None) is None
-    assert loader_arena(1) == MIN_ARENA_BYTES
-    assert loader_arena(1 << 40, SHM_DIR) <= half_free  # files in /dev/shm: half its free space
+    assert MemoryBudget(None).arena_bytes() is None
+    assert MemoryBudget(1).arena_bytes() == MIN_ARENA_BYTES
+    # files in /dev/shm: half its free space
+    assert MemoryBudget(1 << 40).arena_bytes(directory=SHM_DIR) <= half_free
     if arena_module.MEMFD:  # anonymous memory: the budget alone
-        assert loader_arena(1 << 40) == 1 << 40
+        assert MemoryBudget(1 << 40).arena_bytes() == 1 << 40
         half_free = 1 << 62
     budget = 700 << 20
     with Loader(range(4), abs, decode=abs, executor="process", workers=1,

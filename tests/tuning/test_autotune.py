@@ -20,6 +20,7 @@ from aioloader._tuning.auto import (
     Climber,
     resolve_concurrency,
 )
+from aioloader._tuning.memory import MemoryBudget
 
 # -- the climber, driven by a simulated source (no clock, no threads) ----------------------------
 
@@ -188,15 +189,17 @@ def test_the_source_throttle_count_counts_as_throttling(monkeypatch: pytest.Monk
 def test_the_byte_budget_bounds_the_ceiling() -> None:
     rec = Recorder()
     rec.stages["fetch"].items, rec.stages["fetch"].bytes = 10, 10 * 1000
-    tuner = AutoConcurrency(rec, initial=16, maximum=256, max_bytes=20_000)
+    tuner = AutoConcurrency(rec, initial=16, maximum=256, budget=MemoryBudget(20_000))
     assert tuner._ceiling() == 20
-    assert AutoConcurrency(NullRecorder(), max_bytes=20_000)._ceiling() is None
+    assert AutoConcurrency(NullRecorder(), budget=MemoryBudget(20_000))._ceiling() is None
 
 
 def test_resolve_refuses_other_words() -> None:
     with pytest.raises(TypeError, match="concurrency"):
-        resolve_concurrency("fast", is_async=True, recorder=Recorder(), max_bytes=None)
-    limit, tuner = resolve_concurrency("auto", is_async=False, recorder=Recorder(), max_bytes=None)
+        resolve_concurrency("fast", is_async=True, recorder=Recorder(), budget=MemoryBudget())
+    limit, tuner = resolve_concurrency(
+        "auto", is_async=False, recorder=Recorder(), budget=MemoryBudget()
+    )
     assert isinstance(tuner, AutoConcurrency)
     assert tuner.limit == AUTO_INITIAL
     assert limit >= AUTO_INITIAL

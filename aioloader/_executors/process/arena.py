@@ -45,9 +45,11 @@ from typing import Any
 import numpy as np
 
 from ..._util.bytearrays import size_class
+from ..._util.system_memory import free_space, ram_bytes
 from .slab_memory import Buffer, map_shared, parent_only
 
 __all__ = [
+    "MIN_ARENA_BYTES",
     "NAME_PREFIX",
     "SHM_DIR",
     "SLAB_LINKS",
@@ -55,6 +57,7 @@ __all__ = [
     "Slot",
     "arena_budget",
     "check_room",
+    "shm_cap",
     "size_class",
 ]
 
@@ -71,8 +74,7 @@ SLOTS_PER_SLAB = 32
 
 def check_room(nbytes: int, path: str = SHM_DIR) -> None:
     """Raise OSError(ENOSPC) naming `path` unless it has `nbytes` free."""
-    st = os.statvfs(path)
-    free = st.f_bavail * st.f_frsize
+    free = free_space(path)
     if free < nbytes:
         raise OSError(
             errno.ENOSPC,
@@ -103,7 +105,7 @@ def _room(nbytes: int, directory: str | None) -> None:
     if directory is not None or not MEMFD:
         check_room(nbytes, directory or SHM_DIR)
         return
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    ram = ram_bytes()
     if nbytes > ram:
         raise OSError(
             errno.ENOMEM,
@@ -383,24 +385,12 @@ DEFAULT_ARENA_BYTES = 256 << 20
 MIN_ARENA_BYTES = 16 << 20
 
 
-def _shm_cap(directory: str | None) -> int | None:
-    """Half the free space of the directory slabs are files in; None for anonymous memory."""
+def shm_cap(directory: str | None) -> int | None:
+    """Half the free space of the directory slabs are files in; None for anonymous memory (the
+    /dev/shm mount does not bound it)."""
     if directory is None and MEMFD:
         return None
-    st = os.statvfs(directory or SHM_DIR)
-    return st.f_bavail * st.f_frsize // 2
-
-
-def loader_arena(max_bytes: int | None, directory: str | None = None) -> int | None:
-    """The arena of a process pool a loader makes for itself: as large as the loader's memory
-    budget (so a few batches of any size fit, and workers can write them in place), and, where
-    slabs are files in /dev/shm, never more than half its free space; None (the pool's default)
-    without a budget. Slabs are made as they are needed: a large budget costs nothing until it is
-    used."""
-    if max_bytes is None:
-        return None
-    cap = _shm_cap(directory)
-    return max(MIN_ARENA_BYTES, max_bytes if cap is None else min(max_bytes, cap))
+    return free_space(directory or SHM_DIR) // 2
 
 
 def arena_budget(requested: int | None, directory: str | None = None) -> int:
@@ -412,7 +402,7 @@ def arena_budget(requested: int | None, directory: str | None = None) -> int:
     if requested is not None:
         _room(requested, directory)
         return requested
-    cap = _shm_cap(directory)
+    cap = shm_cap(directory)
     if cap is None:
         return DEFAULT_ARENA_BYTES
     budget = min(DEFAULT_ARENA_BYTES, cap)
