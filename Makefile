@@ -54,8 +54,9 @@ bench: setup
 	for b in $(BENCHES); do $(VPY) benchmarks/$$b.py || exit 1; done
 
 # The full 50-epoch soak (a 10-epoch version runs in `make test`).
+# The tests marked slow (the 50-epoch soak), which the default run deselects, and the 10-epoch one.
 soak: setup
-	AIOLOADER_SOAK=1 $(VPY) -m pytest -q tests/test_soak.py
+	$(VPY) -m pytest -q -m "slow or not slow" tests/test_soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
