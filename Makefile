@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads
 BENCHES += mix parquet cache cloud_gcs cloud_azure containers
 
-.PHONY: setup test test-stress test-containers lint demo bench bench-quick soak clean
+.PHONY: setup test test-stress test-containers lint demo bench bench-quick chart soak clean
 
 setup: $(STAMP) $(AZURITE)
 
@@ -52,6 +52,12 @@ bench-quick: setup
 
 bench: setup
 	for b in $(BENCHES); do $(VPY) benchmarks/$$b.py || exit 1; done
+
+# The README's chart, docs/chart.png, from docs/bench-results.jsonl or RESULTS=FILES (JSON lines, such
+# as a saved `make bench` output); the standard library only, so no setup.
+RESULTS ?= docs/bench-results.jsonl
+chart:
+	$(PY) scripts/chart.py $(RESULTS) -o docs/chart.png
 
 # The full 50-epoch soak (a 10-epoch version runs in `make test`).
 # The tests marked slow (the 50-epoch soak), which the default run deselects, and the 10-epoch one.

@@ -83,17 +83,17 @@ def test_the_readme_section_names_the_examples_run_here() -> None:
         assert heading in section
 
 
-def test_mix_resume_continues_the_uninterrupted_sequence_as_the_readme_shows() -> None:
+def test_mix_resume_continues_the_uninterrupted_sequence_as_the_guide_shows() -> None:
     out = run_example("mix_resume.py")
     assert "uninterrupted: 11 batches; books 23 (28%), web 60 (72%)" in out
     assert "stopped after 4 batches" in out
     assert "resumed in a fresh loader (concurrency 16, executor 'thread'): 7 batches" in out
     assert "resumed sequence equals the uninterrupted one: yes" in out
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("\n### Mixing sources\n") :]
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    section = guide[guide.index("\n### Mixing sources\n") :]
     opening = "prints:\n\n```\n"
     shown = section[section.index(opening) + len(opening) :]
-    assert shown[: shown.index("```")] == out  # the README shows the example's own output
+    assert shown[: shown.index("```")] == out  # the guide shows the example's own output
 
 
 def test_parquet_text_packs_token_batches_from_s3(seaweed: SeaweedServer) -> None:

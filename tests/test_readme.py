@@ -1,4 +1,4 @@
-"""README's knob tables state the defaults the signatures have, so the two cannot drift apart."""
+"""The guide's knob tables (docs/guide.md) state the signatures' defaults: the two cannot drift apart."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import pytest
 import aioloader
 from aioloader import sources
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guide.md"
 
 _NOT_A_LITERAL = object()
 
 
 def knob_table(heading: str) -> list[tuple[list[str], list[str]]]:
-    """(argument names, default cells) of each row of the table under `heading` in README.md."""
-    lines = README.read_text().splitlines()
+    """(argument names, default cells) of each row of the table under `heading` in the guide."""
+    lines = GUIDE.read_text().splitlines()
     start = lines.index(heading)
     rows: list[tuple[list[str], list[str]]] = []
     for line in lines[start + 1 :]:
@@ -77,7 +77,7 @@ def test_loader_table_matches_the_signature() -> None:
     wrong = {
         k: (v, actual.get(k, "no such argument")) for k, v in stated.items() if actual.get(k) != v
     }
-    assert not wrong, f"README says (stated, actual): {wrong}"
+    assert not wrong, f"the guide says (stated, actual): {wrong}"
 
 
 def remote_defaults(source: type) -> dict[str, Any]:
@@ -92,14 +92,14 @@ def test_remote_table_matches_the_signatures(source: type) -> None:
     actual = remote_defaults(source)
     assert {"attempts", "deadline", "connect_timeout", "read_timeout"} <= stated.keys()
     wrong = {k: (v, actual[k]) for k, v in stated.items() if k in actual and actual[k] != v}
-    assert not wrong, f"README says (stated, actual) for {source.__name__}: {wrong}"
+    assert not wrong, f"the guide says (stated, actual) for {source.__name__}: {wrong}"
 
 
 def test_remote_table_names_only_real_arguments() -> None:
     stated = stated_defaults("### Knobs and defaults (`sources.http`, `sources.s3`)")
     known = set(remote_defaults(sources.Http)) | set(remote_defaults(sources.S3))
     known |= set(inspect.signature(sources.S3).parameters)
-    assert not stated.keys() - known, f"README lists arguments no remote source has: {stated}"
+    assert not stated.keys() - known, f"the guide lists arguments no remote source has: {stated}"
 
 
 def test_parquet_table_matches_the_signature() -> None:
@@ -109,4 +109,4 @@ def test_parquet_table_matches_the_signature() -> None:
     wrong = {
         k: (v, actual.get(k, "no such argument")) for k, v in stated.items() if actual.get(k) != v
     }
-    assert not wrong, f"README says (stated, actual): {wrong}"
+    assert not wrong, f"the guide says (stated, actual): {wrong}"
