@@ -10,7 +10,6 @@ epochs; the full 50-epoch soak is marked slow, which the default run deselects (
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
