@@ -21,36 +21,30 @@ class Faults(Results):
     def _reap(self, h: Handle) -> None:
         """`h`'s process has exited: keep what it sent, then replace it and retry or fail its tasks."""
         self._read(h)
-        h.process.join(0)
-        code, pid = h.process.exitcode, h.pid
-        self._unwatch(h)
-        h.close_pipes()
-        self._handles.remove(h)
-        with contextlib.suppress(ValueError):
-            h.process.close()
+        code, pid = self._workers.bury(h)
         tasks = h.take_all()
         for slot in h.quarantine + [s for t in tasks for s in t.take_slots()]:
-            self._free(slot)
+            self._state.free(slot)
         tasks = self._live(tasks)
-        if self._stopping or h.killed:
+        if self._state.stopping or h.killed:
             return
         if not h.ready:
             text = f"{died_text(pid, code)} It died while starting."
-            self._fail_pool(factory(WorkerDied, text, pid=pid, exitcode=code, tasks=[]))
+            self._state.fail(factory(WorkerDied, text, pid=pid, exitcode=code, tasks=[]))
             return
-        self.counts["replaced"] += 1
-        self._spawn(h.index)
+        self._state.counts["replaced"] += 1
+        self._workers.spawn(h.index)
         if not tasks:
             return
-        if self._restarts < self.cfg.max_restarts:
+        if self._state.restarts < self.cfg.max_restarts:
             # Blame only the culprit: each task that was in flight runs again alone on a fresh
             # worker; one that kills its worker when alone fails, the others go on.
-            self._restarts += 1
+            self._state.restarts += 1
             culprits = [t for t in tasks if t.isolated]
             retried = [t for t in tasks if not t.isolated]
             for t in retried:
                 t.isolated = True
-            self.counts["retried"] += len(retried)
+            self._state.counts["retried"] += len(retried)
             self._pending.extendleft(reversed(retried))
             if not culprits:
                 return
@@ -68,21 +62,21 @@ class Faults(Results):
             f"{'the task killed it' if alone else hint}"
         )
         for t in tasks:
-            self._settle(t, error=WorkerDied(text, pid=pid, exitcode=code, tasks=ids))
+            self._outcomes.settle(t, error=WorkerDied(text, pid=pid, exitcode=code, tasks=ids))
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for h in list(self._handles):
+        for h in list(self._workers.handles):
             if not h.ready and not h.killed and now - h.spawned_at >= START_TIMEOUT_S:
                 text = f"decode worker pid {h.pid} was not ready within {START_TIMEOUT_S} s"
-                self._fail_pool(factory(WorkerTimeout, text, pid=h.pid, timeout=START_TIMEOUT_S))
+                self._state.fail(factory(WorkerTimeout, text, pid=h.pid, timeout=START_TIMEOUT_S))
                 return
             timeout = self.cfg.timeout
             if timeout is None or h.killed:
                 continue
             if h.sync_n and now - h.head_since >= timeout:
                 head = next(t for t in h.inflight.values() if not t.is_async)
-                self.counts["timeouts"] += 1
+                self._state.counts["timeouts"] += 1
                 text = (
                     f"decode worker pid {h.pid} spent more than timeout={timeout} s on one task "
                     f"(task id {head.id}); it was killed and is being replaced"
@@ -103,14 +97,14 @@ class Faults(Results):
             if not t.expired:
                 t.expired = t.abandoned = True
                 h.expired_n += 1
-                self.counts["timeouts"] += 1
+                self._state.counts["timeouts"] += 1
                 with contextlib.suppress(OSError):
                     h.send((wire.CANCEL, t.id))
                 text = (
                     f"an async task (task id {t.id}) ran more than timeout={timeout} s in decode "
                     f"worker pid {h.pid}; it was cancelled there"
                 )
-                self._settle(t, error=WorkerTimeout(text, pid=h.pid, timeout=timeout))
+                self._outcomes.settle(t, error=WorkerTimeout(text, pid=h.pid, timeout=timeout))
             elif age >= timeout + CANCEL_GRACE_S:
                 text = (
                     f"decode worker pid {h.pid} did not end a timed-out async task (task id {t.id}) "
@@ -142,15 +136,16 @@ class Faults(Results):
         for t in tasks:  # it may still write to them until it is reaped
             h.quarantine += t.take_slots()
         retry = [t for t in tasks if t is not failed]
-        if not failed.isolated and not failed.is_async and self._restarts < self.cfg.max_restarts:
-            self._restarts += 1
+        state = self._state
+        if not failed.isolated and not failed.is_async and state.restarts < self.cfg.max_restarts:
+            state.restarts += 1
             failed.isolated = True
-            self.counts["retried"] += 1
+            state.counts["retried"] += 1
             retry.insert(0, failed)
         else:
-            self._settle(failed, error=error)
+            self._outcomes.settle(failed, error=error)
         self._pending.extendleft(reversed(self._live(retry)))
-        self._spawn(h.index)
+        self._workers.spawn(h.index)
 
     def _cancel(self, task: Task) -> None:
         if task.abandoned or (task.loop is None and task.future.done()):
