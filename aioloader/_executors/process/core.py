@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..._util.bytearrays import Bytearrays
 from .arena import Arena, Slot
-from .config import COPIES_BYTES, FIRST_OUTPUT_BYTES, RELEASES_STOP_S, Config
-from .outcomes import Outcomes, cancelled
-from .tasks import Handle, Task
-from .workers import Workers
+from .config import FIRST_OUTPUT_BYTES, RELEASES_STOP_S, Config
 
-__all__ = ["PoolCore", "PoolState", "WakePipe", "factory"]
+__all__ = ["PoolState", "WakePipe", "factory"]
 
 
 class WakePipe:
@@ -115,44 +110,6 @@ class PoolState:
         self.failure = error
         self.stopping = True
         self.ready.set()
-
-
-class PoolCore:
-    """The pool's own state: what other threads hand it (under its lock), the task queue, and the
-    parts it owns (`PoolState`, `Outcomes`, `Workers`); one thread ("aioloader-procpool") runs it.
-
-    The parts of that thread build on this class, each on the one before: `Sending`
-    (`sending.py`), `Results` (`results.py`), `Faults` (`faults.py`), and `Pool` (`dispatcher.py`),
-    which runs them.
-    """
-
-    def __init__(self, config: Config) -> None:
-        self.cfg = config
-        self.closed = False
-        self._lock = threading.Lock()
-        self._inbox: collections.deque[Task] = collections.deque()
-        self._cancels: collections.deque[Task] = collections.deque()
-        self._pending: collections.deque[Task] = collections.deque()
-        self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
-        self._fn_blobs: dict[int, bytes | int] = {}
-        self._wake = WakePipe(self._lock)
-        self._state = PoolState(config, self._wake)
-        self._outcomes = Outcomes()
-        self._workers = Workers(config, self._state.counts)
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-        # bytearray results are copied out of their slot into these (see `_util/bytearrays.py`)
-        self._copies = Bytearrays(COPIES_BYTES)
-        self._send_waits = False  # a task waits to be sent until a slot is freed (`_releasing`)
-        self._wants: list[tuple[Handle, int, float]] = []  # (worker, task id, since): slot asks
-        self._consumer_keeps = False  # a slot ask waited `SLOT_WAIT_S` in vain
-
-    def _live(self, tasks: list[Task]) -> list[Task]:
-        """Of `tasks` taken from a worker, those still wanted; the others are answered."""
-        for t in tasks:
-            if t.abandoned:
-                self._outcomes.settle(t, error=cancelled())
-        return [t for t in tasks if not t.abandoned]
 
 
 def factory(

@@ -28,7 +28,7 @@ from ..._util.loops import is_async_callable
 from ..._util.validate import check_int
 from .arena import Arena
 from .batch_buffer import BatchBuffer, RowTarget
-from .config import JOIN_TIMEOUT_S, SLOT_WAIT_S, START_TIMEOUT_S
+from .config import JOIN_TIMEOUT_S, START_TIMEOUT_S
 from .core import factory
 from .faults import Faults
 from .tasks import Task, encode_arg
@@ -112,7 +112,7 @@ class Pool(Faults):
         with self._lock:
             fn_key = (len(self._fns), is_async_callable(fn))
             self._fns.append((fn, fn_key))
-            self._fn_blobs[fn_key[0]] = blob
+            self._sender.fn_blobs[fn_key[0]] = blob
         return fn_key
 
     def close(self) -> None:
@@ -176,13 +176,13 @@ class Pool(Faults):
             elif handle in self._workers.handles:
                 self._reap(handle)
         while self._inbox:
-            self._pending.append(self._inbox.popleft())
+            self._sender.queue(self._inbox.popleft())
         while self._cancels:
             self._cancel(self._cancels.popleft())
         self._expire()
-        if self._wants:
-            self._answer_wants()
-        self._dispatch()
+        if self._slots.wants:
+            self._slots.answer_wants()
+        self._sender.dispatch()
         self._workers.flush()
         self._outcomes.hand_over()
 
@@ -193,8 +193,9 @@ class Pool(Faults):
         failure = self._state.failure or factory(
             LoaderClosedError, "the process executor was closed"
         )
-        tasks = [*self._pending, *self._inbox, *(t for h in handles for t in h.inflight.values())]
-        self._pending.clear()
+        tasks = [
+            *self._sender.take_all(), *self._inbox, *(t for h in handles for t in h.inflight.values())
+        ]  # fmt: skip
         self._inbox.clear()
         self._cancels.clear()
         for task in tasks:
@@ -208,14 +209,8 @@ class Pool(Faults):
 
     def _wait_timeout(self) -> float | None:
         deadlines = [h.spawned_at + START_TIMEOUT_S for h in self._workers.handles if not h.ready]
-        if self._wants and not self._consumer_keeps:
-            deadlines += [since + SLOT_WAIT_S for _, _, since in self._wants]
-        elif self._wants and self._state.keeps_from() > time.monotonic():
-            deadlines.append(self._state.keeps_from())  # else: a slot freed, or a result
-        if self._send_waits and self._pending:
-            self._send_waits = False
-            if self._state.keeps_from() > time.monotonic():
-                deadlines.append(self._state.keeps_from())
+        deadlines += self._slots.deadlines()
+        deadlines += self._sender.deadlines()
         if self.cfg.timeout is not None:
             deadlines += [
                 h.head_since + self.cfg.timeout for h in self._workers.handles if h.sync_n

@@ -45,7 +45,7 @@ class Faults(Results):
             for t in retried:
                 t.isolated = True
             self._state.counts["retried"] += len(retried)
-            self._pending.extendleft(reversed(retried))
+            self._sender.retry(retried)
             if not culprits:
                 return
             tasks = culprits
@@ -144,7 +144,7 @@ class Faults(Results):
             retry.insert(0, failed)
         else:
             self._outcomes.settle(failed, error=error)
-        self._pending.extendleft(reversed(self._live(retry)))
+        self._sender.retry(self._live(retry))
         self._workers.spawn(h.index)
 
     def _cancel(self, task: Task) -> None:

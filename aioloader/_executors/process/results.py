@@ -2,22 +2,64 @@
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+from ..._util.bytearrays import Bytearrays
 from . import wire
-from .arena import Slot
-from .config import SLOT_WAIT_S
-from .outcomes import cancelled
-from .sending import Sending
+from .config import COPIES_BYTES, Config
+from .core import PoolState, WakePipe
+from .outcomes import Outcomes, cancelled
+from .sending import Sender
+from .slots import Slots
 from .tasks import Handle, Task
 from .wire import Unpacker, load_placed, rebuild_error
+from .workers import Workers
 
 __all__ = ["Results"]
 
 
-class Results(Sending):
+class PoolCore:
+    """The pool's own state: what other threads hand it (under its lock), and the parts it owns
+    (`PoolState`, `Outcomes`, `Workers`, `Slots`, `Sender`); one thread ("aioloader-procpool")
+    runs it.
+
+    The parts of that thread that still build on this class, each on the one before: `Results`
+    (`results.py`), `Faults` (`faults.py`), and `Pool` (`dispatcher.py`), which runs them.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.closed = False
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[Task] = collections.deque()
+        self._cancels: collections.deque[Task] = collections.deque()
+        self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
+        self._wake = WakePipe(self._lock)
+        self._state = PoolState(config, self._wake)
+        self._outcomes = Outcomes()
+        self._workers = Workers(config, self._state.counts)
+        self._slots = Slots(self._state, self._workers)
+        self._sender = Sender(self._state, self._outcomes, self._workers, self._slots)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        # bytearray results are copied out of their slot into these (see `_util/bytearrays.py`)
+        self._copies = Bytearrays(COPIES_BYTES)
+
+    def _live(self, tasks: list[Task]) -> list[Task]:
+        """Of `tasks` taken from a worker, those still wanted; the others are answered."""
+        for t in tasks:
+            if t.abandoned:
+                self._outcomes.settle(t, error=cancelled())
+        return [t for t in tasks if not t.abandoned]
+
+
+class Results(PoolCore):
     """Reads what the workers answer and settles their tasks (on the pool's thread)."""
 
     def _read(self, h: Handle) -> None:
@@ -33,9 +75,9 @@ class Results(Sending):
             if kind == wire.DONE:
                 self._done(h, *msg[1:])
             elif kind == wire.NEED:
-                self._grow(h, *msg[1:])
+                self._slots.grow(h, *msg[1:])
             elif kind == wire.WANT:
-                self._want(h, *msg[1:])
+                self._slots.want(h, *msg[1:])
             elif kind == wire.FAILED:
                 self._failed(h, *msg[1:])
             elif kind == wire.READY:
@@ -62,111 +104,6 @@ class Results(Sending):
         self._state.free(task.spare)
         task.in_slot = task.spare = None
         return task
-
-    def _grow(self, h: Handle, task_id: int, needed: int) -> None:
-        """A result did not fit its output slot (the first of a `size_first` pool): learn the size,
-        and give the worker a slot that holds it (or none: it then pickles the result)."""
-        self._state.out_bytes, self._state.out_known = max(self._state.out_bytes, needed), True
-        task = h.inflight.get(task_id)
-        if task is None or self._state.arena is None:
-            return  # it timed out meanwhile: the worker is being replaced
-        task.spare, task.out_slot = task.out_slot, self._out_slot(h, needed)
-        ref = None
-        if task.out_slot is not None:
-            h.share(self._state.arena, task.out_slot.slab_id)
-            ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
-        h.send((wire.GROWN, task_id, ref))
-
-    def _want(self, h: Handle, task_id: int, patient: bool, nbytes: int = 0) -> None:
-        """A running whole-batch task asks for its output slot (`wire.py`: WANT). A free one is
-        granted at once, and so is a patient ask's None; the last ask may wait (`_answer_wants`).
-        An ask with `nbytes` more than the task's slot holds (a first batch, larger than the guess)
-        gives that slot back and tells the pool the size of its results."""
-        task = h.inflight.get(task_id)
-        if task is None or self._state.arena is None:
-            h.send((wire.SLOT, task_id, None))
-            return
-        if nbytes:
-            if task.out_slot is not None and nbytes > task.out_slot.capacity:
-                self._state.free(task.out_slot)
-                task.out_slot = None
-            state = self._state
-            state.out_bytes = max(state.out_bytes, nbytes) if state.out_known else nbytes
-            state.out_known = True
-        if task.out_slot is None:
-            if patient:
-                task.out_slot = self._free_slot(h, others=False)
-            else:
-                self._wants.append((h, task_id, time.monotonic()))
-                self._answer_wants()
-                return
-        self._grant(h, task_id, task.out_slot)
-
-    def _grant(self, h: Handle, task_id: int, slot: Slot | None) -> None:
-        ref = None
-        if slot is not None and self._state.arena is not None:
-            h.share(self._state.arena, slot.slab_id)
-            ref = (slot.slab_id, slot.offset, slot.capacity)
-        h.send((wire.SLOT, task_id, ref))
-
-    def _answer_wants(self) -> None:
-        """Answer the last asks for a slot (`_want`) that can be answered now.
-
-        A free slot of `h`'s slabs is granted at once (of any slab, to the oldest task in flight).
-        Else the ask waits up to `SLOT_WAIT_S` for one to be freed, counted from when no older task
-        is in flight (until then the consumer waits for that one); once such a wait has run out (the
-        consumer keeps its batches a while), asks wait no more for that, and `h` may get a slab more
-        (`_more_slot`). Past that, an ask waits while another worker is busy and not waiting itself
-        (its result, or the consumer, will free a slot), or while the consumer frees slots (one
-        freed lately: `_keeps_from`); else it gets None (the batch is pickled: a consumer
-        that keeps every batch never deadlocks the pool). An ask whose task or worker is gone is
-        dropped: its worker is being replaced.
-        """
-        self._state.slot_waits = True  # before: a slot freed meanwhile wakes us
-        wants, self._wants = sorted(self._wants, key=lambda want: want[1]), []  # oldest first
-        now = time.monotonic()
-        oldest = min((t for x in self._workers.handles for t in x.inflight), default=None)
-        roomy = self._roomy()
-        for i, (h, task_id, since) in enumerate(wants):
-            task = h.inflight.get(task_id)
-            if task is None or not h.open:
-                continue
-            if oldest is not None and oldest < task_id:
-                since = now  # the consumer waits for an older batch: not a sign that it keeps ours
-                if not roomy and self._older_unslotted(task_id):
-                    self._wants.append((h, task_id, since))
-                    continue
-            # another worker's free slot only for the oldest batch: one taken by a later batch stays
-            # held (the consumer takes batches in order) while the one it needs waits for room
-            slot = self._free_slot(h, others=oldest is None or oldest >= task_id)
-            if slot is None and (self._consumer_keeps or now >= since + SLOT_WAIT_S):
-                self._consumer_keeps = True
-                waiting = {w[0] for w in wants[i + 1 :]} | {w[0] for w in self._wants}
-                alone = not self._busy(but=h, waiting=waiting)
-                slot = self._more_slot(h, alone=alone)
-                if slot is None and alone and now >= self._state.keeps_from():
-                    task.out_slot = None  # the consumer keeps what it has, so none would come
-                    self._grant(h, task_id, None)
-                    continue
-            if slot is None:
-                self._wants.append((h, task_id, since))
-                continue
-            task.out_slot = slot
-            self._grant(h, task_id, slot)
-        self._state.slot_waits = bool(self._wants)
-
-    def _older_unslotted(self, task_id: int) -> bool:
-        """Whether a whole batch sent before `task_id` has no output slot of the size results take
-        yet. Under a budget that does not hold two batches per worker, slots go to batches in the
-        order the consumer takes them: a later batch that took the last room would be held in the
-        consumer's reorder while the batch it needs first waits for room that never comes (and is
-        then made in its worker's memory and pickled, past the budget)."""
-        size = self._state.out_bytes
-        return any(
-            t < task_id and not task.is_async and task.row is None
-            and (task.out_slot is None or task.out_slot.capacity < size)
-            for x in self._workers.handles for t, task in x.inflight.items()
-        )  # fmt: skip
 
     def _done(self, h: Handle, task_id: int, data: Any, how: str, needed: int) -> None:
         task = self._finish(h, task_id, needed)
