@@ -2,16 +2,20 @@
 dispatches tasks, reads answers, watches every worker's socket and sentinel, and enforces timeouts.
 
 See `executor.py` for the design (start methods, async tasks, faults). This module holds `Pool`:
-what other threads call, and the loop the pool's thread runs. The loop's parts, each a class that
-builds on the one before: `core.py` (the state, settling and freeing), `workers.py` (starting,
-watching and stopping worker processes), `sending.py` (tasks to workers), `results.py` (answers
-to tasks), `faults.py` (dead and stalled workers, timeouts, cancels); `config.py` the settings.
+what other threads call, and the loop the pool's thread runs. The pool owns its parts, each an
+object with its own state: `Workers` (`workers.py`: starting, watching and stopping the worker
+processes), `Slots` (`slots.py`: output slots, and the workers' asks for one), `Sender`
+(`sending.py`: the queue, tasks to workers), `Reader` (`results.py`: answers to tasks), `Faults`
+(`faults.py`: dead and stalled workers, timeouts, cancels); what they share is `PoolState` and
+`WakePipe` (`core.py`) and `Outcomes` (`outcomes.py`); `config.py` holds the settings.
 Used through `ProcessExecutor` only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import math
 import pickle
 import selectors
@@ -28,16 +32,45 @@ from ..._util.loops import is_async_callable
 from ..._util.validate import check_int
 from .arena import Arena
 from .batch_buffer import BatchBuffer, RowTarget
-from .config import JOIN_TIMEOUT_S, START_TIMEOUT_S
-from .core import factory
+from .config import JOIN_TIMEOUT_S, Config
+from .core import PoolState, WakePipe, factory
 from .faults import Faults
+from .outcomes import Outcomes
+from .results import Reader
+from .sending import Sender
+from .slots import Slots
 from .tasks import Task, encode_arg
+from .workers import Workers
 
 __all__ = ["Pool"]
 
 
-class Pool(Faults):
-    """The process pool: what other threads call, and the loop its own thread runs."""
+class Pool:
+    """The process pool: what other threads call, and the loop its own thread runs over its parts.
+
+    Other threads only append to the inbox (or the cancels) and wake that thread (`submit`,
+    `cancel`), under the lock, or ask it to stop (`close`); an arena slot's finalizer calls
+    `PoolState.slot_freed`, without the lock. Everything else runs on the pool's thread.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.closed = False
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[Task] = collections.deque()
+        self._cancels: collections.deque[Task] = collections.deque()
+        self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
+        self._wake = WakePipe(self._lock)
+        # its parts: what each owns, see the module docstring
+        state = self._state = PoolState(config, self._wake)
+        outcomes = self._outcomes = Outcomes()
+        workers = self._workers = Workers(config, state.counts)
+        slots = self._slots = Slots(state, workers)
+        sender = self._sender = Sender(state, outcomes, workers, slots)
+        reader = self._reader = Reader(state, outcomes, workers, slots)
+        self._faults = Faults(state, outcomes, workers, reader, sender)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         with self._lock:
@@ -48,8 +81,8 @@ class Pool(Faults):
             if self._thread is not None:
                 return
             self._workers.prepare()
-            self._state.arena = Arena(self.cfg.arena_bytes)
-            self._state.arena.on_free = self._state.slot_freed
+            arena = self._state.arena = Arena(self.cfg.arena_bytes)
+            arena.on_free = self._state.slot_freed
             wake_r = self._wake.open()
             self._workers.selector.register(wake_r, selectors.EVENT_READ, ("wake", None))
             self._thread = threading.Thread(
@@ -129,16 +162,17 @@ class Pool(Faults):
 
     def batch_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> BatchBuffer | None:
         self.start()
-        assert self._state.arena is not None
+        arena = self._state.arena
+        assert arena is not None
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        slot = self._state.arena.acquire(max(nbytes, 1))
+        slot = arena.acquire(max(nbytes, 1))
         if slot is None:
             return None
-        self._state.arena.retire_idle_samples()  # batches are written in place from now on
+        arena.retire_idle_samples()  # batches are written in place from now on
         try:
-            return BatchBuffer(self._state.arena, slot, shape, dtype)
+            return BatchBuffer(arena, slot, shape, dtype)
         finally:
-            self._state.arena.release(slot)  # the tensor's view pins it from now on
+            arena.release(slot)  # the tensor's view pins it from now on
 
     def pids(self) -> list[int]:
         return [h.pid for h in list(self._workers.handles) if not h.killed]
@@ -172,14 +206,14 @@ class Pool(Faults):
             if handle is None:
                 self._wake.drain()
             elif what == "conn":
-                self._read(handle)
+                self._reader.read(handle)
             elif handle in self._workers.handles:
-                self._reap(handle)
+                self._faults.reap(handle)
         while self._inbox:
             self._sender.queue(self._inbox.popleft())
         while self._cancels:
-            self._cancel(self._cancels.popleft())
-        self._expire()
+            self._faults.cancel(self._cancels.popleft())
+        self._faults.expire()
         if self._slots.wants:
             self._slots.answer_wants()
         self._sender.dispatch()
@@ -193,9 +227,8 @@ class Pool(Faults):
         failure = self._state.failure or factory(
             LoaderClosedError, "the process executor was closed"
         )
-        tasks = [
-            *self._sender.take_all(), *self._inbox, *(t for h in handles for t in h.inflight.values())
-        ]  # fmt: skip
+        pending = self._sender.take_all()
+        tasks = [*pending, *self._inbox, *(t for h in handles for t in h.inflight.values())]
         self._inbox.clear()
         self._cancels.clear()
         for task in tasks:
@@ -208,12 +241,5 @@ class Pool(Faults):
         self._state.ready.set()
 
     def _wait_timeout(self) -> float | None:
-        deadlines = [h.spawned_at + START_TIMEOUT_S for h in self._workers.handles if not h.ready]
-        deadlines += self._slots.deadlines()
-        deadlines += self._sender.deadlines()
-        if self.cfg.timeout is not None:
-            deadlines += [
-                h.head_since + self.cfg.timeout for h in self._workers.handles if h.sync_n
-            ]
-            deadlines += [d for h in self._workers.handles for d in self._async_deadlines(h)]
+        deadlines = [*self._faults.deadlines(), *self._slots.deadlines(), *self._sender.deadlines()]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None

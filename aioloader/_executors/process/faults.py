@@ -8,19 +8,34 @@ import time
 from ..._exceptions import WorkerDied, WorkerTimeout
 from . import wire
 from .config import CANCEL_GRACE_S, START_TIMEOUT_S
-from .core import factory
-from .results import Results
+from .core import PoolState, factory
+from .outcomes import Outcomes, cancelled
+from .results import Reader
+from .sending import Sender
 from .tasks import Handle, Task, died_text
+from .workers import Workers
 
 __all__ = ["Faults"]
 
 
-class Faults(Results):
-    """Replaces dead and stalled workers, expires and cancels tasks (on the pool's thread)."""
+class Faults:
+    """Replaces dead and stalled workers, expires and cancels tasks (on the pool's thread): a dead
+    worker's last answers are read (`Reader`), its process let go and replaced (`Workers`), and its
+    tasks retried (queued again in `Sender`) or failed."""
 
-    def _reap(self, h: Handle) -> None:
+    def __init__(
+        self, state: PoolState, outcomes: Outcomes, workers: Workers, reader: Reader, sender: Sender
+    ) -> None:
+        self.cfg = state.cfg
+        self._state = state
+        self._outcomes = outcomes
+        self._workers = workers
+        self._reader = reader
+        self._sender = sender
+
+    def reap(self, h: Handle) -> None:
         """`h`'s process has exited: keep what it sent, then replace it and retry or fail its tasks."""
-        self._read(h)
+        self._reader.read(h)
         code, pid = self._workers.bury(h)
         tasks = h.take_all()
         for slot in h.quarantine + [s for t in tasks for s in t.take_slots()]:
@@ -64,7 +79,7 @@ class Faults(Results):
         for t in tasks:
             self._outcomes.settle(t, error=WorkerDied(text, pid=pid, exitcode=code, tasks=ids))
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         now = time.monotonic()
         for h in list(self._workers.handles):
             if not h.ready and not h.killed and now - h.spawned_at >= START_TIMEOUT_S:
@@ -147,7 +162,7 @@ class Faults(Results):
         self._sender.retry(self._live(retry))
         self._workers.spawn(h.index)
 
-    def _cancel(self, task: Task) -> None:
+    def cancel(self, task: Task) -> None:
         if task.abandoned or (task.loop is None and task.future.done()):
             return  # (a `run` future is done here: its caller cancelled it)
         task.abandoned = True
@@ -155,3 +170,19 @@ class Faults(Results):
         if task.is_async and h is not None and task.id in h.inflight and h.open:
             with contextlib.suppress(OSError):
                 h.send((wire.CANCEL, task.id))
+
+    def _live(self, tasks: list[Task]) -> list[Task]:
+        """Of `tasks` taken from a worker, those still wanted; the others are answered."""
+        for t in tasks:
+            if t.abandoned:
+                self._outcomes.settle(t, error=cancelled())
+        return [t for t in tasks if not t.abandoned]
+
+    def deadlines(self) -> list[float]:
+        """When `expire` next has something to do: a worker not ready yet, a task's timeout."""
+        handles = self._workers.handles
+        deadlines = [h.spawned_at + START_TIMEOUT_S for h in handles if not h.ready]
+        if self.cfg.timeout is not None:
+            deadlines += [h.head_since + self.cfg.timeout for h in handles if h.sync_n]
+            deadlines += [d for h in handles for d in self._async_deadlines(h)]
+        return deadlines

@@ -2,67 +2,39 @@
 
 from __future__ import annotations
 
-import collections
 import functools
-import itertools
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ..._util.bytearrays import Bytearrays
 from . import wire
-from .config import COPIES_BYTES, Config
-from .core import PoolState, WakePipe
+from .config import COPIES_BYTES
+from .core import PoolState
 from .outcomes import Outcomes, cancelled
-from .sending import Sender
 from .slots import Slots
 from .tasks import Handle, Task
 from .wire import Unpacker, load_placed, rebuild_error
 from .workers import Workers
 
-__all__ = ["Results"]
+__all__ = ["Reader"]
 
 
-class PoolCore:
-    """The pool's own state: what other threads hand it (under its lock), and the parts it owns
-    (`PoolState`, `Outcomes`, `Workers`, `Slots`, `Sender`); one thread ("aioloader-procpool")
-    runs it.
+class Reader:
+    """Reads what the workers answer and settles their tasks (on the pool's thread): results (DONE,
+    FAILED) and a worker's start (READY, INIT_FAILED); its asks for an output slot (NEED, WANT) go
+    to `Slots`."""
 
-    The parts of that thread that still build on this class, each on the one before: `Results`
-    (`results.py`), `Faults` (`faults.py`), and `Pool` (`dispatcher.py`), which runs them.
-    """
-
-    def __init__(self, config: Config) -> None:
-        self.cfg = config
-        self.closed = False
-        self._lock = threading.Lock()
-        self._inbox: collections.deque[Task] = collections.deque()
-        self._cancels: collections.deque[Task] = collections.deque()
-        self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
-        self._wake = WakePipe(self._lock)
-        self._state = PoolState(config, self._wake)
-        self._outcomes = Outcomes()
-        self._workers = Workers(config, self._state.counts)
-        self._slots = Slots(self._state, self._workers)
-        self._sender = Sender(self._state, self._outcomes, self._workers, self._slots)
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
+    def __init__(
+        self, state: PoolState, outcomes: Outcomes, workers: Workers, slots: Slots
+    ) -> None:
+        self._state = state
+        self._outcomes = outcomes
+        self._workers = workers
+        self._slots = slots
         # bytearray results are copied out of their slot into these (see `_util/bytearrays.py`)
-        self._copies = Bytearrays(COPIES_BYTES)
+        self.copies = Bytearrays(COPIES_BYTES)
 
-    def _live(self, tasks: list[Task]) -> list[Task]:
-        """Of `tasks` taken from a worker, those still wanted; the others are answered."""
-        for t in tasks:
-            if t.abandoned:
-                self._outcomes.settle(t, error=cancelled())
-        return [t for t in tasks if not t.abandoned]
-
-
-class Results(PoolCore):
-    """Reads what the workers answer and settles their tasks (on the pool's thread)."""
-
-    def _read(self, h: Handle) -> None:
+    def read(self, h: Handle) -> None:
         if not h.open:
             return
         try:
@@ -121,10 +93,10 @@ class Results(PoolCore):
                 result = task.row.batch.tensor[task.row.row]
                 self._state.counts["results_in_rows"] += 1
             elif how == wire.SINGLE and slot is not None and self._state.arena is not None:
-                result = load_placed(self._state.arena, slot, data, self._copies)
+                result = load_placed(self._state.arena, slot, data, self.copies)
                 self._state.counts["results_in_shm"] += 1
             elif how == wire.SHM and slot is not None and self._state.arena is not None:
-                result = Unpacker(data, self._state.arena, slot, self._copies).load()
+                result = Unpacker(data, self._state.arena, slot, self.copies).load()
                 self._state.counts["results_in_shm"] += 1
             else:
                 result = Unpacker(data, None, None).load()  # arrays in band (`_in_band`)

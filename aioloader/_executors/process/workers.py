@@ -27,7 +27,8 @@ __all__ = ["Workers", "pickle_given"]
 class Workers:
     """The worker processes, a `Handle` each, and the selector the pool's thread waits on: starts,
     watches and stops them (on the pool's thread; `prepare` and `ungive` on the thread that starts
-    or closes the pool, under its lock)."""
+    or closes the pool, under its lock, and `close_zygote` there too if the pool's thread never
+    started)."""
 
     def __init__(self, config: Config, counts: collections.Counter[str]) -> None:
         self.cfg = config
