@@ -48,9 +48,10 @@ __all__ = ["Pool"]
 class Pool:
     """The process pool: what other threads call, and the loop its own thread runs over its parts.
 
-    Other threads only append to the inbox (or the cancels) and wake that thread (`submit`,
-    `cancel`), under the lock, or ask it to stop (`close`); an arena slot's finalizer calls
-    `PoolState.slot_freed`, without the lock. Everything else runs on the pool's thread.
+    Other threads hand it tasks and cancels through the inbox, under the lock, and wake its thread
+    (`submit`, `cancel`), or ask it to stop (`close`); `batch_buffer` takes a slot of the arena
+    (under the arena's own lock) and `stats` reads the counters. An arena slot's finalizer calls
+    `PoolState.slot_freed`, without the lock. The parts run on the pool's thread alone.
     """
 
     def __init__(self, config: Config) -> None:

@@ -18,8 +18,8 @@ __all__ = ["Sender"]
 
 
 class Sender:
-    """The queue of tasks not sent yet, and their sending to the workers that have room, each with
-    its input slot and its output slot from `Slots` (on the pool's thread)."""
+    """The queue of tasks not sent yet, and their sending to the workers that have room (on the
+    pool's thread): a large input in a slot of the arena, the output slot from `Slots`."""
 
     def __init__(
         self, state: PoolState, outcomes: Outcomes, workers: Workers, slots: Slots
@@ -30,7 +30,8 @@ class Sender:
         self._workers = workers
         self._slots = slots
         self._pending: collections.deque[Task] = collections.deque()  # in the order to send
-        # each callable pickled once (or the id of one given to the workers): `Pool._register`
+        # each callable pickled once (or the id of one given to the workers), by its id: written
+        # by `Pool._register` on the caller's thread, under the pool's lock, before its first task
         self.fn_blobs: dict[int, bytes | int] = {}
         self._send_waits = False  # a task waits to be sent until a slot is freed (`_releasing`)
 
