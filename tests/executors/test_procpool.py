@@ -33,8 +33,8 @@ import aioloader
 from aioloader import DecodeError, LoaderClosedError, WorkerDied, WorkerTimeout
 from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR, SLAB_LINKS
 from aioloader._executors.process.config import RELEASES_STOP_S
-from aioloader._executors.process.dispatcher import Pool
 from aioloader._executors.process.executor import ProcessExecutor
+from aioloader._executors.process.sending import Sender
 from aioloader._util.rng import call_seeded
 
 # How soon a dead worker must be reported (the design's promise), and a bound for everything else.
@@ -640,7 +640,7 @@ def test_a_bug_in_the_pools_thread_fails_the_tasks_instead_of_hanging(
     def broken_send(self: Any, h: Any, task: Any) -> bool:
         raise TypeError("a bug")
 
-    monkeypatch.setattr(Pool, "_send", broken_send)
+    monkeypatch.setattr(Sender, "_send", broken_send)
     executor = make(1)
     with pytest.raises(LoaderClosedError, match="TypeError: a bug"):
         executor.submit(abs, -1).result(WAIT_S)

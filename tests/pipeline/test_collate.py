@@ -386,7 +386,7 @@ def test_once_rows_are_written_in_place_the_collate_buffers_and_sample_slots_are
             assert loader._pool.per_shape == 0
         # ...and so are the slabs whose slots held single samples, once nothing views them, at
         # the next batch buffer made (as the next epoch's first batch would)
-        arena = pool._pool._arena
+        arena = pool._pool._state.arena
         assert arena is not None
         gc.collect()
         buffer = pool.batch_buffer((4, 3, 512, 512), torch.float32)

@@ -120,7 +120,7 @@ def test_bytearray_results_are_copied_out_into_free_buffers_only() -> None:
     with aioloader.ProcessExecutor(2) as pool:
         held = asyncio.run(run_all(pool, range(8)))
         assert [bytes(b) for b in held] == [bytes([k]) * SIZE for k in range(8)]
-        copies = pool._pool._copies
+        copies = pool._pool._reader.copies
         assert copies.made == 8
         keep = held[3]
         del held

@@ -32,7 +32,7 @@ SLOT_WAIT_S = 0.1
 # A batch that finds no slot and no room for one waits for the consumer to free one while it frees
 # slots at all: none freed for this long (or three of its usual gaps between frees, if longer) since
 # the later of its last free and the last result it was handed, and it is pickled instead (a consumer
-# that keeps them all: `PoolCore._keeps_from`).
+# that keeps them all: `PoolState.keeps_from`).
 RELEASES_STOP_S = 1.0
 FIRST_OUTPUT_BYTES = 1 << 20  # output slot for tasks before the first result tells the real size
 CANCEL_GRACE_S = 1.0  # a timed-out async task not ended this long after its cancel: kill the worker

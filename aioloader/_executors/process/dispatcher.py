@@ -2,19 +2,21 @@
 dispatches tasks, reads answers, watches every worker's socket and sentinel, and enforces timeouts.
 
 See `executor.py` for the design (start methods, async tasks, faults). This module holds `Pool`:
-what other threads call, and the loop the pool's thread runs. The loop's parts, each a class that
-builds on the one before: `core.py` (the state, settling and freeing), `workers.py` (starting,
-watching and stopping worker processes), `sending.py` (tasks to workers), `results.py` (answers
-to tasks), `faults.py` (dead and stalled workers, timeouts, cancels); `config.py` the settings.
+what other threads call, and the loop the pool's thread runs. The pool owns its parts, each an
+object with its own state: `Workers` (`workers.py`: starting, watching and stopping the worker
+processes), `Slots` (`slots.py`: output slots, and the workers' asks for one), `Sender`
+(`sending.py`: the queue, tasks to workers), `Reader` (`results.py`: answers to tasks), `Faults`
+(`faults.py`: dead and stalled workers, timeouts, cancels); what they share is `PoolState` and
+`WakePipe` (`core.py`) and `Outcomes` (`outcomes.py`); `config.py` holds the settings.
 Used through `ProcessExecutor` only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
+import itertools
 import math
-import os
 import pickle
 import selectors
 import threading
@@ -30,45 +32,69 @@ from ..._util.loops import is_async_callable
 from ..._util.validate import check_int
 from .arena import Arena
 from .batch_buffer import BatchBuffer, RowTarget
-from .config import JOIN_TIMEOUT_S, SLOT_WAIT_S, START_TIMEOUT_S
-from .core import factory, pickle_given
+from .config import JOIN_TIMEOUT_S, Config
+from .core import PoolState, WakePipe, factory
 from .faults import Faults
+from .outcomes import Outcomes
+from .results import Reader
+from .sending import Sender
+from .slots import Slots
 from .tasks import Task, encode_arg
-from .worker import GIVEN, serve
-from .zygote import Zygote
+from .workers import Workers
 
 __all__ = ["Pool"]
 
 
-class Pool(Faults):
-    """The process pool: what other threads call, and the loop its own thread runs."""
+class Pool:
+    """The process pool: what other threads call, and the loop its own thread runs over its parts.
+
+    Other threads hand it tasks and cancels through the inbox, under the lock, and wake its thread
+    (`submit`, `cancel`), or ask it to stop (`close`); `batch_buffer` takes a slot of the arena
+    (under the arena's own lock) and `stats` reads the counters. An arena slot's finalizer calls
+    `PoolState.slot_freed`, without the lock. The parts run on the pool's thread alone.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.closed = False
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[Task] = collections.deque()
+        self._cancels: collections.deque[Task] = collections.deque()
+        self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
+        self._wake = WakePipe(self._lock)
+        # its parts: what each owns, see the module docstring
+        state = self._state = PoolState(config, self._wake)
+        outcomes = self._outcomes = Outcomes()
+        workers = self._workers = Workers(config, state.counts)
+        slots = self._slots = Slots(state, workers)
+        sender = self._sender = Sender(state, outcomes, workers, slots)
+        reader = self._reader = Reader(state, outcomes, workers, slots)
+        self._faults = Faults(state, outcomes, workers, reader, sender)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         with self._lock:
-            if self._failure is not None:
-                raise self._failure()
+            if self._state.failure is not None:
+                raise self._state.failure()
             if self.closed:
                 raise LoaderClosedError("the process executor was closed")
             if self._thread is not None:
                 return
-            if self._given_blob is not None:  # as they are now (checked at construction)
-                self._given_blob = pickle_given(self._given, self.cfg.method)
-            if self.cfg.method == "zygote" and self._zygote is None:
-                self._zygote = Zygote(serve)
-            self._arena = Arena(self.cfg.arena_bytes)
-            self._arena.on_free = self._slot_freed
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_w, False)
-            self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+            self._workers.prepare()
+            arena = self._state.arena = Arena(self.cfg.arena_bytes)
+            arena.on_free = self._state.slot_freed
+            wake_r = self._wake.open()
+            self._workers.selector.register(wake_r, selectors.EVENT_READ, ("wake", None))
             self._thread = threading.Thread(
                 target=self._serve, name="aioloader-procpool", daemon=True
             )
             self._thread.start()
 
     def wait_ready(self, timeout: float | None) -> bool:
-        ready = self._ready.wait(timeout)
-        if self._failure is not None:
-            raise self._failure()
+        ready = self._state.ready.wait(timeout)
+        if self._state.failure is not None:
+            raise self._state.failure()
         return ready and not self.closed
 
     def submit(
@@ -91,10 +117,10 @@ class Pool(Faults):
         with self._lock:
             if self.closed:
                 raise LoaderClosedError("the process executor was closed")
-            if self._failure is not None:
-                raise self._failure()
+            if self._state.failure is not None:
+                raise self._state.failure()
             self._inbox.append(task)
-            self._wake_locked()
+            self._wake.poke_locked()
         return task
 
     def cancel(self, task: Task) -> None:
@@ -102,7 +128,7 @@ class Pool(Faults):
         with self._lock:
             if not self.closed:
                 self._cancels.append(task)
-                self._wake_locked()
+                self._wake.poke_locked()
 
     def _register(self, fn: Callable[[Any], Any]) -> tuple[int, bool]:
         with self._lock:
@@ -110,7 +136,8 @@ class Pool(Faults):
                 if known is fn or (isinstance(fn, types.MethodType) and known == fn):
                     return fn_key
         try:
-            blob: bytes | int = id(fn) if id(fn) in self._given else pickle.dumps(fn, protocol=5)
+            given = self._workers.given
+            blob: bytes | int = id(fn) if id(fn) in given else pickle.dumps(fn, protocol=5)
         except Exception as exc:
             raise TypeError(
                 f"executor='process' needs a decode callable that pickles (a module-level function "
@@ -119,44 +146,43 @@ class Pool(Faults):
         with self._lock:
             fn_key = (len(self._fns), is_async_callable(fn))
             self._fns.append((fn, fn_key))
-            self._fn_blobs[fn_key[0]] = blob
+            self._sender.fn_blobs[fn_key[0]] = blob
         return fn_key
 
     def close(self) -> None:
         with self._lock:
             thread, already = self._thread, self.closed
-            self.closed = self._stopping = True
+            self.closed = self._state.stopping = True
             if thread is not None and not already:
-                self._wake_locked()
-            for key, obj in self._given.items():
-                if GIVEN.get(key) is obj:
-                    del GIVEN[key]
-        if thread is None and self._zygote is not None:
-            self._zygote.close()
+                self._wake.poke_locked()
+            self._workers.ungive()
+        if thread is None:
+            self._workers.close_zygote()
         if thread is not None and thread is not threading.current_thread():
             thread.join(JOIN_TIMEOUT_S)
 
     def batch_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> BatchBuffer | None:
         self.start()
-        assert self._arena is not None
+        arena = self._state.arena
+        assert arena is not None
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        slot = self._arena.acquire(max(nbytes, 1))
+        slot = arena.acquire(max(nbytes, 1))
         if slot is None:
             return None
-        self._arena.retire_idle_samples()  # batches are written in place from now on
+        arena.retire_idle_samples()  # batches are written in place from now on
         try:
-            return BatchBuffer(self._arena, slot, shape, dtype)
+            return BatchBuffer(arena, slot, shape, dtype)
         finally:
-            self._arena.release(slot)  # the tensor's view pins it from now on
+            arena.release(slot)  # the tensor's view pins it from now on
 
     def pids(self) -> list[int]:
-        return [h.pid for h in list(self._handles) if not h.killed]
+        return [h.pid for h in list(self._workers.handles) if not h.killed]
 
     def stats(self) -> dict[str, int]:
-        arena = self._arena
+        arena = self._state.arena
         return {
             "pipe_bytes_sent": 0, "pipe_bytes_received": 0,
-            **self.counts, "workers": len(self.pids()), "restarts": self._restarts,
+            **self._state.counts, "workers": len(self.pids()), "restarts": self._state.restarts,
             "arena_budget": self.cfg.arena_bytes,
             "arena_mapped": arena.mapped_bytes if arena is not None else 0,
             "batch_slabs": arena.batch_slabs if arena is not None else 0,
@@ -165,55 +191,56 @@ class Pool(Faults):
     def _serve(self) -> None:
         try:
             for index in range(self.cfg.workers):
-                self._spawn(index)
-            while not self._stopping:
+                self._workers.spawn(index)
+            while not self._state.stopping:
                 self._step()
         except BaseException as exc:  # a bug or a failed spawn: fail every task instead of hanging
             message = f"the process executor stopped: {type(exc).__name__}: {exc}"
-            self._fail_pool(factory(LoaderClosedError, message, cause=exc))
+            self._state.fail(factory(LoaderClosedError, message, cause=exc))
         finally:
             self._shutdown()
 
     def _step(self) -> None:
-        for h in self._handles:
-            self._watch(h)
-        for key, _ in self._selector.select(self._wait_timeout()):
+        self._workers.watch_all()
+        for key, _ in self._workers.selector.select(self._wait_timeout()):
             what, handle = key.data
             if handle is None:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
-                with self._lock:  # before the inbox is read: a later submit writes again
-                    self._wake_pending = False
+                self._wake.drain()
             elif what == "conn":
-                self._read(handle)
-            elif handle in self._handles:
-                self._reap(handle)
+                self._reader.read(handle)
+            elif handle in self._workers.handles:
+                self._faults.reap(handle)
         while self._inbox:
-            self._pending.append(self._inbox.popleft())
+            self._sender.queue(self._inbox.popleft())
         while self._cancels:
-            self._cancel(self._cancels.popleft())
-        self._expire()
-        if self._wants:
-            self._answer_wants()
-        self._dispatch()
-        for h in self._handles:
-            try:
-                h.flush()
-            except OSError:
-                h.open = False  # it is dying: its sentinel will tell, and what it held is retried
-        self._hand_over()
+            self._faults.cancel(self._cancels.popleft())
+        self._faults.expire()
+        if self._slots.wants:
+            self._slots.answer_wants()
+        self._sender.dispatch()
+        self._workers.flush()
+        self._outcomes.hand_over()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self.closed = True
+        handles = self._workers.stop()
+        failure = self._state.failure or factory(
+            LoaderClosedError, "the process executor was closed"
+        )
+        pending = self._sender.take_all()
+        tasks = [*pending, *self._inbox, *(t for h in handles for t in h.inflight.values())]
+        self._inbox.clear()
+        self._cancels.clear()
+        for task in tasks:
+            self._outcomes.settle(task, error=failure())
+        self._outcomes.hand_over()
+        if self._state.arena is not None:
+            self._state.arena.close()
+        self._workers.close_zygote()
+        self._wake.close()
+        self._state.ready.set()
 
     def _wait_timeout(self) -> float | None:
-        deadlines = [h.spawned_at + START_TIMEOUT_S for h in self._handles if not h.ready]
-        if self._wants and not self._consumer_keeps:
-            deadlines += [since + SLOT_WAIT_S for _, _, since in self._wants]
-        elif self._wants and self._keeps_from() > time.monotonic():
-            deadlines.append(self._keeps_from())  # else: a slot freed, or a result
-        if self._send_waits and self._pending:
-            self._send_waits = False
-            if self._keeps_from() > time.monotonic():
-                deadlines.append(self._keeps_from())
-        if self.cfg.timeout is not None:
-            deadlines += [h.head_since + self.cfg.timeout for h in self._handles if h.sync_n]
-            deadlines += [d for h in self._handles for d in self._async_deadlines(h)]
+        deadlines = [*self._faults.deadlines(), *self._slots.deadlines(), *self._sender.deadlines()]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None

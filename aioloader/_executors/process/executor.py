@@ -53,9 +53,10 @@ Faults:
 - decode raises: the parent re-raises the same exception type (when it pickles both ways), else
   `DecodeError`; always with a note naming the worker pid and the remote traceback as `__cause__`.
 
-Where the code is: this module holds the public `ProcessExecutor`; `dispatcher.py` the thread that
-runs the pool (its parts in `core.py`, `workers.py`, `sending.py`, `results.py`, `faults.py`, its
-settings in `config.py`); `tasks.py` what that thread works with (tasks, workers' handles);
+Where the code is: this module holds the public `ProcessExecutor`; `dispatcher.py` the pool and the
+thread that runs it (the parts it owns in `workers.py`, `slots.py`, `sending.py`, `results.py`,
+`faults.py`, what they share in `core.py`, its settings in `config.py`); `tasks.py` what that thread
+works with (tasks, workers' handles);
 `outcomes.py` the hand-over of results to their callers; `batch_buffer.py` batches written in place;
 `wire.py` the wire format; `worker.py` the worker process; `arena.py` + `slab_memory.py` the arena;
 `zygote.py` the fork server.

@@ -6,9 +6,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Mailbox", "Outcome", "cancelled", "settle_all", "settle_future"]
+if TYPE_CHECKING:
+    from .tasks import Task
+
+__all__ = ["Mailbox", "Outcome", "Outcomes", "cancelled", "settle_all", "settle_future"]
 
 
 def settle_future(
@@ -54,6 +57,34 @@ class Mailbox:
             items, self._items = self._items, []
             self._scheduled = False
         settle_all(items)
+
+
+class Outcomes:
+    """The outcomes the pool's thread gives tasks in one step, and the mailboxes of the event loops
+    that `run` calls wait on (on the pool's thread)."""
+
+    def __init__(self) -> None:
+        self._outcomes: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}  # see `settle`
+        self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
+
+    def settle(self, task: Task, result: Any = None, error: BaseException | None = None) -> None:
+        """Give `task` its outcome: a concurrent future at once, an asyncio one at `hand_over`."""
+        if task.loop is None:
+            settle_future(task.future, result, error)  # type: ignore[arg-type]
+        else:
+            outcome = (task.future, result, error)
+            self._outcomes.setdefault(task.loop, []).append(outcome)  # type: ignore[arg-type]
+
+    def hand_over(self) -> None:
+        """Post the queued outcomes of `run` calls to their loops' mailboxes."""
+        outcomes, self._outcomes = self._outcomes, {}
+        for loop, items in outcomes.items():
+            box = self._mailboxes.get(loop)
+            if box is None:
+                for old in [x for x in self._mailboxes if x.is_closed()]:
+                    del self._mailboxes[old]
+                box = self._mailboxes[loop] = Mailbox(loop)
+            box.post(items)
 
 
 def settle_all(outcomes: list[Outcome]) -> None:

@@ -5,22 +5,51 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from collections.abc import Container
 
 from . import wire
-from .arena import Slot, size_class
-from .config import QUEUE_DEPTH, SLABS_PER_WORKER
-from .outcomes import cancelled
+from .config import QUEUE_DEPTH
+from .core import PoolState
+from .outcomes import Outcomes, cancelled
+from .slots import Slots
 from .tasks import Handle, Task
-from .workers import WorkerProcesses
+from .workers import Workers
 
-__all__ = ["Sending"]
+__all__ = ["Sender"]
 
 
-class Sending(WorkerProcesses):
-    """Sends queued tasks to the workers that have room (on the pool's thread)."""
+class Sender:
+    """The queue of tasks not sent yet, and their sending to the workers that have room (on the
+    pool's thread): a large input in a slot of the arena, the output slot from `Slots`."""
 
-    def _dispatch(self) -> None:
+    def __init__(
+        self, state: PoolState, outcomes: Outcomes, workers: Workers, slots: Slots
+    ) -> None:
+        self.cfg = state.cfg
+        self._state = state
+        self._outcomes = outcomes
+        self._workers = workers
+        self._slots = slots
+        self._pending: collections.deque[Task] = collections.deque()  # in the order to send
+        # each callable pickled once (or the id of one given to the workers), by its id: written
+        # by `Pool._register` on the caller's thread, under the pool's lock, before its first task
+        self.fn_blobs: dict[int, bytes | int] = {}
+        self._send_waits = False  # a task waits to be sent until a slot is freed (`_releasing`)
+
+    def queue(self, task: Task) -> None:
+        """Queue `task` behind the others."""
+        self._pending.append(task)
+
+    def retry(self, tasks: list[Task]) -> None:
+        """Queue `tasks` again (taken back from a worker), in their order, ahead of the others."""
+        self._pending.extendleft(reversed(tasks))
+
+    def take_all(self) -> list[Task]:
+        """Empty the queue; returns its tasks in order."""
+        tasks = list(self._pending)
+        self._pending.clear()
+        return tasks
+
+    def dispatch(self) -> None:
         """Send what the workers have room for, in order; a task pinned to a busy worker waits
         without holding back the tasks behind it that may go elsewhere (only those pinned to the
         same worker wait behind it: a worker runs its tasks in the order they were submitted)."""
@@ -34,7 +63,7 @@ class Sending(WorkerProcesses):
                     continue  # cancelled while queued
                 task.started = True
             if task.abandoned:
-                self._settle(task, error=cancelled())
+                self._outcomes.settle(task, error=cancelled())
                 continue
             h = None if task.pin in held else self._pick(task)
             try:
@@ -44,10 +73,10 @@ class Sending(WorkerProcesses):
                 assert h is not None
                 h.open = False
                 for slot in task.take_slots():
-                    self._free(slot)
+                    self._state.free(slot)
                 self._pending.appendleft(task)
                 continue
-            except BaseException:  # a bug: keep every task where `_shutdown` fails it
+            except BaseException:  # a bug: keep every task where `Pool._shutdown` fails it
                 self._pending.extendleft([task, *reversed(passed)])
                 raise
             passed.append(task)
@@ -55,9 +84,9 @@ class Sending(WorkerProcesses):
                 break  # no worker has room for it: nor for those behind it
             held.add(task.pin)
         self._pending.extendleft(reversed(passed))
-        if self._arena is not None:
-            for slab_id in self._arena.take_dropped():
-                for h in self._handles:
+        if self._state.arena is not None:
+            for slab_id in self._state.arena.take_dropped():
+                for h in self._workers.handles:
                     if slab_id in h.slabs and h.open:
                         h.slabs.discard(slab_id)
                         with contextlib.suppress(OSError):
@@ -66,15 +95,15 @@ class Sending(WorkerProcesses):
     def _pick(self, task: Task) -> Handle | None:
         """The ready worker with the fewest tasks in flight that has room for `task`, if any."""
         best: Handle | None = None
-        for h in self._handles:
+        for h in self._workers.handles:
             if not h.ready or not h.open or h.killed or task.pin not in (None, h.index):
                 continue
             if (
-                self._restarts
+                self._state.restarts
                 and h.inflight
                 and (task.isolated or any(t.isolated for t in h.inflight.values()))
             ):
-                continue  # a suspect (there are some only after a restart) runs alone: `_reap`
+                continue  # a suspect (there are some only after a restart) runs alone: `Faults.reap`
             if task.is_async:  # none to a loop that has not ended a timed-out task yet
                 room = h.async_n < self._async_room() and not h.expired_n
             else:  # a whole batch keeps a worker busy far longer than a round trip: one at a time
@@ -83,69 +112,22 @@ class Sending(WorkerProcesses):
                 best = h
         return best
 
-    def _out_slot(self, h: Handle, nbytes: int | None = None) -> Slot | None:
-        """An output slot for a task sent to `h` (for whole batches: `_free_slot`, else
-        `_more_slot`)."""
-        arena, nbytes = self._arena, nbytes or self._out_bytes
-        assert arena is not None
-        if not self.cfg.size_first:
-            return arena.acquire(nbytes, h.slabs)
-        return self._free_slot(h, nbytes) or self._more_slot(h, nbytes, not self._busy(but=h))
-
-    def _free_slot(self, h: Handle, nbytes: int | None = None, others: bool = True) -> Slot | None:
-        """For a whole batch of `h`: a free slot of a slab `h` has mapped, or its first slab; else,
-        with `others`, a free slot of any slab."""
-        arena, nbytes = self._arena, nbytes or self._out_bytes
-        assert arena is not None
-        first = arena.whole_slabs(h.slabs, nbytes) == 0
-        slot = arena.acquire(nbytes, h.slabs, only=True, new=first)
-        if slot is None and others:
-            slot = arena.acquire(nbytes, new=False)
-        return slot
-
-    def _more_slot(self, h: Handle, nbytes: int | None = None, alone: bool = False) -> Slot | None:
-        """For a whole batch of `h` when no slot is free: the second slab of `h` (below
-        `SLABS_PER_WORKER`), else, `alone` (no other worker is busy: no result of theirs will free
-        a slot), one within the budget; else None."""
-        arena, nbytes = self._arena, nbytes or self._out_bytes
-        assert arena is not None
-        room = arena.whole_slabs(h.slabs, nbytes) < SLABS_PER_WORKER
-        slot = arena.acquire(nbytes, h.slabs, only=True, new=room)
-        if slot is None and alone:
-            slot = arena.acquire(nbytes)
-        return slot
-
-    def _busy(self, but: Handle | None = None, waiting: Container[Handle] = ()) -> bool:
-        """Whether a worker (other than `but`, and not one `waiting` for a slot) has a task in
-        flight: its result, or the consumer taking the results before it, will free a slot."""
-        return any(h.inflight for h in self._handles if h is not but and h not in waiting)
-
     def _releasing(self) -> bool:
-        """Whether the consumer is not yet taken to keep what it holds (`_keeps_from`)."""
-        return time.monotonic() < self._keeps_from()
-
-    def _roomy(self) -> bool:
-        """Whether the budget holds `SLABS_PER_WORKER` batch slabs for every worker. Only then
-        is a whole batch sent without a slot, its worker asking for one as it needs it: a worker
-        waits only for its own, which its earlier batches hold (the consumer takes them first). A
-        tighter budget could be spent by later batches while the next one the consumer needs waits
-        for room, so there a task is sent only with its slot, the oldest first."""
-        assert self._arena is not None
-        need = self.cfg.workers * SLABS_PER_WORKER * size_class(self._out_bytes)
-        return need <= self._arena.budget
+        """Whether the consumer is not yet taken to keep what it holds (`PoolState.keeps_from`)."""
+        return time.monotonic() < self._state.keeps_from()
 
     def _async_room(self) -> int:
         """Async tasks one worker may hold now. Until the first result tells how large results are,
         one: a first wave of `async_depth` tasks per worker would either fill the arena with slots of
         a guessed size or, without slots, send every result of that wave through the pipe."""
-        return self.cfg.async_depth if self._out_known else 1
+        return self.cfg.async_depth if self._state.out_known else 1
 
     def _send(self, h: Handle, task: Task) -> bool:
         """Send `task` to `h`; False when it must wait (a large message, and `h` is busy)."""
-        arena, inline_max = self._arena, self.cfg.inline_max
+        arena, inline_max = self._state.arena, self.cfg.inline_max
         assert arena is not None
         if task.fn_id not in h.fns:
-            blob = self._fn_blobs[task.fn_id]
+            blob = self.fn_blobs[task.fn_id]
             if isinstance(blob, bytes) and len(blob) > inline_max and h.inflight:
                 return False
             h.send((wire.FN, task.fn_id, blob, task.is_async))
@@ -160,27 +142,27 @@ class Sending(WorkerProcesses):
             if task.in_slot is not None:
                 h.share(arena, task.in_slot.slab_id)
                 inline, in_ref = None, (task.in_slot.slab_id, task.in_slot.offset, len(task.arg))
-                self.counts["inputs_in_shm"] += 1
+                self._state.counts["inputs_in_shm"] += 1
             elif h.inflight:
                 return False  # no slot free: send it inline, but only to an idle worker
         row = None if task.row is None else task.row.batch.wire(task.row.row)
         grow = self.cfg.size_first and not task.is_async and row is None
         ask = False
-        if self._out_bytes and task.out_slot is None and row is None:
-            if grow and self._out_known and self._roomy():
+        if self._state.out_bytes and task.out_slot is None and row is None:
+            if grow and self._state.out_known and self._slots.roomy():
                 # only a free slot now; else the worker asks as it needs one (`wire.py`)
-                task.out_slot = arena.acquire(self._out_bytes, h.slabs, only=True, new=False)
+                task.out_slot = arena.acquire(self._state.out_bytes, h.slabs, only=True, new=False)
                 ask = task.out_slot is None
             else:
-                self._slot_waits = grow  # before: a slot freed meanwhile wakes us
-                task.out_slot = self._out_slot(h)
+                self._state.slot_waits = grow  # before: a slot freed meanwhile wakes us
+                task.out_slot = self._slots.out_slot(h)
                 # no slot for it: wait for one, while a result or the consumer may free it (else
                 # it would be made in its worker's memory, past the budget); a consumer that has
-                # freed none for a while keeps what it has (`_keeps_from`), and the batch goes without
-                if task.out_slot is None and grow and (self._busy() or self._releasing()):
-                    self._send_waits = True  # `_wait_timeout` looks again by `_keeps_from`
+                # freed none for a while keeps what it has (`keeps_from`), and the batch goes without
+                if task.out_slot is None and grow and (self._slots.busy() or self._releasing()):
+                    self._send_waits = True  # `deadlines` looks again by `keeps_from`
                     return False
-                self._slot_waits = bool(self._wants)
+                self._state.slot_waits = bool(self._slots.wants)
         if task.out_slot is not None:
             h.share(arena, task.out_slot.slab_id)
             out_ref = (task.out_slot.slab_id, task.out_slot.offset, task.out_slot.capacity)
@@ -196,6 +178,16 @@ class Sending(WorkerProcesses):
         h.inflight[task.id] = task
         task.worker, task.sent_at = h, now
         h.async_n += task.is_async
-        self.counts["tasks"] += 1
-        self.counts["async_tasks"] += task.is_async
+        self._state.counts["tasks"] += 1
+        self._state.counts["async_tasks"] += task.is_async
         return True
+
+    def deadlines(self) -> list[float]:
+        """When a task that waits to be sent (`_send_waits`) is to be looked at again, if no slot
+        is freed and no result comes before: when the consumer is taken to keep what it holds."""
+        deadlines: list[float] = []
+        if self._send_waits and self._pending:
+            self._send_waits = False
+            if self._state.keeps_from() > time.monotonic():
+                deadlines.append(self._state.keeps_from())
+        return deadlines

@@ -107,7 +107,7 @@ class Task:
         self.kind = kind
         self.arg = arg
         # `submit`: a concurrent future. `run`: an asyncio future of `loop`, which only that loop's
-        # thread may touch: the pool's thread queues its outcome (`Pool.settle`) and hands the
+        # thread may touch: the pool's thread queues its outcome (`Outcomes.settle`) and hands the
         # loop all outcomes of a step in one call (one wake-up, no lock, no Condition per task)
         self.future: concurrent.futures.Future[Any] | asyncio.Future[Any] = (
             concurrent.futures.Future() if loop is None else loop.create_future()
