@@ -25,8 +25,8 @@ from s3server import SeaweedServer
 from aioloader import FetchError, Loader
 from aioloader._util.ranges import Ranges
 from aioloader.sources import Parquet, ParquetError, parquet
-from aioloader.sources._parquet_io import FOOTER_GUESS
-from aioloader.sources._parquet_order import epoch_rows, remaining, share
+from aioloader.sources.formats.parquet_bytes import FOOTER_GUESS
+from aioloader.sources.formats.parquet_order import epoch_rows, remaining, share
 
 COLUMNS = ["id", "score", "label", "tokens", "image", "name", "extra"]
 # (file name, rows, row group size, codec)

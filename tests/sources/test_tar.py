@@ -17,7 +17,8 @@ from faultproxy import Fault, FaultProxy, Origin, ServerThread
 from s3server import SeaweedServer
 
 from aioloader import FetchError, Loader
-from aioloader.sources.tar import TarShards, split_name, tar_shards
+from aioloader.sources.formats.tar import split_name
+from aioloader.sources.tar import TarShards, tar_shards
 
 N_SHARDS, PER_SHARD = 6, 7
 

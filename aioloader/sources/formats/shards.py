@@ -23,13 +23,13 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from .._exceptions import FetchError
-from .._observe.stats import _Stage, nbytes
-from ._cache import Cache
-from ._redact import redact_url
-from ._remote import Remote
-from ._transport import Transport, keep_version
-from .files import _Opening
+from ..._exceptions import FetchError
+from ..._observe.stats import StageCounters, nbytes
+from ..cache.disk import Cache
+from ..stores.files import Opening
+from ..transport.client import Transport, keep_version
+from ..transport.redact import redact_url
+from ..transport.remote import Remote
 
 __all__ = ["SCHEMES", "ReadMeter", "cached_name", "interleave", "open_shard", "shuffled"]
 
@@ -47,7 +47,7 @@ Options = Callable[[str], dict[str, Any]]
 
 def _http(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
     if "http" not in remotes:
-        from .http import Http
+        from ..stores.http import Http
 
         remotes["http"] = Http([], **options("http"))
     return remotes["http"], shard
@@ -72,14 +72,14 @@ def _bucketed(kind: str) -> Callable[[str, dict[str, Any], Options], tuple[Remot
 def _store(kind: str) -> Callable[..., Remote]:
     """The source class of a bucket store (imported on first use: each brings its signer)."""
     if kind == "s3":
-        from .s3 import S3
+        from ..stores.s3 import S3
 
         return S3
     if kind == "gcs":
-        from .gcs import GCS
+        from ..stores.gcs import GCS
 
         return GCS
-    from .azure import Azure
+    from ..stores.azure import Azure
 
     return Azure
 
@@ -123,7 +123,7 @@ async def open_shard(
                 yield chunk
     else:
         path = Path(shard.removeprefix("file://"))
-        opening = _Opening()  # a read given up on (the epoch ended) leaves no open file behind
+        opening = Opening()  # a read given up on (the epoch ended) leaves no open file behind
         try:
             try:
                 f = await asyncio.to_thread(opening.open, path)
@@ -177,7 +177,7 @@ class ReadMeter:
     whose limit is the number of readers (`parallel`)."""
 
     def __init__(self, readers: int) -> None:
-        self.stage = _Stage(time.perf_counter())
+        self.stage = StageCounters(time.perf_counter())
         self.stage.cap = readers
 
     def start(self) -> float:

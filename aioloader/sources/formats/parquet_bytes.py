@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._exceptions import FetchError
-from .._util.bytearrays import Bytearrays, landing
-from ._redact import redact_url
-from ._shards import SCHEMES, Options
+from ..._exceptions import FetchError
+from ..._util.bytearrays import Bytearrays, landing
+from ..transport.redact import redact_url
+from .shards import SCHEMES, Options
 
 if TYPE_CHECKING:
     import pyarrow as pa

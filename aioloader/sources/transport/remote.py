@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._exceptions import FetchError
-from .._util.validate import check_int
-from ._cache import Cache, Expect, check_cache_args
-from ._redact import redact_url
-from ._retry import (
+from ..._exceptions import FetchError
+from ..._util.validate import check_int
+from ..cache.disk import Cache, Expect, check_cache_args
+from .client import Transport
+from .redact import redact_url
+from .retry import (
     ATTEMPTS,
     BACKOFF,
     CONNECT_TIMEOUT,
@@ -23,7 +24,6 @@ from ._retry import (
     Retry,
     Timeouts,
 )
-from ._transport import Transport
 
 __all__ = ["Remote", "RemoteOptions"]
 
