@@ -32,6 +32,7 @@ import numpy as np
 
 from ..._util.ranges import Ranges
 from ..._util.validate import check_int
+from .options import ShardOptions
 from .parquet_bytes import (
     Bytes,
     FileMeta,
@@ -114,52 +115,31 @@ class Parquet:
         columns: Sequence[str] | None = None,
         *,
         rows_per_sample: int | None = None,
-        shuffle: bool = True,
-        shuffle_buffer: int = 0,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        worker: int = 0,
-        num_workers: int = 1,
         row_groups_in_flight: int = 16,
-        http_options: dict[str, Any] | None = None,
-        s3_options: dict[str, Any] | None = None,
-        gcs_options: dict[str, Any] | None = None,
-        azure_options: dict[str, Any] | None = None,
+        options: ShardOptions | None = None,
+        **shared: Any,
     ) -> None:
+        """`shared`: the arguments `parquet()` shares with `tar_shards()` (`ShardOptions`: order,
+        share, stores' options), one by one or together as `options`."""
+        self.options = ShardOptions.of(options, shared, "Parquet.__init__")
         need_pyarrow()
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls or not all(isinstance(u, str) for u in self.urls):
             raise ValueError(f"urls: expected paths or URLs of Parquet files, got {urls!r}")
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
-        for name, value, low in (("world_size", world_size, 1), ("num_workers", num_workers, 1),
-                                 ("rank", rank, 0), ("worker", worker, 0), ("seed", seed, 0),
-                                 ("shuffle_buffer", shuffle_buffer, 0),
-                                 ("row_groups_in_flight", row_groups_in_flight, 1)):  # fmt: skip
-            check_int(name, value, minimum=low)
+        self.options.check("rows")
+        check_int("row_groups_in_flight", row_groups_in_flight, minimum=1)
         if rows_per_sample is not None:
             check_int("rows_per_sample", rows_per_sample, minimum=1)
-        if not shuffle and shuffle_buffer:
-            raise ValueError(
-                f"shuffle_buffer={shuffle_buffer} mixes rows, but shuffle=False asks for the "
-                "stored order: drop one of them"
-            )
-        if rank >= world_size or worker >= num_workers:
-            raise ValueError(
-                f"need rank < world_size and worker < num_workers, got {rank}, {worker}"
-            )
         # what a Loader's refused shuffle=True says
         self.shuffles_how = "its row-group order every epoch, its rows with shuffle_buffer=N"
         self.columns = _columns_arg(columns)
         self.rows_per_sample = rows_per_sample
-        self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
-        self.slot, self.slots = rank * num_workers + worker, world_size * num_workers
-        self._worker, self._num_workers = worker, num_workers
+        self.shuffle = self.options.shuffle
+        self.shuffle_buffer, self.seed = self.options.shuffle_buffer, self.options.seed
+        self.slot, self.slots = self.options.place()
         self.row_groups_in_flight = row_groups_in_flight
         self.max_bytes_ahead: int | None = None  # set by a loader: half its max_bytes_in_flight
-        self._options = {"http": dict(http_options or {}), "s3": dict(s3_options or {}),
-                         "gcs": dict(gcs_options or {}), "az": dict(azure_options or {})}  # fmt: skip
+        self._store_options = self.options.stores()
         self._remotes: dict[str, Any] = {}
         self._stores = [store_for(u, self._remotes, self._options_of) for u in self.urls]
         self.metas: list[FileMeta] = _run(self._footers())
@@ -184,7 +164,8 @@ class Parquet:
     # -- footers and row groups ---------------------------------------------------------------------
 
     def _options_of(self, kind: str) -> dict[str, Any]:
-        return self._options[kind] if kind in self._options else self._options["http"]
+        stores = self._store_options
+        return stores[kind] if kind in stores else stores["http"]
 
     async def _footers(self) -> list[FileMeta]:
         try:
@@ -262,9 +243,8 @@ class Parquet:
 
     def bind(self, *, rank: int, world_size: int) -> None:
         """Take the loader's rank and world size, unless this source was given its own share."""
-        if self.slots == self._num_workers:  # built for rank 0 of 1: use the loader's
-            self.slot = rank * self._num_workers + self._worker
-            self.slots = world_size * self._num_workers
+        if self.slots == self.options.num_workers:  # built for rank 0 of 1: use the loader's
+            self.slot, self.slots = self.options.place(rank, world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next direct iteration (`async for`) read `epoch`."""
@@ -589,10 +569,12 @@ def parquet(
         >>> rows = parquet("s3://bucket/train/part-0000.parquet", ["text", "label"],
         ...                shuffle_buffer=10_000)  # doctest: +SKIP
     """
+    shared = ShardOptions(
+        shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed, rank=rank,
+        world_size=world_size, worker=worker, num_workers=num_workers, http_options=http_options,
+        s3_options=s3_options, gcs_options=gcs_options, azure_options=azure_options,
+    )  # fmt: skip
     return Parquet(
-        urls, columns, rows_per_sample=rows_per_sample, shuffle=shuffle,
-        shuffle_buffer=shuffle_buffer, seed=seed, rank=rank, world_size=world_size, worker=worker,
-        num_workers=num_workers, row_groups_in_flight=row_groups_in_flight,
-        http_options=http_options, s3_options=s3_options, gcs_options=gcs_options,
-        azure_options=azure_options,
+        urls, columns, rows_per_sample=rows_per_sample,
+        row_groups_in_flight=row_groups_in_flight, options=shared,
     )  # fmt: skip

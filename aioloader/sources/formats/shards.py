@@ -42,10 +42,10 @@ _READ_AHEAD = 32
 
 
 # a scheme's kind ("http", "s3", "gcs", "az") -> its source's options
-Options = Callable[[str], dict[str, Any]]
+StoreOptions = Callable[[str], dict[str, Any]]
 
 
-def _http(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+def _http(shard: str, remotes: dict[str, Any], options: StoreOptions) -> tuple[Remote, str]:
     if "http" not in remotes:
         from ..stores.http import Http
 
@@ -53,11 +53,11 @@ def _http(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote
     return remotes["http"], shard
 
 
-def _bucketed(kind: str) -> Callable[[str, dict[str, Any], Options], tuple[Remote, str]]:
+def _bucketed(kind: str) -> Callable[[str, dict[str, Any], StoreOptions], tuple[Remote, str]]:
     """How a scheme of bucket stores ("s3", "gs", "az") finds its shards: one source per bucket
     (or container), made on first use with `options(kind)`; the shard's URL is that source's."""
 
-    def find(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+    def find(shard: str, remotes: dict[str, Any], options: StoreOptions) -> tuple[Remote, str]:
         scheme, _, rest = shard.partition("://")
         bucket, _, key = rest.partition("/")
         name = f"{scheme}:{bucket}"
@@ -86,7 +86,7 @@ def _store(kind: str) -> Callable[..., Remote]:
 
 # URL scheme -> (the remote source that reads such shards, made once and kept in `remotes`; the
 # shard's URL there). A shard of another scheme, or a bare path, is a local file.
-SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]] = {
+SCHEMES: dict[str, Callable[[str, dict[str, Any], StoreOptions], tuple[Remote, str]]] = {
     "http": _http,
     "https": _http,
     "s3": _bucketed("s3"),
@@ -95,7 +95,7 @@ SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]]
 }
 
 
-def cached_name(shard: str, remotes: dict[str, Any], options: Options) -> str | None:
+def cached_name(shard: str, remotes: dict[str, Any], options: StoreOptions) -> str | None:
     """What names a remote shard in a cache (its URL); None for a local one."""
     scheme, sep, _ = shard.partition("://")
     reach = SCHEMES.get(scheme) if sep else None
@@ -103,7 +103,7 @@ def cached_name(shard: str, remotes: dict[str, Any], options: Options) -> str | 
 
 
 async def open_shard(
-    shard: str, remotes: dict[str, Any], options: Options, cache: Cache | None = None
+    shard: str, remotes: dict[str, Any], options: StoreOptions, cache: Cache | None = None
 ) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
     """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket);
     a remote shard is read from `cache` when it holds it, else kept there as it streams."""

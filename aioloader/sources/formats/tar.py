@@ -29,6 +29,7 @@ from ..._exceptions import FetchError
 from ..._util.validate import check_int
 from ..cache.disk import Cache, check_cache_args
 from ..transport.redact import redact_url
+from .options import ShardOptions
 from .shards import ReadMeter, cached_name, interleave, open_shard, shuffled
 from .tar_members import tar_members
 
@@ -90,49 +91,27 @@ class TarShards:
         self,
         shards: str | Sequence[str],
         *,
-        shuffle: bool = True,
-        shuffle_buffer: int = 0,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        worker: int = 0,
-        num_workers: int = 1,
         parallel: int = 2,
         suffixes: Sequence[str] | None = None,
-        http_options: dict[str, Any] | None = None,
-        s3_options: dict[str, Any] | None = None,
-        gcs_options: dict[str, Any] | None = None,
-        azure_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
+        options: ShardOptions | None = None,
+        **shared: Any,
     ) -> None:
+        """`shared`: the arguments `tar_shards()` shares with `parquet()` (`ShardOptions`: order,
+        share, stores' options), one by one or together as `options`."""
+        self.options = ShardOptions.of(options, shared, "TarShards.__init__")
         self.shards = [shards] if isinstance(shards, str) else list(shards)
         if not self.shards:
             raise ValueError("shards: no shards given")
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
-        for name, value, low in (("world_size", world_size, 1), ("num_workers", num_workers, 1),
-                                 ("rank", rank, 0), ("worker", worker, 0), ("parallel", parallel, 1),
-                                 ("shuffle_buffer", shuffle_buffer, 0), ("seed", seed, 0)):  # fmt: skip
-            check_int(name, value, minimum=low)
-        if not shuffle and shuffle_buffer:
-            raise ValueError(
-                f"shuffle_buffer={shuffle_buffer} mixes samples, but shuffle=False asks for the "
-                "stored order: drop one of them"
-            )
-        if rank >= world_size or worker >= num_workers:
-            raise ValueError(
-                f"need rank < world_size and worker < num_workers, got {rank}, {worker}"
-            )
-        self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
-        self.slot, self.slots = rank * num_workers + worker, world_size * num_workers
-        self._worker, self._num_workers = worker, num_workers
+        self.options.check("samples")
+        check_int("parallel", parallel, minimum=1)
+        self.shuffle = self.options.shuffle
+        self.shuffle_buffer, self.seed = self.options.shuffle_buffer, self.options.seed
+        self.slot, self.slots = self.options.place()
         self.parallel = parallel
         self.suffixes = None if suffixes is None else frozenset(s.lower() for s in suffixes)
-        self._http_options = dict(http_options or {})
-        self._s3_options = dict(s3_options or {})
-        self._azure_options = dict(azure_options or {})
-        self._gcs_options = dict(gcs_options or {})
+        self._store_options = self.options.stores()
         self._remotes: dict[str, Any] = {}
         self._epoch = 0
         self._reads = ReadMeter(parallel)
@@ -151,9 +130,8 @@ class TarShards:
 
         The loader calls this at construction; it then leaves the sharding to this source.
         """
-        if self.slots == self._num_workers:  # built for rank 0 of 1: use the loader's
-            self.slot = rank * self._num_workers + self._worker
-            self.slots = world_size * self._num_workers
+        if self.slots == self.options.num_workers:  # built for rank 0 of 1: use the loader's
+            self.slot, self.slots = self.options.place(rank, world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration stream `epoch` (which decides the shard order and the mixing)."""
@@ -216,7 +194,7 @@ class TarShards:
                     yield sample
         except FetchError:
             if self._cache is not None:  # a cached copy that does not parse is fetched again
-                name = cached_name(shard, self._remotes, self._options)
+                name = cached_name(shard, self._remotes, self._options_of)
                 if name is not None:
                     await self._cache.forget(name)
             raise
@@ -224,7 +202,9 @@ class TarShards:
     async def _parsed(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
         label = redact_url(shard)
         current: dict[str, Any] | None = None
-        members = tar_members(open_shard(shard, self._remotes, self._options, self._cache), label)
+        members = tar_members(
+            open_shard(shard, self._remotes, self._options_of, self._cache), label
+        )
         async with contextlib.aclosing(members):
             async for name, data in members:
                 if _META.match(name) or name.rpartition("/")[2].startswith("__"):
@@ -246,12 +226,9 @@ class TarShards:
         if current is not None:
             yield current
 
-    def _options(self, kind: str) -> dict[str, Any]:
-        if kind == "az":
-            return self._azure_options
-        if kind == "gcs":
-            return self._gcs_options
-        return self._s3_options if kind == "s3" else self._http_options
+    def _options_of(self, kind: str) -> dict[str, Any]:
+        stores = self._store_options
+        return stores[kind] if kind in stores else stores["http"]
 
     async def _refs(self, epoch: int) -> AsyncIterator[SampleRef]:
         index = 0
@@ -346,10 +323,12 @@ def tar_shards(
         ...                    shuffle_buffer=1000)
         >>> val = tar_shards(["s3://bucket/val-0000.tar"], shuffle=False)
     """
+    shared = ShardOptions(
+        shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed, rank=rank,
+        world_size=world_size, worker=worker, num_workers=num_workers, http_options=http_options,
+        s3_options=s3_options, gcs_options=gcs_options, azure_options=azure_options,
+    )  # fmt: skip
     return TarShards(
-        shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed, rank=rank,
-        world_size=world_size, worker=worker, num_workers=num_workers, parallel=parallel,
-        suffixes=suffixes, http_options=http_options, s3_options=s3_options,
-        gcs_options=gcs_options, azure_options=azure_options, cache_dir=cache_dir,
-        cache_limit=cache_limit,
+        shards, parallel=parallel, suffixes=suffixes, cache_dir=cache_dir,
+        cache_limit=cache_limit, options=shared,
     )  # fmt: skip
