@@ -36,6 +36,7 @@ from ._pipeline.transfer import DeviceStage, Feed
 from ._resume.resume import Resumable
 from ._resume.state import Progress
 from .sources import Source
+from .sources.protocol import HasSetEpoch
 
 __all__ = ["Epochs", "timeout_error"]
 
@@ -65,9 +66,8 @@ class Epochs(Resumable, Generic[T]):
         if self._closed:
             raise LoaderClosedError("this loader was closed; create a new one")
         progress, groups = self._begin()
-        set_source_epoch = getattr(self._source, "set_epoch", None)
-        if set_source_epoch is not None:
-            set_source_epoch(progress.epoch)
+        if isinstance(self._source, HasSetEpoch):
+            self._source.set_epoch(progress.epoch)
         return progress, groups
 
     async def _open(

@@ -33,6 +33,7 @@ from ._util.loops import is_async_callable
 from ._util.ranks import resolve_rank
 from ._util.validate import check_callable, check_int, check_timeout
 from .sources import Source
+from .sources.protocol import Bindable, HasSize, HasStats, SaysHowItShuffles, ShufflesItself
 
 __all__ = ["DEFAULT_COLLATE", "Loader"]
 
@@ -156,8 +157,8 @@ class Loader(Epochs[T]):
             source = owner if isinstance(owner, Source) else None  # closed with the loader
         if fetch is None:
             raise TypeError("fetch: a fetch function is required unless keys is a Source")
-        if shuffle and source is not None and hasattr(source, "shuffle") and keys is source:
-            how = getattr(source, "shuffles_how", None) or (
+        if shuffle and source is not None and isinstance(source, ShufflesItself) and keys is source:
+            how = (source.shuffles_how if isinstance(source, SaysHowItShuffles) else None) or (
                 "its shard order every epoch unless shuffle=False, its samples with shuffle_buffer=N"
             )  # a source that says how it shuffles (a mix)
             raise ValueError(
@@ -167,9 +168,8 @@ class Loader(Epochs[T]):
             check_int("batch_size", batch_size, minimum=1)
         check_int("seed", seed, minimum=0)
         rank, world_size = resolve_rank(rank, world_size)
-        bind = getattr(source, "bind", None)
-        if bind is not None:  # the source shards its own data
-            bind(rank=rank, world_size=world_size)
+        if isinstance(source, Bindable):  # the source shards its own data
+            source.bind(rank=rank, world_size=world_size)
             rank, world_size = 0, 1
         self._origin = described or origin(keys, source, fetch)
         order = KeyOrder(
@@ -243,7 +243,7 @@ class Loader(Epochs[T]):
         pool_bytes = self._pool.max_bytes or 0 if self._pool is not None else 0
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, fetch_initializer),
-            size_of=getattr(source, "size", None),
+            size_of=source.size if isinstance(source, HasSize) else None,
             decode=decode,
             decoder=resolve_decoder(executor, workers, budget.arena_bytes(pool_bytes))
             if isinstance(executor, str)
@@ -371,9 +371,8 @@ class Loader(Epochs[T]):
 
     def _extra_stats(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
-        source_stats = getattr(self._source, "stats", None)
-        if callable(source_stats):
-            extra.update(source_stats())
+        if isinstance(self._source, HasStats) and callable(self._source.stats):
+            extra.update(self._source.stats())
         pool_stats = stats_of(self._stages.decoder)
         if pool_stats is not None:
             extra["decode_pool"] = pool_stats

@@ -32,7 +32,7 @@ from ._pipeline.ordered import OrdersItself
 from ._resume.state import keys_digest
 from ._util.loops import is_async_callable
 from ._util.threads import LazyThreadPool
-from .sources import Source
+from .sources.protocol import Bindable, HasSetEpoch, HasSize, Source
 
 __all__ = ["END", "READ_AHEAD", "Indexed", "Part", "Pass", "Streamed", "make_part"]
 
@@ -214,10 +214,9 @@ class Streamed(Part):
         return f"stream:{type(self._owner).__name__}"
 
     def bind(self, rank: int, world_size: int) -> None:
-        bind = getattr(self._owner, "bind", None)
         replicas = getattr(self._owner, "num_replicas", None)  # a DistributedSampler: its share
-        if bind is not None:
-            bind(rank=rank, world_size=world_size)
+        if isinstance(self._owner, Bindable):
+            self._owner.bind(rank=rank, world_size=world_size)
         elif replicas is not None and replicas != world_size:
             raise ValueError(
                 f"{self.name}: its sampler shares the data among num_replicas={replicas}, the "
@@ -232,9 +231,8 @@ class Streamed(Part):
 
     async def chunks(self, epoch: int) -> AsyncIterator[list[Any]]:
         """The keys of one pass in `epoch`, in lists (a sync iterable is read in the threads)."""
-        set_epoch = getattr(self._owner, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
+        if isinstance(self._owner, HasSetEpoch) and callable(self._owner.set_epoch):
+            self._owner.set_epoch(epoch)
         keys = self._keys()
         if isinstance(keys, AsyncIterable):
             stream = aiter(keys)
@@ -285,7 +283,7 @@ def make_part(
             part = Indexed(name, index, keys, obj.fetch, threads, shuffle=shuffle, seed=seed)
         else:
             part = Streamed(name, obj.keys, obj.fetch, threads, obj)
-        part.sizer = getattr(obj, "size", None)
+        part.sizer = obj.size if isinstance(obj, HasSize) else None
         return part
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], Sampler):
         dataset, sampler = obj

@@ -13,6 +13,7 @@ from ._mixchoice import Choices
 from ._mixparts import END, Indexed, Part, Pass, make_part
 from ._util.threads import LazyThreadPool
 from ._util.validate import check_int
+from .sources.protocol import HasStats
 
 __all__ = ["Mix", "MixEpochs", "MixKey", "label"]
 
@@ -159,9 +160,8 @@ class Mix:
         """The retries and throttles of the remote sources in the mix, summed."""
         counts = {"retries": 0.0, "throttles": 0.0}
         for source in self._sources:
-            source_stats = getattr(source, "stats", None)
-            if callable(source_stats):
-                theirs = source_stats()
+            if isinstance(source, HasStats) and callable(source.stats):
+                theirs = source.stats()
                 for name in counts:
                     counts[name] += float(theirs.get(name) or 0)
         return counts

@@ -1,6 +1,6 @@
 """Property tests of the two parsers of untrusted structure: the tar stream reader and default collate.
 
-The tar reader (`aioloader.sources._tarstream`, behind `tar_shards`) must, for any bytes in any
+The tar reader (`aioloader.sources.formats.tar_members`, behind `tar_shards`) must, for any bytes in any
 chunking, either yield members or raise `FetchError`: never hang, never another exception type. On an
 intact archive it yields what `tarfile` lists; on a cut one, a prefix of that, then `FetchError`.
 

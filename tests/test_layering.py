@@ -1,8 +1,9 @@
 """The package's imports follow the flow of data: no circle between modules, no import against the table.
 
 Every module of `aioloader/` is read (not imported) and each of its imports resolved to a module. A
-module belongs to a *layer*: its folder (`_pipeline`, `_executors/process`, ...), or, for the files
-directly in `aioloader/`, the front door (`aioloader`) and the errors (`_exceptions`). `LAYERS` lists
+module belongs to a *layer*: its folder (`_pipeline`, `_executors/process`, `sources/stores`, ...),
+or, for the files directly in `aioloader/`, the front door (`aioloader`) and the errors (`_exceptions`);
+in `sources/`, the protocol (`sources/protocol.py`) is a layer of its own, below the rooms. `LAYERS` lists
 them from the ground up; a module may import its own layer and any layer below it, never one above.
 Imports under `if TYPE_CHECKING:` name types only and never run, so they are left out.
 """
@@ -25,7 +26,13 @@ LAYERS = (
     "_executors.process",  # worker processes and their arena: know nothing of the pipeline
     "_executors",  # the executor contract, inline and threads, the choice among them
     "_tuning",  # bounds and the controllers that move them (they build executors)
-    "sources",  # where samples come from (they share the tuning's AIMD controller)
+    # where samples come from (they share the tuning's AIMD controller), room by room:
+    "sources.protocol",  # what a source is, and the optional hooks the loader looks for
+    "sources.cache",  # the disk cache of remote objects and shards: files, index, eviction
+    "sources.transport",  # GETs with retries, the fast engine, signing, redaction; `Remote`
+    "sources.stores",  # where objects live: files, fsspec, http, S3, GCS, Azure
+    "sources.formats",  # samples inside files from any store: tar shards, Parquet row groups
+    "sources",  # the public face: `aioloader.sources` and its public modules
     "_pipeline",  # the stages, in the order data flows
     "_resume",  # exact resume: reads the order stage's plan
     "_torch",  # the DataLoader's parts: whole-batch workers, samplers as plans
@@ -167,6 +174,19 @@ def write(root: Path, files: dict[str, str]) -> Path:
             {"_util/__init__.py": "", "_util/a.py": "from .._pipeline import b\n",
              "_pipeline/__init__.py": "", "_pipeline/b.py": ""},
             "against",
+        ),
+        (
+            {"sources/__init__.py": "", "sources/transport/__init__.py": "",
+             "sources/transport/a.py": "from ..stores import b\n",
+             "sources/stores/__init__.py": "", "sources/stores/b.py": ""},
+            "against",
+        ),
+        (
+            {"sources/__init__.py": "", "sources/formats/__init__.py": "",
+             "sources/formats/a.py": "from ..stores.b import c\nfrom ..cache import d\n",
+             "sources/stores/__init__.py": "", "sources/stores/b.py": "",
+             "sources/cache/__init__.py": "", "sources/cache/d.py": ""},
+            None,
         ),
         (
             {"_util/__init__.py": "", "_util/a.py": "from . import b\n",

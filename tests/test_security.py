@@ -37,7 +37,7 @@ from scripts.tarcraft import END, member
 from aioloader import FetchError, Loader, ProcessExecutor
 from aioloader._executors.process.arena import SLAB_LINKS, Arena
 from aioloader.sources import http, tar_shards
-from aioloader.sources._redact import redact_url
+from aioloader.sources.transport.redact import redact_url
 
 WAIT_S = 30.0
 SLAB_NAME = re.compile(r"^(?:/memfd:|/dev/shm/)aioloader-(\d+)-([0-9a-f]{24}) \(deleted\)$")

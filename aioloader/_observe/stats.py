@@ -24,7 +24,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["STAGES", "LoaderStats", "NullRecorder", "Recorder", "StageStats", "nbytes"]
+__all__ = [
+    "STAGES",
+    "LoaderStats",
+    "NullRecorder",
+    "Recorder",
+    "StageCounters",
+    "StageStats",
+    "nbytes",
+]
 
 STAGES = ("fetch", "decode", "collate", "transfer")
 _LATENCY_WINDOW = 2048  # latencies kept per stage for the percentiles
@@ -130,7 +138,9 @@ class LoaderStats:
         return format_table(self)
 
 
-class _Stage:
+class StageCounters:
+    """One stage's running counters (a `Recorder` keeps one per stage; a shard reader its own)."""
+
     __slots__ = (
         "area",
         "busy",
@@ -188,7 +198,7 @@ class Recorder:
     def reset(self) -> None:
         now = time.perf_counter()
         self.t0 = now
-        self.stages = {name: _Stage(now) for name in STAGES}
+        self.stages = {name: StageCounters(now) for name in STAGES}
         self.batches = self.samples = 0
         self.consumer_wait = 0.0
         self.first_wait: float | None = None
@@ -202,7 +212,7 @@ class Recorder:
     def start(self, stage: str) -> float:
         now = _clock()
         s = self.stages[stage]
-        if s.busy > s.cap > 0:  # `_Stage.enter`, inlined: this runs for every stage of every sample
+        if s.busy > s.cap > 0:  # `StageCounters.enter` inlined: runs for each stage of each sample
             s.queued += (now - s.changed) * (s.busy - s.cap)
         s.changed = now
         s.busy += 1
@@ -215,7 +225,7 @@ class Recorder:
     ) -> None:
         now = _clock()
         s = self.stages[stage]
-        if s.busy > s.cap > 0:  # `_Stage.leave`, inlined
+        if s.busy > s.cap > 0:  # `StageCounters.leave` inlined
             s.queued += (now - s.changed) * (s.busy - s.cap)
         s.changed = now
         s.busy -= 1

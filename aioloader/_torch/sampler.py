@@ -13,6 +13,7 @@ from torch.utils.data import DistributedSampler
 from .._exceptions import StateError
 from .._pipeline.order import Group, shard
 from .._util.ranges import Ranges
+from ..sources.protocol import HasSetEpoch
 
 __all__ = ["SamplerPlan", "draw_seed"]
 
@@ -83,9 +84,9 @@ class SamplerPlan:
                 self.generator.set_state(raw)
             else:
                 torch.set_rng_state(raw)
-        set_epoch = getattr(self._sampler(), "set_epoch", None)
-        if "sampler_epoch" in state and set_epoch is not None:
-            set_epoch(state["sampler_epoch"])
+        sampler = self._sampler()
+        if "sampler_epoch" in state and isinstance(sampler, HasSetEpoch):
+            sampler.set_epoch(state["sampler_epoch"])
 
     def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
         """Dataset indices of batch `group` that rank `rank` of `world_size` had (elastic resume)."""

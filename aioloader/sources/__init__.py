@@ -1,7 +1,5 @@
 """Where bytes come from: each source lists keys and fetches one key's raw sample."""
 
-from ._base import Source as Source
-from ._remote import RemoteOptions as RemoteOptions
 from .azure import Azure as Azure
 from .azure import azure as azure
 from .files import Files as Files
@@ -15,11 +13,13 @@ from .http import http as http
 from .parquet import Parquet as Parquet
 from .parquet import ParquetError as ParquetError
 from .parquet import parquet as parquet
+from .protocol import Source as Source
 from .s3 import S3 as S3
 from .s3 import s3 as s3
 from .tar import SampleRef as SampleRef
 from .tar import TarShards as TarShards
 from .tar import tar_shards as tar_shards
+from .transport.remote import RemoteOptions as RemoteOptions
 
 __all__ = [
     "GCS",

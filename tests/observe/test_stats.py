@@ -11,7 +11,7 @@ from fakecuda import FakeBackend
 from fakes import FakeSource
 
 from aioloader import Loader
-from aioloader._observe.stats import STAGES, LoaderStats, NullRecorder, Recorder, _Stage
+from aioloader._observe.stats import STAGES, LoaderStats, NullRecorder, Recorder, StageCounters
 from aioloader._pipeline.transfer import DeviceStage
 
 
@@ -51,7 +51,7 @@ def test_collate_is_counted_per_batch() -> None:
 
 
 def test_busy_full_and_area_follow_the_stage() -> None:
-    s = _Stage(0.0)
+    s = StageCounters(0.0)
     s.cap = 2
     s.enter(1.0)
     s.enter(2.0)  # two in flight from t=2: the stage is full
@@ -169,7 +169,7 @@ def test_a_recorder_traces_only_while_a_tracer_is_set() -> None:
 
 
 def test_waiting_for_a_slot_is_split_from_the_time_at_work() -> None:
-    s = _Stage(0.0)
+    s = StageCounters(0.0)
     s.cap = 1
     s.enter(0.0)
     s.enter(1.0)  # the second waits for the one slot from t=1...

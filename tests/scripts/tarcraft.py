@@ -2,7 +2,7 @@
 
 `header()` makes one 512-byte header with the fields given and (unless told otherwise) a valid
 checksum, so a test can reach the reader's code past the checksum check with any size field, type
-or pax record. `read_members()` runs `aioloader.sources._tarstream.tar_members` over the bytes, fed
+or pax record. `read_members()` runs `aioloader.sources.formats.tar_members.tar_members` over the bytes, fed
 in chunks of the sizes given, and returns what it yielded and what it raised. A reader that loops
 without awaiting is stopped by SIGPROF after `cpu_s` seconds of CPU (raising `Hung`); one that waits
 forever, by a timeout.
@@ -16,7 +16,7 @@ import signal
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from types import FrameType
 
-from aioloader.sources._tarstream import tar_members
+from aioloader.sources.formats.tar_members import tar_members
 
 BLOCK = 512
 END = bytes(2 * BLOCK)  # the end-of-archive blocks

@@ -21,7 +21,7 @@ from faultproxy import Fault, FaultProxy
 
 from aioloader import FetchError, InvalidKeyError, Loader
 from aioloader.sources import azure, tar_shards
-from aioloader.sources._azauth import (
+from aioloader.sources.stores.azureauth import (
     AzureSigner,
     AzUrl,
     find_credentials,

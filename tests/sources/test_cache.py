@@ -24,8 +24,8 @@ from faultproxy import Fault, FaultProxy, Origin
 from s3server import SeaweedServer
 
 from aioloader import FetchError, Loader, sources
-from aioloader.sources import _cache as cache_module
-from aioloader.sources._cachefiles import ATTR, has_xattrs
+from aioloader.sources.cache import disk as cache_module
+from aioloader.sources.cache.entries import ATTR, has_xattrs
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 KEYS = [f"obj/{i:05d}.bin" for i in range(12)]

@@ -21,9 +21,9 @@ from gcsserver import AuthGate, GcsServer, TokenServer
 
 from aioloader import FetchError, InvalidKeyError, Loader
 from aioloader.sources import gcs, tar_shards
-from aioloader.sources._gcsauth import GOOG4, REFRESH_MARGIN_S
-from aioloader.sources._sigv4 import V4Names, sign_v4
 from aioloader.sources.gcs import GCS
+from aioloader.sources.stores.gcsauth import GOOG4, REFRESH_MARGIN_S
+from aioloader.sources.transport.sigv4 import V4Names, sign_v4
 
 PREFIX = "gcstest/"
 FAST = {"backoff": 0.01, "max_backoff": 0.05}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +26,10 @@ from s3server import SeaweedServer
 
 from aioloader import FetchError, Loader
 from aioloader._util.ranges import Ranges
-from aioloader.sources import Parquet, ParquetError, parquet
-from aioloader.sources._parquet_io import FOOTER_GUESS
-from aioloader.sources._parquet_order import epoch_rows, remaining, share
+from aioloader.sources import Parquet, ParquetError, parquet, tar_shards
+from aioloader.sources.formats.options import ShardOptions
+from aioloader.sources.formats.parquet_bytes import FOOTER_GUESS
+from aioloader.sources.formats.parquet_order import epoch_rows, remaining, share
 
 COLUMNS = ["id", "score", "label", "tokens", "image", "name", "extra"]
 # (file name, rows, row group size, codec)
@@ -552,3 +555,21 @@ def test_direct_iteration_leaves_no_thread_behind(files: list[str]) -> None:
 
     assert asyncio.run(main()) == 500 + 230
     assert set(threading.enumerate()) - before == set()
+
+
+def test_tar_shards_and_parquet_take_the_shared_arguments_with_the_same_defaults() -> None:
+    shared = {f.name: f.default for f in dataclasses.fields(ShardOptions)}
+    for function in (tar_shards, parquet):
+        params = inspect.signature(function).parameters
+        assert {name: params[name].default for name in shared} == shared, function.__name__
+
+
+def test_parquet_takes_the_shared_arguments_one_by_one_or_as_one_object(files: list[str]) -> None:
+    one_by_one = Parquet(files, ["id"], rank=1, world_size=2, seed=5)
+    together = Parquet(files, ["id"], options=ShardOptions(rank=1, world_size=2, seed=5))
+    assert one_by_one.options == together.options == parquet(files, ["id"], rank=1, world_size=2,
+                                                        seed=5).options  # fmt: skip
+    assert (one_by_one.slot, one_by_one.slots) == (together.slot, together.slots) == (1, 2)
+    assert list(one_by_one.epoch_order(1)) == list(together.epoch_order(1))
+    with pytest.raises(ValueError, match="shuffle_buffer=4 mixes rows"):
+        parquet(files, shuffle=False, shuffle_buffer=4)

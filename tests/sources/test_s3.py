@@ -14,8 +14,9 @@ from s3server import DOMAIN, SeaweedServer
 
 from aioloader import FetchError, Loader
 from aioloader._tuning.aimd import Aimd
-from aioloader.sources._s3auth import bucket_base, list_query, parse_listing
 from aioloader.sources.s3 import S3, s3
+from aioloader.sources.stores.listobjects import list_query, parse_listing
+from aioloader.sources.stores.s3auth import bucket_base
 
 PREFIX = "s3test/"
 FAST = {"backoff": 0.01, "max_backoff": 0.05}
@@ -453,15 +454,15 @@ def test_signer_matches_botocore_with_a_session_token(monkeypatch: pytest.Monkey
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
 
-    from aioloader.sources import _s3auth
+    from aioloader.sources.stores import s3auth
 
     url = "http://127.0.0.1:9000/bkt/a%20b.bin"
     request = AWSRequest(method="GET", url=url, headers={"Range": "bytes=0-9"})
     S3SigV4Auth(Credentials("AK", "SK", "TOKEN"), "s3", "eu-west-1").add_auth(request)
     when = dt.datetime.strptime(request.headers["X-Amz-Date"], "%Y%m%dT%H%M%SZ")
     clock = types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda tz: when), UTC=dt.UTC)
-    monkeypatch.setattr(_s3auth, "dt", clock)
-    signer = _s3auth.Signer(("AK", "SK", "TOKEN"), region="eu-west-1")
+    monkeypatch.setattr(s3auth, "dt", clock)
+    signer = s3auth.Signer(("AK", "SK", "TOKEN"), region="eu-west-1")
     ours = signer("GET", url, {"Range": "bytes=0-9"})
     assert ours["X-Amz-Security-Token"] == "TOKEN"
     assert ours["Authorization"] == request.headers["Authorization"]

@@ -17,7 +17,9 @@ from faultproxy import Fault, FaultProxy, Origin, ServerThread
 from s3server import SeaweedServer
 
 from aioloader import FetchError, Loader
-from aioloader.sources.tar import TarShards, split_name, tar_shards
+from aioloader.sources.formats.options import ShardOptions
+from aioloader.sources.formats.tar import split_name
+from aioloader.sources.tar import TarShards, tar_shards
 
 N_SHARDS, PER_SHARD = 6, 7
 
@@ -289,3 +291,27 @@ def test_under_skip_a_bad_shard_costs_its_rest_and_the_epoch_goes_on(
     loader = Loader(tar_shards(broken, shuffle=False), collate=None)
     with loader, pytest.raises(FetchError, match=r"cut\.tar"):
         list(loader)
+
+
+def test_the_class_takes_the_shared_arguments_one_by_one_or_as_one_object(
+    shards: list[str],
+) -> None:
+    one_by_one = TarShards(shards, rank=1, world_size=2, seed=3, shuffle_buffer=8)
+    together = TarShards(
+        shards, options=ShardOptions(rank=1, world_size=2, seed=3, shuffle_buffer=8)
+    )
+    called = tar_shards(shards, rank=1, world_size=2, seed=3, shuffle_buffer=8)
+    assert one_by_one.options == together.options == called.options
+    assert one_by_one.shards_for(2) == together.shards_for(2) == called.shards_for(2)
+    assert (one_by_one.slot, one_by_one.slots, one_by_one.shuffle_buffer, one_by_one.seed) == (
+        1,
+        2,
+        8,
+        3,
+    )
+    with pytest.raises(
+        TypeError, match=r"TarShards\.__init__\(\) got an unexpected keyword .*'rnak'"
+    ):
+        TarShards(shards, rnak=1)
+    with pytest.raises(ValueError, match="shuffle_buffer=8 mixes samples"):
+        tar_shards(shards, shuffle=False, shuffle_buffer=8)

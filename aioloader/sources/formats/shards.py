@@ -23,13 +23,13 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from .._exceptions import FetchError
-from .._observe.stats import _Stage, nbytes
-from ._cache import Cache
-from ._redact import redact_url
-from ._remote import Remote
-from ._transport import Transport, keep_version
-from .files import _Opening
+from ..._exceptions import FetchError
+from ..._observe.stats import StageCounters, nbytes
+from ..cache.disk import Cache
+from ..stores.files import Opening
+from ..transport.client import Transport, keep_version
+from ..transport.redact import redact_url
+from ..transport.remote import Remote
 
 __all__ = ["SCHEMES", "ReadMeter", "cached_name", "interleave", "open_shard", "shuffled"]
 
@@ -42,22 +42,22 @@ _READ_AHEAD = 32
 
 
 # a scheme's kind ("http", "s3", "gcs", "az") -> its source's options
-Options = Callable[[str], dict[str, Any]]
+StoreOptions = Callable[[str], dict[str, Any]]
 
 
-def _http(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+def _http(shard: str, remotes: dict[str, Any], options: StoreOptions) -> tuple[Remote, str]:
     if "http" not in remotes:
-        from .http import Http
+        from ..stores.http import Http
 
         remotes["http"] = Http([], **options("http"))
     return remotes["http"], shard
 
 
-def _bucketed(kind: str) -> Callable[[str, dict[str, Any], Options], tuple[Remote, str]]:
+def _bucketed(kind: str) -> Callable[[str, dict[str, Any], StoreOptions], tuple[Remote, str]]:
     """How a scheme of bucket stores ("s3", "gs", "az") finds its shards: one source per bucket
     (or container), made on first use with `options(kind)`; the shard's URL is that source's."""
 
-    def find(shard: str, remotes: dict[str, Any], options: Options) -> tuple[Remote, str]:
+    def find(shard: str, remotes: dict[str, Any], options: StoreOptions) -> tuple[Remote, str]:
         scheme, _, rest = shard.partition("://")
         bucket, _, key = rest.partition("/")
         name = f"{scheme}:{bucket}"
@@ -72,21 +72,21 @@ def _bucketed(kind: str) -> Callable[[str, dict[str, Any], Options], tuple[Remot
 def _store(kind: str) -> Callable[..., Remote]:
     """The source class of a bucket store (imported on first use: each brings its signer)."""
     if kind == "s3":
-        from .s3 import S3
+        from ..stores.s3 import S3
 
         return S3
     if kind == "gcs":
-        from .gcs import GCS
+        from ..stores.gcs import GCS
 
         return GCS
-    from .azure import Azure
+    from ..stores.azure import Azure
 
     return Azure
 
 
 # URL scheme -> (the remote source that reads such shards, made once and kept in `remotes`; the
 # shard's URL there). A shard of another scheme, or a bare path, is a local file.
-SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]] = {
+SCHEMES: dict[str, Callable[[str, dict[str, Any], StoreOptions], tuple[Remote, str]]] = {
     "http": _http,
     "https": _http,
     "s3": _bucketed("s3"),
@@ -95,7 +95,7 @@ SCHEMES: dict[str, Callable[[str, dict[str, Any], Options], tuple[Remote, str]]]
 }
 
 
-def cached_name(shard: str, remotes: dict[str, Any], options: Options) -> str | None:
+def cached_name(shard: str, remotes: dict[str, Any], options: StoreOptions) -> str | None:
     """What names a remote shard in a cache (its URL); None for a local one."""
     scheme, sep, _ = shard.partition("://")
     reach = SCHEMES.get(scheme) if sep else None
@@ -103,7 +103,7 @@ def cached_name(shard: str, remotes: dict[str, Any], options: Options) -> str | 
 
 
 async def open_shard(
-    shard: str, remotes: dict[str, Any], options: Options, cache: Cache | None = None
+    shard: str, remotes: dict[str, Any], options: StoreOptions, cache: Cache | None = None
 ) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
     """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket);
     a remote shard is read from `cache` when it holds it, else kept there as it streams."""
@@ -123,7 +123,7 @@ async def open_shard(
                 yield chunk
     else:
         path = Path(shard.removeprefix("file://"))
-        opening = _Opening()  # a read given up on (the epoch ended) leaves no open file behind
+        opening = Opening()  # a read given up on (the epoch ended) leaves no open file behind
         try:
             try:
                 f = await asyncio.to_thread(opening.open, path)
@@ -177,7 +177,7 @@ class ReadMeter:
     whose limit is the number of readers (`parallel`)."""
 
     def __init__(self, readers: int) -> None:
-        self.stage = _Stage(time.perf_counter())
+        self.stage = StageCounters(time.perf_counter())
         self.stage.cap = readers
 
     def start(self) -> float:

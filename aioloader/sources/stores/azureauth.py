@@ -10,7 +10,7 @@ Credentials are looked for where the official SDKs look, first found wins (`find
 An account key signs each request with SharedKey (HMAC-SHA256 of its canonical form under the
 base64-decoded key, with x-ms-date and x-ms-version); a SAS token is added to every URL's query; a
 bearer token goes in Authorization. No secret appears in a repr, a log line or an error: the SAS
-signature (`sig=`) is redacted from URLs by `_redact.redact_url`, and keys and tokens are never
+signature (`sig=`) is redacted from URLs by `transport/redact.redact_url`, and keys and tokens are never
 formatted into text.
 """
 
@@ -30,7 +30,7 @@ from email.utils import formatdate
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
 
-from ._redact import redact_url
+from ..transport.redact import redact_url
 
 __all__ = [
     "API_VERSION",

@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from .._util.validate import check_int, check_timeout
+from ..._util.validate import check_int, check_timeout
 
 __all__ = [
     "ATTEMPTS",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from .._exceptions import FetchError
-from ._redact import redact_url
+from ..._exceptions import FetchError
+from ..transport.redact import redact_url
 
 __all__ = ["BLOCK", "tar_members"]
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._exceptions import FetchError
-from .._util.bytearrays import Bytearrays, landing
-from ._redact import redact_url
-from ._shards import SCHEMES, Options
+from ..._exceptions import FetchError
+from ..._util.bytearrays import Bytearrays, landing
+from ..transport.redact import redact_url
+from .shards import SCHEMES, StoreOptions
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -128,7 +128,7 @@ class Store:
 _BODIES = Bytearrays(64 << 20)  # the buffers remote chunk ranges are received into, kept
 
 
-def store_for(url: str, remotes: dict[str, Any], options: Options) -> Store:
+def store_for(url: str, remotes: dict[str, Any], options: StoreOptions) -> Store:
     """The `Store` of `url`: a source of its scheme (made once, kept in `remotes`), else a path."""
     scheme, sep, _ = url.partition("://")
     reach = SCHEMES.get(scheme) if sep else None

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._util.ranges import Ranges
+from ..._util.ranges import Ranges
 
 __all__ = ["epoch_rows", "remaining", "share"]
 

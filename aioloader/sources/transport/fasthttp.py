@@ -19,8 +19,8 @@ import contextvars
 import ssl as _ssl
 from urllib.parse import unquote, urlsplit
 
-from .._util.bytearrays import Bytearrays, landing
-from ._body import Failure, dns_failure, is_dns_error
+from ..._util.bytearrays import Bytearrays, landing
+from .responses import Failure, dns_failure, is_dns_error
 
 __all__ = ["FastPool", "Response", "Unsupported"]
 

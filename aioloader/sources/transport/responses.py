@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from ._redact import redact_text
+from .redact import redact_text
 
 __all__ = [
     "Failure",

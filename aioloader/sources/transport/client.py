@@ -22,15 +22,15 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
-from .._exceptions import FetchError
-from .._tuning.aimd import Aimd
-from ._body import Failure, error_detail, error_text, failure_from, read_body
-from ._fasthttp import FastPool, Unsupported
-from ._redact import redact_url
-from ._retry import Retry, Timeouts, parse_retry_after
+from ..._exceptions import FetchError
+from ..._tuning.aimd import Aimd
+from .fasthttp import FastPool, Unsupported
+from .redact import redact_url
+from .responses import Failure, error_detail, error_text, failure_from, read_body
+from .retry import Retry, Timeouts, parse_retry_after
 
 if TYPE_CHECKING:
-    from ._cache import Cache
+    from ..cache.disk import Cache
 
 __all__ = ["VERSION_HEADERS", "Signer", "Transport", "keep_version"]
 

@@ -9,11 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._exceptions import FetchError
-from .._util.validate import check_int
-from ._cache import Cache, Expect, check_cache_args
-from ._redact import redact_url
-from ._retry import (
+from ..._exceptions import FetchError
+from ..._util.validate import check_int
+from ..cache.disk import Cache, Expect, check_cache_args
+from ..protocol import HasEtag, HasSize
+from .client import Transport
+from .redact import redact_url
+from .retry import (
     ATTEMPTS,
     BACKOFF,
     CONNECT_TIMEOUT,
@@ -23,7 +25,6 @@ from ._retry import (
     Retry,
     Timeouts,
 )
-from ._transport import Transport
 
 __all__ = ["Remote", "RemoteOptions"]
 
@@ -92,8 +93,9 @@ class Remote:
         return self.url(key)
 
     def _expect(self, key: str) -> Expect:
-        size, etag = getattr(self, "size", None), getattr(self, "etag", None)
-        return Expect(size(key) if size else None, etag(key) if etag else None)
+        size = self.size(key) if isinstance(self, HasSize) else None
+        etag = self.etag(key) if isinstance(self, HasEtag) else None
+        return Expect(size, etag)
 
     async def fetch(self, key: str) -> bytearray:
         """The whole object named by `key` (from the cache, when it has a valid copy)."""

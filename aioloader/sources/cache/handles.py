@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._cachefiles import Expect, Paths, create_temp, open_lock, open_valid
+from .entries import Expect, Paths, create_temp, open_lock, open_valid
 
 __all__ = ["Held"]
 

@@ -1,10 +1,10 @@
-"""S3 plumbing that is not HTTP: configuration, credentials, SigV4 signing, addressing, listings.
+"""S3 plumbing that is not HTTP: configuration, credentials, SigV4 signing, addressing.
 
 Where an argument is not given, the endpoint, region and credentials come from the environment and
 the shared config files by the precedence the AWS CLI and SDKs use (`AwsConfig`); credentials by
 botocore's chain, which also refreshes those that expire.
 
-Requests are signed SigV4 by `_sigv4.sign_v4` once per attempt (a signature carries the time): the
+Requests are signed SigV4 by `transport/sigv4.sign_v4` once per attempt (a signature carries the time): the
 same signature as botocore's `S3SigV4Auth` (a test compares them), at a fraction of its cost per
 request, which an object store read at thousands of requests a second pays on the event loop.
 botocore signs its own requests (refreshing credentials from a role) and logs what it signs at DEBUG
@@ -17,9 +17,7 @@ import datetime as dt
 import logging
 import os
 import re
-import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -27,15 +25,12 @@ import botocore.session
 from botocore.credentials import Credentials
 from botocore.exceptions import ProfileNotFound
 
-from ._sigv4 import aws4, sign_v4
+from ..transport.sigv4 import aws4, sign_v4
 
 __all__ = [
     "AwsConfig",
-    "Listing",
     "Signer",
     "bucket_base",
-    "list_query",
-    "parse_listing",
     "parse_s3_url",
 ]
 
@@ -86,43 +81,6 @@ def bucket_base(
     if not _DNS_BUCKET.match(bucket):
         raise ValueError(f"bucket {bucket!r} cannot be a host name; use addressing='path'")
     return f"{parts.scheme}://{bucket}.{parts.netloc}{parts.path}/"
-
-
-def list_query(prefix: str, page_size: int, token: str | None) -> str:
-    """The query of one ListObjectsV2 request, encoded as SigV4 expects."""
-    params = [("list-type", "2"), ("max-keys", str(page_size)), ("prefix", prefix)]
-    if token is not None:
-        params.append(("continuation-token", token))
-    return "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(params))
-
-
-@dataclass
-class Listing:
-    """One page of a listing: (key, size) pairs, the token of the next page (None: last page), and
-    the ETag of each key that has one."""
-
-    objects: list[tuple[str, int]]
-    next_token: str | None
-    etags: dict[str, str] = field(default_factory=dict)
-
-
-def parse_listing(body: bytes) -> Listing:
-    """Parse a ListObjectsV2 response (namespaced or not)."""
-    root = ET.fromstring(body)
-    objects, truncated, token = [], False, None
-    etags: dict[str, str] = {}
-    for child in root:
-        tag = child.tag.rpartition("}")[2]
-        if tag == "Contents":
-            fields = {c.tag.rpartition("}")[2]: c.text or "" for c in child}
-            objects.append((fields.get("Key", ""), int(fields.get("Size") or 0)))
-            if fields.get("ETag"):
-                etags[fields.get("Key", "")] = fields["ETag"]
-        elif tag == "IsTruncated":
-            truncated = (child.text or "").strip().lower() == "true"
-        elif tag == "NextContinuationToken":
-            token = child.text
-    return Listing(objects, token if truncated else None, etags)
 
 
 def _env(name: str) -> str | None:

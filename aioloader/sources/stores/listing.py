@@ -12,9 +12,9 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import NamedTuple
 
-from .._exceptions import FetchError
-from ._remote import Remote
-from ._transport import Transport
+from ..._exceptions import FetchError
+from ..transport.client import Transport
+from ..transport.remote import Remote
 
 __all__ = ["Listed", "Page"]
 

@@ -1,7 +1,7 @@
 """A local disk cache for remote objects and tar shards: written once, checked, LRU-evicted, shared.
 
-`Cache(directory, limit)` keeps each object it is given whole in `directory` (see `_cachefiles` for
-the files and `_cacheindex` for the index). Reading an object that is cached costs no request: its
+`Cache(directory, limit)` keeps each object it is given whole in `directory` (see `entries.py` for
+the files and `index.py` for the index). Reading an object that is cached costs no request: its
 size and sidecar are checked (and its ETag against the source's listing, when it has one) and the
 file is read in a thread into a recycled buffer. A miss takes the object's lock (`flock`), so that
 of several processes sharing the directory (the ranks of a torchrun job) one downloads while the
@@ -25,9 +25,9 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .._util.bytearrays import Bytearrays
-from .._util.validate import check_int
-from ._cachefiles import (
+from ..._util.bytearrays import Bytearrays
+from ..._util.validate import check_int
+from .entries import (
     Expect,
     Paths,
     has_xattrs,
@@ -40,8 +40,8 @@ from ._cachefiles import (
     try_lock,
     write_all,
 )
-from ._cacheheld import Held
-from ._cacheindex import Index
+from .handles import Held
+from .index import Index
 
 __all__ = ["Cache", "Expect", "check_cache_args"]
 

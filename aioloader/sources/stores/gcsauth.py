@@ -34,8 +34,8 @@ from urllib.parse import urlencode, urlsplit
 
 import aiohttp
 
-from ._body import Failure, failure_from
-from ._sigv4 import V4Names, sign_v4
+from ..transport.responses import Failure, failure_from
+from ..transport.sigv4 import V4Names, sign_v4
 
 __all__ = [
     "GOOG4",

@@ -1,0 +1,334 @@
+"""WebDataset tar shards: samples streamed out of .tar files on disk, over HTTP(S), in S3 or in GCS.
+
+Members are grouped into samples the way the `webdataset` package does: consecutive members that share
+a key (the path up to the first "." of the file name) make one dict `{"__key__": key, "__url__": shard,
+"jpg": bytes, "cls": bytes, ...}` (extensions lower-cased; `__*__` metadata members skipped).
+
+Per epoch, the shard list is shuffled with (seed, epoch) (by default: `shuffle=False` keeps the given
+order, for validation and evaluation) and dealt out across `world_size * num_workers`
+readers without overlap; `parallel` shards are read at once and their samples interleaved round-robin
+(a fixed order, whatever the timing), then mixed by a bounded shuffle buffer.
+
+Since samples exist only once a shard is read, the keys of this source are produced while streaming:
+`keys()` is an async iterable of `SampleRef`s (each full iteration is one epoch) that carry their sample,
+and `fetch(ref)` hands the sample over. Iterating the source itself (`async for sample in shards`)
+gives the samples directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+from ..._exceptions import FetchError
+from ..._util.validate import check_int
+from ..cache.disk import Cache, check_cache_args
+from ..transport.redact import redact_url
+from .options import ShardOptions
+from .shards import ReadMeter, cached_name, interleave, open_shard, shuffled
+from .tar_members import tar_members
+
+__all__ = ["SampleRef", "TarShards", "tar_shards"]
+
+log = logging.getLogger("aioloader")
+
+_META = re.compile(r"__[^/]*__($|/)")
+
+
+def split_name(name: str) -> tuple[str | None, str]:
+    """(key, extension) of a member name: "a/b.seg.jpg" -> ("a/b", "seg.jpg"); (None, "") if none."""
+    folder, slash, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not dot or not stem:
+        return None, ""
+    return folder + slash + stem, ext
+
+
+class SampleRef:
+    """The key of one streamed sample: where it came from, and the sample until `fetch` takes it."""
+
+    __slots__ = ("index", "name", "sample", "shard")
+
+    def __init__(self, shard: str, index: int, sample: dict[str, Any]) -> None:
+        self.shard = shard
+        self.index = index
+        self.name = sample["__key__"]
+        self.sample: dict[str, Any] | None = sample
+
+    def __repr__(self) -> str:
+        return f"<sample {self.name!r} #{self.index} of {redact_url(self.shard)}>"
+
+
+class _Epochs:
+    """An async iterable whose every iteration streams one more epoch of `SampleRef`s."""
+
+    def __init__(self, shards: TarShards) -> None:
+        self._shards = shards
+
+    def __aiter__(self) -> AsyncIterator[SampleRef]:
+        return self._shards._refs(self._shards._next_epoch())
+
+
+class TarShards:
+    """Samples from WebDataset-style tar shards, as a source. See `tar_shards()` for the arguments.
+
+    The shard order is shuffled every epoch unless `shuffle=False`. The source shuffles itself: a
+    `Loader` over it keeps its own `shuffle=False`.
+
+    Example:
+        >>> shards = tar_shards(["/data/train-000.tar", "/data/train-001.tar"], shuffle_buffer=1000)
+        >>> async def first_keys():
+        ...     async for sample in shards:
+        ...         print(sample["__key__"], sorted(sample))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        shards: str | Sequence[str],
+        *,
+        parallel: int = 2,
+        suffixes: Sequence[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        options: ShardOptions | None = None,
+        **shared: Any,
+    ) -> None:
+        """`shared`: the arguments `tar_shards()` shares with `parquet()` (`ShardOptions`: order,
+        share, stores' options), one by one or together as `options`."""
+        self.options = ShardOptions.of(options, shared, "TarShards.__init__")
+        self.shards = [shards] if isinstance(shards, str) else list(shards)
+        if not self.shards:
+            raise ValueError("shards: no shards given")
+        self.options.check("samples")
+        check_int("parallel", parallel, minimum=1)
+        self.shuffle = self.options.shuffle
+        self.shuffle_buffer, self.seed = self.options.shuffle_buffer, self.options.seed
+        self.slot, self.slots = self.options.place()
+        self.parallel = parallel
+        self.suffixes = None if suffixes is None else frozenset(s.lower() for s in suffixes)
+        self._store_options = self.options.stores()
+        self._remotes: dict[str, Any] = {}
+        self._epoch = 0
+        self._reads = ReadMeter(parallel)
+        check_cache_args(cache_dir, cache_limit)
+        self._cache = None if cache_dir is None else Cache(cache_dir, cache_limit)
+
+    def __repr__(self) -> str:
+        mixing = f", shuffle_buffer={self.shuffle_buffer}" if self.shuffle_buffer else ""
+        return (
+            f"tar_shards([{len(self.shards)} shards], shuffle={self.shuffle}{mixing}, "
+            f"slot {self.slot} of {self.slots})"
+        )
+
+    def bind(self, *, rank: int, world_size: int) -> None:
+        """Take the loader's rank and world size, unless this source was given its own share.
+
+        The loader calls this at construction; it then leaves the sharding to this source.
+        """
+        if self.slots == self.options.num_workers:  # built for rank 0 of 1: use the loader's
+            self.slot, self.slots = self.options.place(rank, world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration stream `epoch` (which decides the shard order and the mixing)."""
+        self._epoch = check_int("epoch", epoch, minimum=0)
+
+    def _next_epoch(self) -> int:
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        return epoch
+
+    def shards_for(self, epoch: int) -> list[str]:
+        """The shards this rank and worker read in `epoch`, in reading order."""
+        order = list(self.shards)
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        mine = order[self.slot :: self.slots]
+        if not mine:
+            log.warning("tar shards: %d shards for %d readers; reader %d has none",
+                        len(order), self.slots, self.slot)  # fmt: skip
+        return mine
+
+    def samples(self, epoch: int, keep_going: bool = False) -> AsyncGenerator[dict[str, Any], None]:
+        """The samples of `epoch` for this rank and worker, streamed. A shard that cannot be read
+        (missing, truncated, corrupt) raises FetchError naming it and the offset; with
+        `keep_going` it yields `{"__error__": that error, ...}` in its place and the others go on
+        (how a Loader skips it under `on_error="skip"`)."""
+        read = self._shard_or_its_rest if keep_going else self._shard_samples
+        streams = [read(shard) for shard in self.shards_for(epoch)]
+        merged = interleave(streams, self.parallel, self._reads)
+        rng = random.Random(f"{self.seed}/{epoch}/{self.slot}")
+        return shuffled(merged, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else merged
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self.samples(self._next_epoch())
+
+    async def _shard_or_its_rest(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+        """`_shard_samples`, then, if the shard breaks, one `{"__error__": ...}` for its rest."""
+        done = 0
+        try:
+            async with contextlib.aclosing(self._shard_samples(shard)) as samples:
+                async for sample in samples:
+                    yield sample
+                    done += 1
+        except Exception as exc:  # the rest of this shard is lost; the other shards go on
+            error = exc if isinstance(exc, FetchError) else FetchError(
+                f"tar shard {redact_url(shard)}: {type(exc).__name__}: {exc}",
+                key=redact_url(shard),
+            )  # fmt: skip
+            error.add_note(f"aioloader: after {done} whole samples of the shard")
+            yield {
+                "__error__": error,
+                "__url__": shard,
+                "__key__": f"<rest of {redact_url(shard)}>",
+            }
+
+    async def _shard_samples(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+        samples = self._parsed(shard)
+        try:
+            async with contextlib.aclosing(samples):
+                async for sample in samples:
+                    yield sample
+        except FetchError:
+            if self._cache is not None:  # a cached copy that does not parse is fetched again
+                name = cached_name(shard, self._remotes, self._options_of)
+                if name is not None:
+                    await self._cache.forget(name)
+            raise
+
+    async def _parsed(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+        label = redact_url(shard)
+        current: dict[str, Any] | None = None
+        members = tar_members(
+            open_shard(shard, self._remotes, self._options_of, self._cache), label
+        )
+        async with contextlib.aclosing(members):
+            async for name, data in members:
+                if _META.match(name) or name.rpartition("/")[2].startswith("__"):
+                    continue
+                key, ext = split_name(name)
+                if key is None:
+                    continue
+                ext = ext.lower()
+                if current is None or key != current["__key__"]:
+                    if current is not None:
+                        yield current
+                    current = {"__key__": key, "__url__": shard}
+                if ext in current:
+                    raise FetchError(
+                        f"tar shard {label}: {name!r} twice in one sample", key=redact_url(shard)
+                    )
+                if self.suffixes is None or ext in self.suffixes:
+                    current[ext] = data
+        if current is not None:
+            yield current
+
+    def _options_of(self, kind: str) -> dict[str, Any]:
+        stores = self._store_options
+        return stores[kind] if kind in stores else stores["http"]
+
+    async def _refs(self, epoch: int) -> AsyncIterator[SampleRef]:
+        index = 0
+        async for sample in self.samples(epoch, keep_going=True):
+            yield SampleRef(sample["__url__"], index, sample)  # a broken shard: fetch raises
+            index += 1
+
+    def keys(self) -> _Epochs:
+        """An async iterable of the `SampleRef`s of one epoch per iteration (streamed, no length)."""
+        return _Epochs(self)
+
+    async def fetch(self, ref: SampleRef) -> dict[str, Any]:
+        """The sample `ref` carries (handed over once)."""
+        sample, ref.sample = ref.sample, None
+        if sample is None:
+            raise FetchError(f"{ref!r} was already fetched", key=ref, stage="fetch")
+        error = sample.get("__error__")
+        if error is not None:  # the rest of a shard that could not be read
+            raise error
+        return sample
+
+    def stats(self) -> dict[str, float | None]:
+        """What the shard readers did: samples and bytes read, seconds spent reading (summed over
+        readers; `shard_all_reading_s`: every one of the `shard_readers` reading at once), read
+        time percentiles per sample, the retries of the remote shards' sources, and the cache's
+        hits, misses, waits, evictions and bytes read (with `cache_dir`).
+
+        A loader reading this source counts these as its fetch stage (`loader.stats()`)."""
+        counts: dict[str, float | None] = dict(self._reads.stats())
+        counts["retries"] = sum(r.transport.counts["retries"] for r in self._remotes.values())
+        if self._cache is not None:
+            counts.update(self._cache.counts)
+        return counts
+
+    async def aclose(self) -> None:
+        """Close the connection pools of the remote shards (and the cache's index). Idempotent."""
+        remotes, self._remotes = self._remotes, {}
+        for remote in remotes.values():
+            await remote.aclose()
+        if self._cache is not None:
+            await self._cache.aclose()
+
+
+def tar_shards(
+    shards: str | Sequence[str],
+    *,
+    shuffle: bool = True,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: int = 0,
+    num_workers: int = 1,
+    parallel: int = 2,
+    suffixes: Sequence[str] | None = None,
+    http_options: dict[str, Any] | None = None,
+    s3_options: dict[str, Any] | None = None,
+    gcs_options: dict[str, Any] | None = None,
+    azure_options: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | None = None,
+) -> TarShards:
+    """A source of the samples in WebDataset tar shards.
+
+    Shuffled by default: every epoch reads the shards in a new order (seeded by `seed` and the
+    epoch), as training wants. For a validation or test set pass `shuffle=False`: the shards are
+    read in the order given and their samples come in the order stored (with `parallel=1`, one
+    shard after the other; with more, interleaved round-robin, the same every epoch). The source
+    shuffles itself, so a `Loader` over it takes no `shuffle=True`.
+
+    Args:
+        shards: paths, http(s) URLs, s3:// or az:// URLs of .tar files.
+        shards: paths, http(s) URLs, s3:// or gs:// URLs of .tar files.
+        shuffle: shuffle the shard order per epoch (True, the default) or keep it (False).
+        shuffle_buffer: samples held to mix the stream (0: no sample shuffle); needs `shuffle`.
+        seed: what every epoch's shard order and mixing derive from (with the epoch).
+        rank, world_size, worker, num_workers: read only this reader's share of the shards.
+        parallel: shards read at once (their samples interleaved round-robin).
+        suffixes: keep only these extensions (others are dropped from the samples).
+        http_options: passed to `http()` for http(s) shards (timeouts, retries, headers, ssl).
+        s3_options: passed to `s3()` for s3:// shards (endpoint_url, credentials, region, ...).
+        gcs_options: passed to `gcs()` for gs:// shards (endpoint_url, credentials_file, ...).
+        azure_options: passed to `azure()` for az://container/blob shards (endpoint_url,
+            account_name, account_key, sas_token, connection_string, ...).
+        cache_dir: keep each remote shard whole in this directory as it is first read, and read
+            it from there afterwards (no request): shared safely by the processes of one machine.
+        cache_limit: the most bytes kept in `cache_dir` (None: no limit); the least recently
+            used shards are deleted to stay under it.
+
+    Example:
+        >>> train = tar_shards([f"s3://bucket/train-{i:04d}.tar" for i in range(64)],
+        ...                    shuffle_buffer=1000)
+        >>> val = tar_shards(["s3://bucket/val-0000.tar"], shuffle=False)
+    """
+    shared = ShardOptions(
+        shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed, rank=rank,
+        world_size=world_size, worker=worker, num_workers=num_workers, http_options=http_options,
+        s3_options=s3_options, gcs_options=gcs_options, azure_options=azure_options,
+    )  # fmt: skip
+    return TarShards(
+        shards, parallel=parallel, suffixes=suffixes, cache_dir=cache_dir,
+        cache_limit=cache_limit, options=shared,
+    )  # fmt: skip

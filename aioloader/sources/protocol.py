@@ -1,0 +1,103 @@
+"""What a source is: something that lists keys and fetches the raw bytes of one key; and the hooks
+a source may have besides, which the loader looks for.
+
+Each optional hook is a `Protocol` of its own, checked with `isinstance(obj, Hook)`: the object has
+the attribute (for a method: one that is not None). A source implements a hook by having the
+method; it need not name these classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "Bindable",
+    "HasEtag",
+    "HasSetEpoch",
+    "HasSize",
+    "HasStats",
+    "SaysHowItShuffles",
+    "ShufflesItself",
+    "Source",
+]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A place samples come from.
+
+    `keys()` lists the keys (a Sequence when their number is known; an AsyncIterable for a streamed
+    listing). `fetch(key)` is a coroutine that returns the raw sample and is safe to cancel.
+    `aclose()` releases connections and is idempotent.
+
+    Optional hooks the loader calls when a source has them (each a protocol below): `set_epoch(epoch)`
+    before each epoch (`HasSetEpoch`), and `bind(rank=, world_size=)` once at construction, for a
+    source that shards its own data (`Bindable`; the loader then leaves the keys unsharded);
+    `size(key)` (`HasSize`), the bytes `fetch(key)` will return where the source knows them without
+    I/O (from its listing; else None), which a byte budget reserves before the fetch starts;
+    `stats()` (`HasStats`), a dict of counters shown in `loader.stats().extra`, of which the loader
+    reads: "throttles" and "retries" (running counts: a rise makes `concurrency="auto"` back off, and
+    `diagnose()` names throttling) and, for a source that reads its samples ahead itself (tar shards),
+    "shard_readers", "shard_reading", "shard_samples", "shard_bytes", "shard_read_s",
+    "shard_all_reading_s" and "shard_read_p50_s" / "_p95_s" / "_p99_s", which then stand for the
+    fetch stage; a `shuffle` attribute (`ShufflesItself`): the source orders itself, and a `Loader`
+    over it refuses its own `shuffle=True` (saying how the source shuffles, from `shuffles_how`,
+    `SaysHowItShuffles`, when it has one).
+    """
+
+    def keys(self) -> Sequence[Any] | Iterable[Any] | AsyncIterable[Any]: ...
+
+    async def fetch(self, key: Any) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class HasSetEpoch(Protocol):
+    """Told each epoch before it starts (a source; a sampler, as torch's `DistributedSampler`)."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+@runtime_checkable
+class Bindable(Protocol):
+    """Shards its own data: given the loader's rank and world size once, at construction."""
+
+    def bind(self, *, rank: int, world_size: int) -> None: ...
+
+
+@runtime_checkable
+class HasSize(Protocol):
+    """Knows the bytes `fetch(key)` will return without I/O (None where it does not)."""
+
+    def size(self, key: Any) -> int | None: ...
+
+
+@runtime_checkable
+class HasEtag(Protocol):
+    """Knows each object's ETag from its listing (None where it does not): a cached copy must match."""
+
+    def etag(self, key: Any) -> str | None: ...
+
+
+@runtime_checkable
+class HasStats(Protocol):
+    """Reports counters (`Source` says which ones the loader reads)."""
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class ShufflesItself(Protocol):
+    """Orders its own samples (`shuffle`: whether it shuffles them); a Loader over it takes no
+    `shuffle=True`."""
+
+    shuffle: bool
+
+
+@runtime_checkable
+class SaysHowItShuffles(Protocol):
+    """Says how it shuffles itself, for the error a refused `shuffle=True` raises."""
+
+    shuffles_how: str
