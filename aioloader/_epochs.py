@@ -33,7 +33,7 @@ from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
 from ._pipeline.stages import END, SKIPPED, BatchFailed, Stages
 from ._pipeline.transfer import DeviceStage, Feed
-from ._resume.resume import Resumable
+from ._resume.resume import Ledger
 from ._resume.state import Progress
 from .sources import Source
 
@@ -43,9 +43,11 @@ T = TypeVar("T")
 logger = logging.getLogger("aioloader")
 
 
-class Epochs(Resumable, Generic[T]):
+class Epochs(Generic[T]):
     """Open, iterate and close epochs, and close the loader (a base of `Loader`)."""
 
+    _ledger: Ledger
+    _lock: threading.Lock
     _stages: Stages
     _source: Source | None
     _device: DeviceStage | None
@@ -64,7 +66,7 @@ class Epochs(Resumable, Generic[T]):
     def _start(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
         if self._closed:
             raise LoaderClosedError("this loader was closed; create a new one")
-        progress, groups = self._begin()
+        progress, groups = self._ledger.begin()
         set_source_epoch = getattr(self._source, "set_epoch", None)
         if set_source_epoch is not None:
             set_source_epoch(progress.epoch)
@@ -95,7 +97,7 @@ class Epochs(Resumable, Generic[T]):
         whose samples were all skipped)."""
         self._stages.recorder.waited(t0, time.perf_counter())
         if batch is END:
-            self._finished(progress)
+            self._ledger.finished(progress)
             return None
         progress.delivered.add(index)
         return [] if batch is SKIPPED else [self._hand_over(batch)]

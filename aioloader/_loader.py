@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -26,6 +26,8 @@ from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.ordered import OrdersItself, OwnPlan
 from ._pipeline.stages import Stages
 from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
+from ._resume.resume import Ledger
+from ._resume.state import keys_digest
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import ErrorPolicy
 from ._tuning.memory import AUTO, MemoryBudget
@@ -261,7 +263,7 @@ class Loader(Epochs[T]):
         self._in_order = bool(in_order)
         self._timeout = check_timeout("timeout", timeout)
         self._use_caller_loop = use_caller_loop
-        self._init_resume()
+        self._ledger = Ledger(plan, self._in_order)
         self._loop_thread: LoopThread | None = None
         self._live: set[Epoch | Feed] = set()
         self._lock = threading.Lock()
@@ -311,10 +313,41 @@ class Loader(Epochs[T]):
         """Batches per epoch (samples when unbatched); TypeError when the keys have no length."""
         return len(self._plan)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration will run."""
+        return self._ledger.epoch
+
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run `epoch` (which decides its shuffle)."""
         check_int("epoch", epoch, minimum=0)
-        self._epoch = epoch
+        self._ledger.set_epoch(epoch)
+
+    # -- exact resume ------------------------------------------------------------------------------
+
+    def _state_config(self) -> dict[str, Any]:
+        plan = self._plan
+        assert isinstance(plan, KeyPlan)
+        order = plan.order
+        return {
+            "keys": keys_digest(order.keys), "batch_size": plan.batch_size,
+            "drop_last": plan.drop_last, "shuffle": order.shuffle, "seed": order.seed,
+        }  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: the epoch and what of it was delivered (small, JSON-ready).
+
+        Safe to call at any step, from the consumer's thread or task; see `_resume/state.py` for the rule.
+        """
+        return self._ledger.state_dict(type(self).__name__, self._state_config)
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue from a saved state (or from every rank's states, for another world size).
+
+        The next iteration continues the saved epoch. Raises StateError naming the field when a
+        state does not fit this loader.
+        """
+        self._ledger.load_state_dict(state, type(self).__name__, self._state_config)
 
     # -- what it is doing ---------------------------------------------------------------------------
 
