@@ -27,6 +27,7 @@ from typing import Any, Generic, Self, TypeVar
 
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._observe.trace import Trace
+from ._parts import Describer, EpochHooks
 from ._pipeline.collate import BufferPool
 from ._pipeline.epoch import Epoch
 from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
@@ -47,6 +48,8 @@ class Epochs(Generic[T]):
     """Open, iterate and close epochs, and close the loader (a base of `Loader`)."""
 
     _ledger: Ledger
+    _hooks: EpochHooks
+    _describer: Describer
     _lock: threading.Lock
     _stages: Stages
     _source: Source | None
@@ -60,9 +63,6 @@ class Epochs(Generic[T]):
     _pool: BufferPool | None
     _trace: Trace | None
 
-    def __len__(self) -> int:
-        raise NotImplementedError  # `Loader.__len__`
-
     def _start(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
         if self._closed:
             raise LoaderClosedError("this loader was closed; create a new one")
@@ -70,26 +70,21 @@ class Epochs(Generic[T]):
         set_source_epoch = getattr(self._source, "set_epoch", None)
         if set_source_epoch is not None:
             set_source_epoch(progress.epoch)
+        self._hooks.started()
         return progress, groups
 
     async def _open(
         self, groups: Iterable[Group] | AsyncIterable[Group], epoch: int
     ) -> Epoch | Feed:
-        run: Epoch | Feed = Epoch(self._stages, groups, epoch, self._epoch_samples())
+        run: Epoch | Feed = Epoch(self._stages, groups, epoch, self._describer.epoch_samples())
         if self._device is not None:
             # staged on the device ahead of the consumer
             run = self._device.feed(run, self._stages.recorder)
         self._live.add(run)
         return run
 
-    def _epoch_samples(self) -> int | None:
-        try:
-            return len(self) * self._stages.group_size
-        except TypeError:
-            return None
-
     def _timed_out(self, run: Epoch | Feed) -> LoaderTimeout:
-        return timeout_error(f"no batch within timeout={self._timeout} s", run)
+        return timeout_error(self._describer.timeout_message(), run)
 
     def _take(self, progress: Progress, t0: float, index: int, batch: Any) -> list[Any] | None:
         """The consumer's step, for `for` and `async for` alike, once `(index, batch)` came after
@@ -100,7 +95,10 @@ class Epochs(Generic[T]):
             self._ledger.finished(progress)
             return None
         progress.delivered.add(index)
-        return [] if batch is SKIPPED else [self._hand_over(batch)]
+        if batch is SKIPPED:
+            return []
+        self._hooks.handing_over()
+        return [self._hand_over(batch)]
 
     def _hand_over(self, batch: Any) -> Any:
         """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""

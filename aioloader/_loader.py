@@ -10,24 +10,24 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._arguments import _name, buffer_pool, executor_named, is_map_style, keyed, origin
+from ._arguments import buffer_pool, executor_named, is_map_style, keyed, origin
 from ._epochs import Epochs
-from ._executors.base import Executor, ThreadExecutor, stats_of, workers_of, writes_rows
-from ._executors.fetch_in_workers import FetchDecode, in_workers
+from ._executors.base import Executor, ThreadExecutor, stats_of
+from ._executors.fetch_in_workers import in_workers
 from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
+from ._parts import KeyPlanState, LoaderDescriber, Parts, Read
 from ._pipeline.collate import DEFAULT_COLLATE, make_collate
 from ._pipeline.epoch import Epoch
 from ._pipeline.fetch import Fetcher
 from ._pipeline.handover import LoopThread
-from ._pipeline.order import KeyOrder, KeyPlan, Plan
+from ._pipeline.order import KeyOrder, KeyPlan
 from ._pipeline.ordered import OrdersItself, OwnPlan
 from ._pipeline.stages import Stages
-from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
+from ._pipeline.transfer import Feed, make_device_stage
 from ._resume.resume import Ledger
-from ._resume.state import keys_digest
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import ErrorPolicy
 from ._tuning.memory import AUTO, MemoryBudget
@@ -173,7 +173,6 @@ class Loader(Epochs[T]):
         if bind is not None:  # the source shards its own data
             bind(rank=rank, world_size=world_size)
             rank, world_size = 0, 1
-        self._origin = described or origin(keys, source, fetch)
         order = KeyOrder(
             key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last,
@@ -188,81 +187,63 @@ class Loader(Epochs[T]):
         budget = MemoryBudget.of(max_bytes_in_flight)
         if keys is source and isinstance(source, OrdersItself):  # e.g. sources.parquet
             plan = OwnPlan(source, batch_size, drop_last, budget.read_ahead_bytes)
-        self._setup(
-            plan, fetch, decode=decode, collate=collate,
-            concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
-            workers=workers, timeout=timeout, use_caller_loop=use_caller_loop, source=source,
-            seed=seed, device=make_device_stage(
+        self._assemble(Parts(
+            plan, Read(fetch, decode, executor, workers, own_executor=owned), collate=collate,
+            concurrency=concurrency, prefetch=prefetch, in_order=in_order, timeout=timeout,
+            use_caller_loop=use_caller_loop, source=source, seed=seed, device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch,
                 memory_format=memory_format, stacklevel=3,
             ), errors=ErrorPolicy(on_error, max_skipped), budget=budget, stats=stats,
-            own_executor=owned,
-        )  # fmt: skip
+            origin=described or origin(keys, source, fetch),
+        ))  # fmt: skip
 
-    def _setup(
-        self,
-        plan: Plan,
-        fetch: Callable[[Any], Any],
-        *,
-        decode: Callable[[Any], Any] | None,
-        collate: Callable[[list[Any]], Any] | None,
-        concurrency: int | str,
-        prefetch: int,
-        in_order: bool,
-        executor: str | Executor | None,
-        workers: int | str | None,
-        timeout: float | None,
-        use_caller_loop: bool,
-        fetch_initializer: Callable[[], None] | None = None,
-        source: Source | None = None,
-        seed: int = 0,
-        device: DeviceStage | None = None,
-        errors: ErrorPolicy | None = None,
-        budget: MemoryBudget | None = None,
-        stats: bool = True,
-        own_executor: bool = False,
-        batch_errors: bool = False,
-    ) -> None:
+    def _assemble(self, parts: Parts) -> None:
+        """Wire the stages from `parts` (the one way parts come into a Loader)."""
+        plan, read = parts.plan, parts.read
+        fetch, decode, collate = read.fetch, read.decode, parts.collate
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
-        check_int("prefetch", prefetch, minimum=1)
-        budget = budget or MemoryBudget.of(AUTO)
-        self._concurrency_arg = concurrency
-        recorder = Recorder() if stats else NullRecorder()
+        check_int("prefetch", parts.prefetch, minimum=1)
+        budget = parts.budget or MemoryBudget.of(AUTO)
+        recorder = Recorder() if parts.stats else NullRecorder()
         concurrency, tuner = resolve_concurrency(
-            concurrency, is_async=is_async_callable(fetch), recorder=recorder,
+            parts.concurrency, is_async=is_async_callable(fetch), recorder=recorder,
             budget=budget,
-            source=source,
+            source=parts.source,
         )  # fmt: skip
-        executor = executor_named(executor, decode)
+        executor = executor_named(read.executor, decode)
         self._pool = buffer_pool(collate, budget, budget.waiting_batches(
-            prefetch, plan.group_size, concurrency
+            parts.prefetch, plan.group_size, concurrency
         ))  # fmt: skip
         if self._pool is not None:
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
-        self._plan, self._source, self._device = plan, source, device
+        self._plan, self._source, self._device = plan, parts.source, parts.device
         pool_bytes = self._pool.max_bytes or 0 if self._pool is not None else 0
         self._stages = Stages(
-            fetch=Fetcher(fetch, concurrency, fetch_initializer),
-            size_of=getattr(source, "size", None),
+            fetch=Fetcher(fetch, concurrency, read.fetch_initializer),
+            size_of=getattr(parts.source, "size", None),
             decode=decode,
-            decoder=resolve_decoder(executor, workers, budget.arena_bytes(pool_bytes))
+            decoder=resolve_decoder(executor, read.workers, budget.arena_bytes(pool_bytes))
             if isinstance(executor, str)
             else executor,
             collate=collate, collator=ThreadExecutor(1, "aioloader-collate"),
-            concurrency=concurrency, prefetch=prefetch, in_order=bool(in_order),
-            group_size=plan.group_size, seed=seed, recorder=recorder, tuner=tuner,
-            errors=errors or ErrorPolicy(), batch_errors=batch_errors, budget=budget,
+            concurrency=concurrency, prefetch=parts.prefetch, in_order=bool(parts.in_order),
+            group_size=plan.group_size, seed=parts.seed, recorder=recorder, tuner=tuner,
+            errors=parts.errors or ErrorPolicy(), batch_errors=parts.batch_errors, budget=budget,
             pool_bytes=pool_bytes,
         )  # fmt: skip
         if self._stages.rows is not None and self._pool is not None:
             self._stages.rows.on_first_buffer = self._pool.retire  # rows replace its buffers
-        self._executor = executor
-        self._owns_decoder = isinstance(executor, str) or own_executor
-        self._in_order = bool(in_order)
-        self._timeout = check_timeout("timeout", timeout)
-        self._use_caller_loop = use_caller_loop
+        self._owns_decoder = isinstance(executor, str) or read.own_executor
+        self._in_order = bool(parts.in_order)
+        self._timeout = check_timeout("timeout", parts.timeout)
+        self._use_caller_loop = parts.use_caller_loop
+        self._hooks = parts.hooks
+        self._describer = parts.describer or LoaderDescriber(
+            parts.origin, plan, self._stages, parts.concurrency, executor, self._timeout
+        )
+        self._state = parts.state or KeyPlanState(plan)
         self._ledger = Ledger(plan, self._in_order)
         self._loop_thread: LoopThread | None = None
         self._live: set[Epoch | Feed] = set()
@@ -270,48 +251,24 @@ class Loader(Epochs[T]):
         self._trace: Trace | None = None
         self._closed = False
         traced = env_trace_path()
-        if traced is not None and stats:
+        if traced is not None and parts.stats:
             self.trace(traced)
 
     def __repr__(self) -> str:
         """The configuration: source (or keys and fetch), decode, batching, concurrency, executor."""
         try:
-            parts = self._config()
+            parts = self._describer.config()
         except AttributeError:  # a loader whose construction failed
             return f"<{type(self).__name__}, not set up>"
         if self._closed:
             parts.append("closed")
         return f"{type(self).__name__}({', '.join(parts)})"
 
-    def _config(self) -> list[str]:
-        """What `repr` shows, as "name=value" parts."""
-        parts = [self._origin]
-        decode = self._stages.decode
-        if isinstance(decode, FetchDecode):  # fetch_in_workers: the user's decode is inside
-            parts.append("fetch_in_workers=True")
-            decode = decode.decode
-        if decode is not None:
-            parts.append(f"decode={_name(decode)}")
-        plan = self._plan
-        parts.append(f"batch_size={getattr(plan, 'batch_size', plan.group_size)}")
-        order = getattr(plan, "order", None)
-        if order is not None:
-            parts.append(f"shuffle={order.shuffle}")
-        parts.append(f"concurrency={self._concurrency_arg!r}")
-        executor = self._executor
-        parts.append(
-            f"executor={executor if isinstance(executor, str) else type(executor).__name__!r}"
-        )
-        workers = workers_of(self._stages.decoder, None)
-        if workers is not None and executor != "inline":
-            parts.append(f"workers={workers}")
-        return parts
-
     # -- epochs ------------------------------------------------------------------------------------
 
     def __len__(self) -> int:
         """Batches per epoch (samples when unbatched); TypeError when the keys have no length."""
-        return len(self._plan)
+        return self._describer.length()
 
     @property
     def epoch(self) -> int:
@@ -322,24 +279,16 @@ class Loader(Epochs[T]):
         """Make the next iteration run `epoch` (which decides its shuffle)."""
         check_int("epoch", epoch, minimum=0)
         self._ledger.set_epoch(epoch)
+        self._hooks.set_epoch(epoch)
 
     # -- exact resume ------------------------------------------------------------------------------
-
-    def _state_config(self) -> dict[str, Any]:
-        plan = self._plan
-        assert isinstance(plan, KeyPlan)
-        order = plan.order
-        return {
-            "keys": keys_digest(order.keys), "batch_size": plan.batch_size,
-            "drop_last": plan.drop_last, "shuffle": order.shuffle, "seed": order.seed,
-        }  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: the epoch and what of it was delivered (small, JSON-ready).
 
         Safe to call at any step, from the consumer's thread or task; see `_resume/state.py` for the rule.
         """
-        return self._ledger.state_dict(type(self).__name__, self._state_config)
+        return self._ledger.state_dict(type(self).__name__, self._state.state_config)
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continue from a saved state (or from every rank's states, for another world size).
@@ -347,7 +296,7 @@ class Loader(Epochs[T]):
         The next iteration continues the saved epoch. Raises StateError naming the field when a
         state does not fit this loader.
         """
-        self._ledger.load_state_dict(state, type(self).__name__, self._state_config)
+        self._ledger.load_state_dict(state, type(self).__name__, self._state.state_config)
 
     # -- what it is doing ---------------------------------------------------------------------------
 
@@ -366,17 +315,10 @@ class Loader(Epochs[T]):
         "collate", "transfer", "consumer" (the model is slower than the loader) or "loop".
         """
         return diagnose(
-            self.stats(), executor=self._executor_kind(), workers_argument=self._workers_argument
+            self.stats(),
+            executor=self._describer.executor_kind(),
+            workers_argument=self._describer.workers_argument,
         )
-
-    _workers_argument = "workers"  # the argument that sets decode's workers, for diagnose()
-
-    def _executor_kind(self) -> str:
-        """Where decode runs: "inline", "thread" or "process"."""
-        executor = self._executor
-        if isinstance(executor, str):
-            return executor
-        return "process" if writes_rows(executor) else "thread"
 
     def trace(self, path: str | os.PathLike[str]) -> Trace:
         """Record every fetch, decode, collate, transfer and consumer wait into a trace at `path`.
