@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import Any, Generic, Self, TypeVar
 
 import torch
 
@@ -20,13 +30,11 @@ from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
 from ._parts import KeyPlanState, LoaderDescriber, Parts, Read
 from ._pipeline.collate import DEFAULT_COLLATE, make_collate
-from ._pipeline.epoch import Epoch
 from ._pipeline.fetch import Fetcher
-from ._pipeline.handover import LoopThread
 from ._pipeline.order import KeyOrder, KeyPlan
 from ._pipeline.ordered import OrdersItself, OwnPlan
 from ._pipeline.stages import Stages
-from ._pipeline.transfer import Feed, make_device_stage
+from ._pipeline.transfer import make_device_stage
 from ._resume.resume import Ledger
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import ErrorPolicy
@@ -42,7 +50,7 @@ T = TypeVar("T")
 logger = logging.getLogger("aioloader")
 
 
-class Loader(Epochs[T]):
+class Loader(Generic[T]):
     """Fetch, decode and batch samples concurrently; iterate with `for` or `async for`.
 
     Args:
@@ -142,7 +150,6 @@ class Loader(Epochs[T]):
         max_bytes_in_flight: int | str | None = AUTO,
         fetch_in_workers: bool = False,
     ) -> None:
-        self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
         source: Source | None = None
         described: str | None = None
         key_list: Sequence[Any] | Iterable[Any] | AsyncIterable[Any]
@@ -218,7 +225,7 @@ class Loader(Epochs[T]):
         if self._pool is not None:
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
-        self._plan, self._source, self._device = plan, parts.source, parts.device
+        self._plan = plan
         pool_bytes = self._pool.max_bytes or 0 if self._pool is not None else 0
         self._stages = Stages(
             fetch=Fetcher(fetch, concurrency, read.fetch_initializer),
@@ -236,20 +243,18 @@ class Loader(Epochs[T]):
         if self._stages.rows is not None and self._pool is not None:
             self._stages.rows.on_first_buffer = self._pool.retire  # rows replace its buffers
         self._owns_decoder = isinstance(executor, str) or read.own_executor
-        self._in_order = bool(parts.in_order)
-        self._timeout = check_timeout("timeout", parts.timeout)
-        self._use_caller_loop = parts.use_caller_loop
-        self._hooks = parts.hooks
+        in_order = bool(parts.in_order)
+        timeout = check_timeout("timeout", parts.timeout)
         self._describer = parts.describer or LoaderDescriber(
-            parts.origin, plan, self._stages, parts.concurrency, executor, self._timeout
+            parts.origin, plan, self._stages, parts.concurrency, executor, timeout
         )
-        self._state = parts.state or KeyPlanState(plan)
-        self._ledger = Ledger(plan, self._in_order)
-        self._loop_thread: LoopThread | None = None
-        self._live: set[Epoch | Feed] = set()
-        self._lock = threading.Lock()
+        self._hooks, self._state = parts.hooks, parts.state or KeyPlanState(plan)
+        self._ledger = Ledger(plan, in_order)
         self._trace: Trace | None = None
-        self._closed = False
+        self._epochs = Epochs(
+            self._stages, self._ledger, self._hooks, self._describer, source=parts.source,
+            device=parts.device, timeout=timeout, use_caller_loop=parts.use_caller_loop,
+        )  # fmt: skip
         traced = env_trace_path()
         if traced is not None and parts.stats:
             self.trace(traced)
@@ -257,14 +262,20 @@ class Loader(Epochs[T]):
     def __repr__(self) -> str:
         """The configuration: source (or keys and fetch), decode, batching, concurrency, executor."""
         try:
-            parts = self._describer.config()
+            parts, closed = self._describer.config(), self._epochs.closed
         except AttributeError:  # a loader whose construction failed
             return f"<{type(self).__name__}, not set up>"
-        if self._closed:
+        if closed:
             parts.append("closed")
         return f"{type(self).__name__}({', '.join(parts)})"
 
     # -- epochs ------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[T]:
+        return self._epochs.iter(self)
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self._epochs.aiter(self)
 
     def __len__(self) -> int:
         """Batches per epoch (samples when unbatched); TypeError when the keys have no length."""
@@ -280,6 +291,69 @@ class Loader(Epochs[T]):
         check_int("epoch", epoch, minimum=0)
         self._ledger.set_epoch(epoch)
         self._hooks.set_epoch(epoch)
+
+    # -- closing -----------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._epochs.closed
+
+    def close(self) -> None:
+        """Stop every epoch, thread and connection of this loader. Idempotent; blocks up to ~2 s."""
+        if self._epochs.closed:
+            return
+        self._epochs.close()  # closed: its epochs cancelled, its loop thread and source stopped
+        self._stages.fetch.close()
+        if self._owns_decoder:  # an Executor the user passed is theirs to close
+            self._stages.decoder.close()
+        self._stages.collator.close()
+        if self._epochs.device is not None:
+            self._epochs.device.close()
+        if self._pool is not None:
+            self._pool.clear()
+        if self._trace is not None:
+            try:
+                self._trace.close()
+            except OSError:
+                logger.exception("aioloader: could not write the trace %s", self._trace.path)
+
+    async def aclose(self) -> None:
+        """`close()` without blocking the caller's event loop. Idempotent."""
+        if self._epochs.closed:
+            return
+        here = asyncio.get_running_loop()
+        await self._epochs.close_here(here)
+        done: asyncio.Future[None] = here.create_future()
+
+        def close_then_wake() -> None:
+            try:
+                self.close()
+            finally:
+                with contextlib.suppress(RuntimeError):
+                    here.call_soon_threadsafe(_wake, done)
+
+        threading.Thread(target=close_then_wake, name="aioloader-close").start()
+        await done
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        epochs = getattr(self, "_epochs", None)  # None: a half-built loader, nothing to close
+        if epochs is not None and not epochs.closed:
+            try:  # noqa: SIM105 - at interpreter exit `contextlib` may already be gone
+                self.close()
+            except Exception:  # a finalizer must not raise
+                pass
 
     # -- exact resume ------------------------------------------------------------------------------
 
@@ -346,12 +420,17 @@ class Loader(Epochs[T]):
 
     def _extra_stats(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
-        source_stats = getattr(self._source, "stats", None)
+        source_stats = getattr(self._epochs.source, "stats", None)
         if callable(source_stats):
             extra.update(source_stats())
         pool_stats = stats_of(self._stages.decoder)
         if pool_stats is not None:
             extra["decode_pool"] = pool_stats
-        if self._device is not None:
-            extra["transfer"] = self._device.stats()
+        if self._epochs.device is not None:
+            extra["transfer"] = self._epochs.device.stats()
         return extra
+
+
+def _wake(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
