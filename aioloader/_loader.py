@@ -1,4 +1,9 @@
-"""Loader: wires the stages, iterates them (sync and async) and owns their lifecycle."""
+"""Loader: wires the stages from its parts (`_parts.py`) and owns their lifecycle.
+
+Its epochs run in `Epochs` (`_epochs.py`: `for`, `async for`, the loop thread); where each epoch
+stands, and its saved state, is kept by `Ledger` (`_resume/resume.py`). Both are the loader's own
+collaborators, not its bases.
+"""
 
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ the pipeline's settings, and three objects it asks at set points, whatever made 
 - `StateCodec`: what a saved state must match to load here, written into `state_dict()` and checked
   by `load_state_dict()` (`KeyPlanState` by default).
 
-One object may play several of them (the DataLoader's does). None of them holds the loader: a
-loader that is dropped is closed by its `__del__`, which a reference back to it would delay.
+One object may play several of them (the DataLoader's does). None of them holds the loader (the
+DataLoader's reads its attributes through a weak proxy): a loader that is dropped is closed by its
+`__del__`, which a reference back to it would delay until the garbage collector runs.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.utils.data import (
@@ -176,9 +176,8 @@ class DataLoader(Loader[T]):
             else None,
         )  # fmt: skip
         torch_parts = _TorchParts(
-            weakref.proxy(self), plan, processes, executor, concurrency, self._workers,
-            self._worker_setup,
-        )  # fmt: skip
+            self, plan, processes, executor, concurrency, self._workers, self._worker_setup
+        )
         self._assemble(Parts(
             plan, read, collate=collate_fn if auto_collation and not reads_batches(plan) else None,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, timeout=timeout or None,
@@ -326,8 +325,9 @@ class _TorchParts:
 
     At an epoch's start its worker processes are forked (or renewed) and seeded, from the
     consumer's thread, as torch's are; each batch handed over is counted for torch's
-    IterableDataset length warning; `set_epoch` goes on to a sampler that has one. `len()`, the
-    repr, the timeout message and a state's config are torch's.
+    IterableDataset length warning; `set_epoch` goes on to a sampler that has one. `len()` counts
+    as torch's does, the timeout says what torch's says, the repr shows torch's arguments and a
+    state's config the dataset's length, the batching and the samplers.
     """
 
     workers_argument = "num_workers"
@@ -343,8 +343,8 @@ class _TorchParts:
         worker_setup: WorkerSetup | None,
     ) -> None:
         # the DataLoader's torch attributes, read as they are now (a script may set some after
-        # init); a proxy: its parts must not keep it alive (`Loader.__del__` closes it)
-        self._torch = loader
+        # init); through a weak proxy: its parts must not keep it alive (`Loader.__del__` closes it)
+        self._torch = cast("DataLoader[Any]", weakref.proxy(loader))
         self._plan, self._processes, self._executor = plan, processes, executor
         self._concurrency = concurrency
         self._workers, self._worker_setup = workers, worker_setup
