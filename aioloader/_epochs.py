@@ -1,7 +1,7 @@
-"""A loader's epochs: open one, iterate it (`for` and `async for`), close it; the loader's close.
+"""A loader's epochs: open one, iterate it (`for` and `async for`), close it; stop them all.
 
-`Epochs` is a base of `Loader`: the consumer's side of the pipeline. `for batch in loader` waits on
-the loop thread's futures; `async for` awaits them (or runs the epoch in the caller's loop with
+`Epochs`, which a `Loader` owns, is the consumer's side of the pipeline. `for batch in loader` waits
+on the loop thread's futures; `async for` awaits them (or runs the epoch in the caller's loop with
 `use_caller_loop`). A batch that failed (`BatchFailed`) is raised from `next()` in its place.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import (
@@ -23,17 +22,16 @@ from collections.abc import (
     Iterable,
     Iterator,
 )
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, TypeVar
 
 from ._exceptions import LoaderClosedError, LoaderTimeout
-from ._observe.trace import Trace
-from ._pipeline.collate import BufferPool
+from ._parts import Describer, EpochHooks
 from ._pipeline.epoch import Epoch
 from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
 from ._pipeline.stages import END, SKIPPED, BatchFailed, Stages
 from ._pipeline.transfer import DeviceStage, Feed
-from ._resume.resume import Resumable
+from ._resume.resume import Ledger
 from ._resume.state import Progress
 from .sources import Source
 from .sources.protocol import HasSetEpoch
@@ -41,53 +39,55 @@ from .sources.protocol import HasSetEpoch
 __all__ = ["Epochs", "timeout_error"]
 
 T = TypeVar("T")
-logger = logging.getLogger("aioloader")
 
 
-class Epochs(Resumable, Generic[T]):
-    """Open, iterate and close epochs, and close the loader (a base of `Loader`)."""
+class Epochs:
+    """A loader's epochs: open, iterate and close them; stop them all, with their loop thread and
+    the source, when the loader closes (`close()`; the loader closes its stages after)."""
 
-    _stages: Stages
-    _source: Source | None
-    _device: DeviceStage | None
-    _timeout: float | None
-    _use_caller_loop: bool
-    _loop_thread: LoopThread | None
-    _live: set[Epoch | Feed]
-    _closed: bool
-    _owns_decoder: bool
-    _pool: BufferPool | None
-    _trace: Trace | None
-
-    def __len__(self) -> int:
-        raise NotImplementedError  # `Loader.__len__`
+    def __init__(
+        self,
+        stages: Stages,
+        ledger: Ledger,
+        hooks: EpochHooks,
+        describer: Describer,
+        *,
+        source: Source | None,
+        device: DeviceStage | None,
+        timeout: float | None,
+        use_caller_loop: bool,
+    ) -> None:
+        self._stages, self._ledger, self._hooks, self._describer = stages, ledger, hooks, describer
+        self.source = source  # told each epoch; closed here (None once closed in the caller's loop)
+        self.device = device
+        self._timeout = timeout
+        self._use_caller_loop = use_caller_loop
+        self._loop_thread: LoopThread | None = None
+        self.live: set[Epoch | Feed] = set()  # the epochs running
+        self._lock = threading.Lock()
+        self.closed = False
 
     def _start(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
-        if self._closed:
+        if self.closed:
             raise LoaderClosedError("this loader was closed; create a new one")
-        progress, groups = self._begin()
-        if isinstance(self._source, HasSetEpoch):
-            self._source.set_epoch(progress.epoch)
+        progress, groups = self._ledger.begin()
+        if isinstance(self.source, HasSetEpoch):
+            self.source.set_epoch(progress.epoch)
+        self._hooks.started()
         return progress, groups
 
     async def _open(
         self, groups: Iterable[Group] | AsyncIterable[Group], epoch: int
     ) -> Epoch | Feed:
-        run: Epoch | Feed = Epoch(self._stages, groups, epoch, self._epoch_samples())
-        if self._device is not None:
+        run: Epoch | Feed = Epoch(self._stages, groups, epoch, self._describer.epoch_samples())
+        if self.device is not None:
             # staged on the device ahead of the consumer
-            run = self._device.feed(run, self._stages.recorder)
-        self._live.add(run)
+            run = self.device.feed(run, self._stages.recorder)
+        self.live.add(run)
         return run
 
-    def _epoch_samples(self) -> int | None:
-        try:
-            return len(self) * self._stages.group_size
-        except TypeError:
-            return None
-
     def _timed_out(self, run: Epoch | Feed) -> LoaderTimeout:
-        return timeout_error(f"no batch within timeout={self._timeout} s", run)
+        return timeout_error(self._describer.timeout_message(), run)
 
     def _take(self, progress: Progress, t0: float, index: int, batch: Any) -> list[Any] | None:
         """The consumer's step, for `for` and `async for` alike, once `(index, batch)` came after
@@ -95,19 +95,22 @@ class Epochs(Resumable, Generic[T]):
         whose samples were all skipped)."""
         self._stages.recorder.waited(t0, time.perf_counter())
         if batch is END:
-            self._finished(progress)
+            self._ledger.finished(progress)
             return None
         progress.delivered.add(index)
-        return [] if batch is SKIPPED else [self._hand_over(batch)]
+        if batch is SKIPPED:
+            return []
+        self._hooks.handing_over()
+        return [self._hand_over(batch)]
 
     def _hand_over(self, batch: Any) -> Any:
         """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""
-        if self._device is None or type(batch) is BatchFailed:
+        if self.device is None or type(batch) is BatchFailed:
             return batch
-        return self._device.hand_over(batch)
+        return self.device.hand_over(batch)
 
     async def _close_epoch(self, run: Epoch | Feed) -> None:
-        self._live.discard(run)
+        self.live.discard(run)
         await run.aclose()
 
     def _runner(self) -> LoopThread:
@@ -116,10 +119,13 @@ class Epochs(Resumable, Generic[T]):
                 self._loop_thread = LoopThread()
             return self._loop_thread
 
-    def __iter__(self) -> Iterator[T]:
-        return _Batches(self._iter())
+    def iter(self, owner: object) -> Iterator[Any]:
+        """The next epoch's batches, for `for`. The epoch's generator holds `owner` (the loader):
+        `for batch in Loader(...)` holds nothing else of it, and a loader that is dropped is closed
+        (its `__del__`); dropping the iterator ends the epoch first, then lets the loader go."""
+        return _Batches(self._iter(owner))
 
-    def _iter(self) -> Generator[Any, None, None]:
+    def _iter(self, owner: object) -> Generator[Any, None, None]:  # `owner`: see `iter`
         progress, groups = self._start()
         runner = self._runner()
         run = runner.run(self._open(groups, progress.epoch))
@@ -131,7 +137,7 @@ class Epochs(Resumable, Generic[T]):
                 except LoaderTimeout:
                     raise self._timed_out(run) from None
                 except concurrent.futures.CancelledError:
-                    if self._closed:  # close() from elsewhere won the race with this wait
+                    if self.closed:  # close() from elsewhere won the race with this wait
                         raise LoaderClosedError("the loader was closed") from None
                     raise
                 handed = self._take(progress, t0, index, batch)
@@ -145,13 +151,14 @@ class Epochs(Resumable, Generic[T]):
                 with contextlib.suppress(TimeoutError, LoaderClosedError):  # closed meanwhile
                     runner.run(self._close_epoch(run), STOP_TIMEOUT_S)
             else:
-                self._live.discard(run)
+                self.live.discard(run)
                 runner.call_soon(run.cancel)
 
-    def __aiter__(self) -> AsyncIterator[T]:
-        return _AsyncBatches(self._aiter())
+    def aiter(self, owner: object) -> AsyncIterator[Any]:
+        """The next epoch's batches, for `async for`; its generator holds `owner` (see `iter`)."""
+        return _AsyncBatches(self._aiter(owner))
 
-    async def _aiter(self) -> AsyncGenerator[Any, None]:
+    async def _aiter(self, owner: object) -> AsyncGenerator[Any, None]:  # `owner`: see `iter`
         progress, groups = self._start()
         if self._use_caller_loop:
             run = await self._open(groups, progress.epoch)
@@ -178,7 +185,7 @@ class Epochs(Resumable, Generic[T]):
 
     async def _batches(
         self, get: Callable[[], Awaitable[list[Any]]], progress: Progress, run: Epoch | Feed
-    ) -> AsyncIterator[T]:
+    ) -> AsyncIterator[Any]:
         """The epoch's batches; `get()` gives the next `(index, batch)` in a list (see `_boxed`)."""
         while True:
             t0 = time.perf_counter()
@@ -191,7 +198,7 @@ class Epochs(Resumable, Generic[T]):
                 raise self._timed_out(run) from None
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if self._closed and task is not None and not task.cancelling():
+                if self.closed and task is not None and not task.cancelling():
                     raise LoaderClosedError("the loader was closed") from None
                 raise
             handed = self._take(progress, t0, index, batch)
@@ -201,81 +208,30 @@ class Epochs(Resumable, Generic[T]):
             if handed:
                 yield handed.pop()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
-        """Stop every epoch, thread and connection of this loader. Idempotent; blocks up to ~2 s."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stop every epoch and the loop thread; close the source (on that thread when it runs)."""
+        self.closed = True
         runner, self._loop_thread = self._loop_thread, None
-        for run in list(self._live):
+        for run in list(self.live):
             run.loop.call_soon_threadsafe(run.cancel)
-        self._live.clear()
+        self.live.clear()
         if runner is not None and runner.alive and not runner.in_loop_thread():
-            if self._source is not None:
+            if self.source is not None:
                 with contextlib.suppress(Exception):
-                    runner.run(self._source.aclose(), STOP_TIMEOUT_S)
+                    runner.run(self.source.aclose(), STOP_TIMEOUT_S)
             runner.stop()
-        elif self._source is not None and not _loop_running():
+        elif self.source is not None and not _loop_running():
             with contextlib.suppress(Exception):
-                asyncio.run(self._source.aclose())
-        self._stages.fetch.close()
-        if self._owns_decoder:  # an Executor the user passed is theirs to close
-            self._stages.decoder.close()
-        self._stages.collator.close()
-        if self._device is not None:
-            self._device.close()
-        if self._pool is not None:
-            self._pool.clear()
-        if self._trace is not None:
-            try:
-                self._trace.close()
-            except OSError:
-                logger.exception("aioloader: could not write the trace %s", self._trace.path)
+                asyncio.run(self.source.aclose())
 
-    async def aclose(self) -> None:
-        """`close()` without blocking the caller's event loop. Idempotent."""
-        if self._closed:
-            return
-        here = asyncio.get_running_loop()
-        for run in [r for r in self._live if r.loop is here]:
+    async def close_here(self, here: asyncio.AbstractEventLoop) -> None:
+        """The first part of the loader's `aclose()`, in the caller's loop `here`: close the epochs
+        that run in it, and the source when its connections live there (`use_caller_loop`)."""
+        for run in [r for r in self.live if r.loop is here]:
             await self._close_epoch(run)
-        if self._use_caller_loop and self._source is not None and self._loop_thread is None:
-            await self._source.aclose()
-            self._source = None
-        done: asyncio.Future[None] = here.create_future()
-
-        def close_then_wake() -> None:
-            try:
-                self.close()
-            finally:
-                with contextlib.suppress(RuntimeError):
-                    here.call_soon_threadsafe(_wake, done)
-
-        threading.Thread(target=close_then_wake, name="aioloader-close").start()
-        await done
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:  # noqa: SIM105 - at interpreter exit `contextlib` may already be gone
-                self.close()
-            except Exception:  # a finalizer must not raise
-                pass
+        if self._use_caller_loop and self.source is not None and self._loop_thread is None:
+            await self.source.aclose()
+            self.source = None
 
 
 class _Batches(Iterator[T]):
@@ -335,11 +291,6 @@ def timeout_error(message: str, run: Epoch | Feed) -> LoaderTimeout:
         listed = ", ".join(f"{key!r} ({age:.1f} s)" for key, age in keys)
         where = f"; the oldest work is in stage {stage!r}, keys in flight there: {listed}"
     return LoaderTimeout(message + where, stage=stage, keys=[key for key, _ in keys])
-
-
-def _wake(done: asyncio.Future[None]) -> None:
-    if not done.done():
-        done.set_result(None)
 
 
 def _loop_running() -> bool:

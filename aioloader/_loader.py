@@ -1,31 +1,46 @@
-"""Loader: wires the stages, iterates them (sync and async) and owns their lifecycle."""
+"""Loader: wires the stages from its parts (`_parts.py`) and owns their lifecycle.
+
+Its epochs run in `Epochs` (`_epochs.py`: `for`, `async for`, the loop thread); where each epoch
+stands, and its saved state, is kept by `Ledger` (`_resume/resume.py`). Both are the loader's own
+collaborators, not its bases.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import Any, Generic, Self, TypeVar
 
 import torch
 
-from ._arguments import _name, buffer_pool, executor_named, is_map_style, keyed, origin
+from ._arguments import buffer_pool, executor_named, is_map_style, keyed, origin
 from ._epochs import Epochs
-from ._executors.base import Executor, ThreadExecutor, stats_of, workers_of, writes_rows
-from ._executors.fetch_in_workers import FetchDecode, in_workers
+from ._executors.base import Executor, ThreadExecutor, stats_of
+from ._executors.fetch_in_workers import in_workers
 from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
+from ._parts import KeyPlanState, LoaderDescriber, Parts, Read
 from ._pipeline.collate import DEFAULT_COLLATE, make_collate
-from ._pipeline.epoch import Epoch
 from ._pipeline.fetch import Fetcher
-from ._pipeline.handover import LoopThread
-from ._pipeline.order import KeyOrder, KeyPlan, Plan
+from ._pipeline.order import KeyOrder, KeyPlan
 from ._pipeline.ordered import OrdersItself, OwnPlan
 from ._pipeline.stages import Stages
-from ._pipeline.transfer import DeviceStage, Feed, make_device_stage
+from ._pipeline.transfer import make_device_stage
+from ._resume.resume import Ledger
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import ErrorPolicy
 from ._tuning.memory import AUTO, MemoryBudget
@@ -41,7 +56,7 @@ T = TypeVar("T")
 logger = logging.getLogger("aioloader")
 
 
-class Loader(Epochs[T]):
+class Loader(Generic[T]):
     """Fetch, decode and batch samples concurrently; iterate with `for` or `async for`.
 
     Args:
@@ -141,7 +156,6 @@ class Loader(Epochs[T]):
         max_bytes_in_flight: int | str | None = AUTO,
         fetch_in_workers: bool = False,
     ) -> None:
-        self._closed = True  # until set up, so that __del__ of a half-built loader does nothing
         source: Source | None = None
         described: str | None = None
         key_list: Sequence[Any] | Iterable[Any] | AsyncIterable[Any]
@@ -171,7 +185,6 @@ class Loader(Epochs[T]):
         if isinstance(source, Bindable):  # the source shards its own data
             source.bind(rank=rank, world_size=world_size)
             rank, world_size = 0, 1
-        self._origin = described or origin(keys, source, fetch)
         order = KeyOrder(
             key_list, shuffle=bool(shuffle), seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last,
@@ -186,135 +199,183 @@ class Loader(Epochs[T]):
         budget = MemoryBudget.of(max_bytes_in_flight)
         if keys is source and isinstance(source, OrdersItself):  # e.g. sources.parquet
             plan = OwnPlan(source, batch_size, drop_last, budget.read_ahead_bytes)
-        self._setup(
-            plan, fetch, decode=decode, collate=collate,
-            concurrency=concurrency, prefetch=prefetch, in_order=in_order, executor=executor,
-            workers=workers, timeout=timeout, use_caller_loop=use_caller_loop, source=source,
-            seed=seed, device=make_device_stage(
+        self._assemble(Parts(
+            plan, Read(fetch, decode, executor, workers, own_executor=owned), collate=collate,
+            concurrency=concurrency, prefetch=prefetch, in_order=in_order, timeout=timeout,
+            use_caller_loop=use_caller_loop, source=source, seed=seed, device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch,
                 memory_format=memory_format, stacklevel=3,
             ), errors=ErrorPolicy(on_error, max_skipped), budget=budget, stats=stats,
-            own_executor=owned,
-        )  # fmt: skip
+            origin=described or origin(keys, source, fetch),
+        ))  # fmt: skip
 
-    def _setup(
-        self,
-        plan: Plan,
-        fetch: Callable[[Any], Any],
-        *,
-        decode: Callable[[Any], Any] | None,
-        collate: Callable[[list[Any]], Any] | None,
-        concurrency: int | str,
-        prefetch: int,
-        in_order: bool,
-        executor: str | Executor | None,
-        workers: int | str | None,
-        timeout: float | None,
-        use_caller_loop: bool,
-        fetch_initializer: Callable[[], None] | None = None,
-        source: Source | None = None,
-        seed: int = 0,
-        device: DeviceStage | None = None,
-        errors: ErrorPolicy | None = None,
-        budget: MemoryBudget | None = None,
-        stats: bool = True,
-        own_executor: bool = False,
-        batch_errors: bool = False,
-    ) -> None:
+    def _assemble(self, parts: Parts) -> None:
+        """Wire the stages from `parts` (the one way parts come into a Loader)."""
+        plan, read = parts.plan, parts.read
+        fetch, decode, collate = read.fetch, read.decode, parts.collate
         check_callable("fetch", fetch)
         check_callable("decode", decode, optional=True)
-        check_int("prefetch", prefetch, minimum=1)
-        budget = budget or MemoryBudget.of(AUTO)
-        self._concurrency_arg = concurrency
-        recorder = Recorder() if stats else NullRecorder()
+        check_int("prefetch", parts.prefetch, minimum=1)
+        budget = parts.budget or MemoryBudget.of(AUTO)
+        recorder = Recorder() if parts.stats else NullRecorder()
         concurrency, tuner = resolve_concurrency(
-            concurrency, is_async=is_async_callable(fetch), recorder=recorder,
+            parts.concurrency, is_async=is_async_callable(fetch), recorder=recorder,
             budget=budget,
-            source=source,
+            source=parts.source,
         )  # fmt: skip
-        executor = executor_named(executor, decode)
+        executor = executor_named(read.executor, decode)
         self._pool = buffer_pool(collate, budget, budget.waiting_batches(
-            prefetch, plan.group_size, concurrency
+            parts.prefetch, plan.group_size, concurrency
         ))  # fmt: skip
         if self._pool is not None:
             collate = make_collate(self._pool)
         check_callable("collate", collate, optional=True)
-        self._plan, self._source, self._device = plan, source, device
+        self._plan = plan
         pool_bytes = self._pool.max_bytes or 0 if self._pool is not None else 0
         self._stages = Stages(
-            fetch=Fetcher(fetch, concurrency, fetch_initializer),
-            size_of=source.size if isinstance(source, HasSize) else None,
+            fetch=Fetcher(fetch, concurrency, read.fetch_initializer),
+            size_of=parts.source.size if isinstance(parts.source, HasSize) else None,
             decode=decode,
-            decoder=resolve_decoder(executor, workers, budget.arena_bytes(pool_bytes))
+            decoder=resolve_decoder(executor, read.workers, budget.arena_bytes(pool_bytes))
             if isinstance(executor, str)
             else executor,
             collate=collate, collator=ThreadExecutor(1, "aioloader-collate"),
-            concurrency=concurrency, prefetch=prefetch, in_order=bool(in_order),
-            group_size=plan.group_size, seed=seed, recorder=recorder, tuner=tuner,
-            errors=errors or ErrorPolicy(), batch_errors=batch_errors, budget=budget,
+            concurrency=concurrency, prefetch=parts.prefetch, in_order=bool(parts.in_order),
+            group_size=plan.group_size, seed=parts.seed, recorder=recorder, tuner=tuner,
+            errors=parts.errors or ErrorPolicy(), batch_errors=parts.batch_errors, budget=budget,
             pool_bytes=pool_bytes,
         )  # fmt: skip
         if self._stages.rows is not None and self._pool is not None:
             self._stages.rows.on_first_buffer = self._pool.retire  # rows replace its buffers
-        self._executor = executor
-        self._owns_decoder = isinstance(executor, str) or own_executor
-        self._in_order = bool(in_order)
-        self._timeout = check_timeout("timeout", timeout)
-        self._use_caller_loop = use_caller_loop
-        self._init_resume()
-        self._loop_thread: LoopThread | None = None
-        self._live: set[Epoch | Feed] = set()
-        self._lock = threading.Lock()
+        self._owns_decoder = isinstance(executor, str) or read.own_executor
+        in_order = bool(parts.in_order)
+        timeout = check_timeout("timeout", parts.timeout)
+        self._describer = parts.describer or LoaderDescriber(
+            parts.origin, plan, self._stages, parts.concurrency, executor, timeout
+        )
+        self._hooks, self._state = parts.hooks, parts.state or KeyPlanState(plan)
+        self._ledger = Ledger(plan, in_order)
         self._trace: Trace | None = None
-        self._closed = False
+        self._epochs = Epochs(
+            self._stages, self._ledger, self._hooks, self._describer, source=parts.source,
+            device=parts.device, timeout=timeout, use_caller_loop=parts.use_caller_loop,
+        )  # fmt: skip
         traced = env_trace_path()
-        if traced is not None and stats:
+        if traced is not None and parts.stats:
             self.trace(traced)
 
     def __repr__(self) -> str:
         """The configuration: source (or keys and fetch), decode, batching, concurrency, executor."""
         try:
-            parts = self._config()
+            parts, closed = self._describer.config(), self._epochs.closed
         except AttributeError:  # a loader whose construction failed
             return f"<{type(self).__name__}, not set up>"
-        if self._closed:
+        if closed:
             parts.append("closed")
         return f"{type(self).__name__}({', '.join(parts)})"
 
-    def _config(self) -> list[str]:
-        """What `repr` shows, as "name=value" parts."""
-        parts = [self._origin]
-        decode = self._stages.decode
-        if isinstance(decode, FetchDecode):  # fetch_in_workers: the user's decode is inside
-            parts.append("fetch_in_workers=True")
-            decode = decode.decode
-        if decode is not None:
-            parts.append(f"decode={_name(decode)}")
-        plan = self._plan
-        parts.append(f"batch_size={getattr(plan, 'batch_size', plan.group_size)}")
-        order = getattr(plan, "order", None)
-        if order is not None:
-            parts.append(f"shuffle={order.shuffle}")
-        parts.append(f"concurrency={self._concurrency_arg!r}")
-        executor = self._executor
-        parts.append(
-            f"executor={executor if isinstance(executor, str) else type(executor).__name__!r}"
-        )
-        workers = workers_of(self._stages.decoder, None)
-        if workers is not None and executor != "inline":
-            parts.append(f"workers={workers}")
-        return parts
-
     # -- epochs ------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[T]:
+        return self._epochs.iter(self)
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self._epochs.aiter(self)
 
     def __len__(self) -> int:
         """Batches per epoch (samples when unbatched); TypeError when the keys have no length."""
-        return len(self._plan)
+        return self._describer.length()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration will run."""
+        return self._ledger.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run `epoch` (which decides its shuffle)."""
         check_int("epoch", epoch, minimum=0)
-        self._epoch = epoch
+        self._ledger.set_epoch(epoch)
+        self._hooks.set_epoch(epoch)
+
+    # -- closing -----------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._epochs.closed
+
+    def close(self) -> None:
+        """Stop every epoch, thread and connection of this loader. Idempotent; blocks up to ~2 s."""
+        if self._epochs.closed:
+            return
+        self._epochs.close()  # closed: its epochs cancelled, its loop thread and source stopped
+        self._stages.fetch.close()
+        if self._owns_decoder:  # an Executor the user passed is theirs to close
+            self._stages.decoder.close()
+        self._stages.collator.close()
+        if self._epochs.device is not None:
+            self._epochs.device.close()
+        if self._pool is not None:
+            self._pool.clear()
+        if self._trace is not None:
+            try:
+                self._trace.close()
+            except OSError:
+                logger.exception("aioloader: could not write the trace %s", self._trace.path)
+
+    async def aclose(self) -> None:
+        """`close()` without blocking the caller's event loop. Idempotent."""
+        if self._epochs.closed:
+            return
+        here = asyncio.get_running_loop()
+        await self._epochs.close_here(here)
+        done: asyncio.Future[None] = here.create_future()
+
+        def close_then_wake() -> None:
+            try:
+                self.close()
+            finally:
+                with contextlib.suppress(RuntimeError):
+                    here.call_soon_threadsafe(_wake, done)
+
+        threading.Thread(target=close_then_wake, name="aioloader-close").start()
+        await done
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        epochs = getattr(self, "_epochs", None)  # None: a half-built loader, nothing to close
+        if epochs is not None and not epochs.closed:
+            try:  # noqa: SIM105 - at interpreter exit `contextlib` may already be gone
+                self.close()
+            except Exception:  # a finalizer must not raise
+                pass
+
+    # -- exact resume ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: the epoch and what of it was delivered (small, JSON-ready).
+
+        Safe to call at any step, from the consumer's thread or task; see `_resume/state.py` for the rule.
+        """
+        return self._ledger.state_dict(type(self).__name__, self._state.state_config)
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue from a saved state (or from every rank's states, for another world size).
+
+        The next iteration continues the saved epoch. Raises StateError naming the field when a
+        state does not fit this loader.
+        """
+        self._ledger.load_state_dict(state, type(self).__name__, self._state.state_config)
 
     # -- what it is doing ---------------------------------------------------------------------------
 
@@ -333,17 +394,10 @@ class Loader(Epochs[T]):
         "collate", "transfer", "consumer" (the model is slower than the loader) or "loop".
         """
         return diagnose(
-            self.stats(), executor=self._executor_kind(), workers_argument=self._workers_argument
+            self.stats(),
+            executor=self._describer.executor_kind(),
+            workers_argument=self._describer.workers_argument,
         )
-
-    _workers_argument = "workers"  # the argument that sets decode's workers, for diagnose()
-
-    def _executor_kind(self) -> str:
-        """Where decode runs: "inline", "thread" or "process"."""
-        executor = self._executor
-        if isinstance(executor, str):
-            return executor
-        return "process" if writes_rows(executor) else "thread"
 
     def trace(self, path: str | os.PathLike[str]) -> Trace:
         """Record every fetch, decode, collate, transfer and consumer wait into a trace at `path`.
@@ -371,11 +425,17 @@ class Loader(Epochs[T]):
 
     def _extra_stats(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
-        if isinstance(self._source, HasStats) and callable(self._source.stats):
-            extra.update(self._source.stats())
+        source = self._epochs.source
+        if isinstance(source, HasStats) and callable(source.stats):
+            extra.update(source.stats())
         pool_stats = stats_of(self._stages.decoder)
         if pool_stats is not None:
             extra["decode_pool"] = pool_stats
-        if self._device is not None:
-            extra["transfer"] = self._device.stats()
+        if self._epochs.device is not None:
+            extra["transfer"] = self._epochs.device.stats()
         return extra
+
+
+def _wake(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)

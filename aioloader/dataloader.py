@@ -26,8 +26,9 @@ import inspect
 import math
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.utils.data import (
@@ -39,10 +40,10 @@ from torch.utils.data import (
 )
 
 from ._arguments import origin
-from ._epochs import timeout_error
-from ._exceptions import LoaderTimeout
+from ._executors.base import Executor
 from ._executors.process.executor import ProcessExecutor
 from ._loader import Loader
+from ._parts import Parts, Read, executor_kind
 from ._pipeline.collate import DEFAULT_COLLATE, BufferPool, make_collate
 from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import make_device_stage
@@ -150,7 +151,8 @@ class DataLoader(Loader[T]):
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
             generator=generator, persistent_workers=persistent_workers, in_order=in_order,
         )  # fmt: skip
-        self._init_state()
+        self._workers: ProcessExecutor | None = None  # the worker processes, if any
+        self._worker_setup: WorkerSetup | None = None  # how they are seeded and set up
         if device is None:
             warn_pin_memory(pin_memory, pin_memory_device)  # else the device stage checks it
         iterable = isinstance(dataset, IterableDataset)
@@ -168,19 +170,23 @@ class DataLoader(Loader[T]):
         fetch, decode, executor, plan, auto_collation, concurrency, prefetch = self._wiring(
             processes, iterable, auto_collation, collate_fn, concurrency, threads, lazy
         )
-        self._setup(
-            plan, fetch, decode=decode,
-            collate=collate_fn if auto_collation and not reads_batches(plan) else None,
-            concurrency=concurrency, prefetch=prefetch, in_order=in_order,
-            executor=executor, workers=None, timeout=timeout or None, use_caller_loop=False,
+        read = Read(
+            fetch, decode, executor, own_executor=True,
             fetch_initializer=WorkerIds(worker_init_fn) if worker_init_fn and not processes
             else None,
+        )  # fmt: skip
+        torch_parts = _TorchParts(
+            self, plan, processes, executor, concurrency, self._workers, self._worker_setup
+        )
+        self._assemble(Parts(
+            plan, read, collate=collate_fn if auto_collation and not reads_batches(plan) else None,
+            concurrency=concurrency, prefetch=prefetch, in_order=in_order, timeout=timeout or None,
             device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
             ) if device is not None else None,
-            own_executor=True, batch_errors=True, budget=self._budget,
-        )  # fmt: skip
-        self._processes = processes
+            batch_errors=True, budget=self._budget,
+            hooks=torch_parts, describer=torch_parts, state=torch_parts,
+        ))  # fmt: skip
         warn_if_many_workers(num_workers)
         self._initialized = True
 
@@ -188,12 +194,6 @@ class DataLoader(Loader[T]):
         """Keep torch's arguments as the attributes torch's DataLoader has (as given)."""
         for name, value in arguments.items():
             setattr(self, name, value)
-
-    def _init_state(self) -> None:
-        self._workers: ProcessExecutor | None = None  # the worker processes, if any
-        self._len_called: int | None = None  # IterableDataset: len(dataset) when len(self) asked
-        self._yielded = 0  # batches handed over this epoch
-        self._epochs_started = 0
 
     def _wiring(
         self,
@@ -231,66 +231,12 @@ class DataLoader(Loader[T]):
                 fetch, decode, executor = self._per_item(collate_fn)
         return fetch, decode, executor, plan, auto_collation, concurrency, prefetch
 
-    def _config(self) -> list[str]:
-        """What `repr` shows: the arguments that shape the batches and the work, as given."""
-        return [
-            origin(self.dataset), f"batch_size={self.batch_size}",
-            f"sampler={type(self.sampler).__name__}", f"num_workers={self.num_workers}",
-            f"concurrency={self._concurrency_arg!r}",
-        ]  # fmt: skip
-
-    _workers_argument = "num_workers"
-
-    def _executor_kind(self) -> str:
-        return "process" if self._processes else super()._executor_kind()
-
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FIXED and self.__dict__.get("_initialized"):
             raise ValueError(
                 f"{name} attribute should not be set after {type(self).__name__} is initialized"
             )
         super().__setattr__(name, value)
-
-    def _start(self) -> Any:
-        started = super()._start()  # a map-style plan draws the epoch's base seed here
-        self._yielded = 0
-        workers = self._workers
-        if workers is not None:
-            # torch's iterator draws a base seed per epoch; its workers seed from it (base + id)
-            base_seed = getattr(self._plan, "base_seed", None)
-            if base_seed is None:  # an IterableDataset's plan draws nothing: draw as torch does
-                base_seed = draw_seed(self.generator)
-            if isinstance(self._plan, WorkerStreams) and isinstance(self.dataset, IterDataPipe):
-                self._plan.pipe_seed = draw_seed(self.generator)  # torch's shared seed
-            fresh = not self._epochs_started or not self.persistent_workers
-            if fresh:
-                self._worker_setup.base_seed = base_seed
-            if self._epochs_started and not self.persistent_workers:
-                workers.renew()  # torch forks them anew each epoch: they see the dataset as it is
-            workers.start()  # forked here, from the consumer's thread, as torch's are
-        self._epochs_started += 1
-        return started
-
-    def _hand_over(self, batch: Any) -> Any:
-        self._yielded += 1
-        if self._len_called is not None and self._yielded > self._len_called:
-            workers = (
-                " For multiprocessing data-loading, this could be caused by not properly "
-                "configuring the IterableDataset replica at each worker (shard it with "
-                "torch.utils.data.get_worker_info())."
-                if self.num_workers > 0
-                else ""
-            )
-            warnings.warn(
-                f"Length of IterableDataset {self.dataset} was reported to be {self._len_called} "
-                f"(when accessing len(dataloader)), but {self._yielded} samples have been "
-                f"fetched.{workers}",
-                stacklevel=3,
-            )
-        return super()._hand_over(batch)
-
-    def _timed_out(self, run: Any) -> LoaderTimeout:
-        return timeout_error(f"DataLoader timed out after {self.timeout} seconds", run)
 
     def _per_item(
         self, collate_fn: Callable[..., Any]
@@ -329,7 +275,8 @@ class DataLoader(Loader[T]):
         Loader's default byte budget (whole batches travel in it). They are forked as torch's are
         (by default, whatever threads run), when the first epoch starts, and inherit `read`
         (the dataset) and the worker_init_fn, which are not pickled."""
-        # the base seed is the epoch's draw, set by `_start` before the workers fork (as torch's)
+        # the base seed is the epoch's draw, set by `_TorchParts.started` before the workers fork
+        # (as torch's)
         self._worker_setup = WorkerSetup(self.num_workers, 0, self.worker_init_fn, self.dataset)
         self._workers = ProcessExecutor(
             self.num_workers, start_method=self._start_method,
@@ -371,38 +318,136 @@ class DataLoader(Loader[T]):
             return getitem, plan
         return converting(collate_fn, getitem), plan
 
-    def _state_config(self) -> dict[str, Any]:
-        dataset_len = len(self.dataset) if hasattr(self.dataset, "__len__") else None
-        return {
-            "dataset_len": dataset_len, "batch_size": self.batch_size, "drop_last": self.drop_last,
-            "sampler": type(self.sampler).__name__, "batch_sampler": type(self.batch_sampler).__name__,
-        }  # fmt: skip
+
+class _TorchParts:
+    """What torch's DataLoader does at a Loader's set points: a DataLoader's epoch hooks, describer
+    and state codec (see `_parts.py`).
+
+    At an epoch's start its worker processes are forked (or renewed) and seeded, from the
+    consumer's thread, as torch's are; each batch handed over is counted for torch's
+    IterableDataset length warning; `set_epoch` goes on to a sampler that has one. `len()` counts
+    as torch's does, the timeout says what torch's says, the repr shows torch's arguments and a
+    state's config the dataset's length, the batching and the samplers.
+    """
+
+    workers_argument = "num_workers"
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        plan: Plan,
+        processes: bool,
+        executor: str | Executor,
+        concurrency: int,
+        workers: ProcessExecutor | None,
+        worker_setup: WorkerSetup | None,
+    ) -> None:
+        # the DataLoader's torch attributes, read as they are now (a script may set some after
+        # init); through a weak proxy: its parts must not keep it alive (`Loader.__del__` closes it)
+        self._torch = cast("DataLoader[Any]", weakref.proxy(loader))
+        self._plan, self._processes, self._executor = plan, processes, executor
+        self._concurrency = concurrency
+        self._workers, self._worker_setup = workers, worker_setup
+        self._len_called: int | None = None  # IterableDataset: len(dataset) when len(self) asked
+        self._yielded = 0  # batches handed over this epoch
+        self._epochs_started = 0
+
+    # -- epoch hooks -------------------------------------------------------------------------------
+
+    def started(self) -> None:
+        # after the plan's groups were taken: a map-style plan draws the epoch's base seed there
+        self._yielded = 0
+        workers, torch_ = self._workers, self._torch
+        if workers is not None:
+            # torch's iterator draws a base seed per epoch; its workers seed from it (base + id)
+            base_seed = getattr(self._plan, "base_seed", None)
+            if base_seed is None:  # an IterableDataset's plan draws nothing: draw as torch does
+                base_seed = draw_seed(torch_.generator)
+            if isinstance(self._plan, WorkerStreams) and isinstance(torch_.dataset, IterDataPipe):
+                self._plan.pipe_seed = draw_seed(torch_.generator)  # torch's shared seed
+            fresh = not self._epochs_started or not torch_.persistent_workers
+            if fresh:
+                assert self._worker_setup is not None  # made with the workers
+                self._worker_setup.base_seed = base_seed
+            if self._epochs_started and not torch_.persistent_workers:
+                workers.renew()  # torch forks them anew each epoch: they see the dataset as it is
+            workers.start()  # forked here, from the consumer's thread, as torch's are
+        self._epochs_started += 1
+
+    def handing_over(self) -> None:
+        self._yielded += 1
+        if self._len_called is not None and self._yielded > self._len_called:
+            workers = (
+                " For multiprocessing data-loading, this could be caused by not properly "
+                "configuring the IterableDataset replica at each worker (shard it with "
+                "torch.utils.data.get_worker_info())."
+                if self._torch.num_workers > 0
+                else ""
+            )
+            warnings.warn(
+                f"Length of IterableDataset {self._torch.dataset} was reported to be "
+                f"{self._len_called} (when accessing len(dataloader)), but {self._yielded} "
+                f"samples have been fetched.{workers}",
+                stacklevel=3,
+            )
 
     def set_epoch(self, epoch: int) -> None:
-        """Pick the next epoch, and pass it on to a sampler that has `set_epoch` (DistributedSampler)."""
-        super().set_epoch(epoch)
-        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+        """Pass the epoch on to a sampler that has `set_epoch` (DistributedSampler)."""
+        torch_ = self._torch
+        for sampler in (torch_.sampler, getattr(torch_.batch_sampler, "sampler", None)):
             set_sampler_epoch = getattr(sampler, "set_epoch", None)
             if set_sampler_epoch is not None:
                 set_sampler_epoch(epoch)
                 break
 
-    def __len__(self) -> int:
+    # -- describer ---------------------------------------------------------------------------------
+
+    def config(self) -> list[str]:
+        """What `repr` shows: the arguments that shape the batches and the work, as given."""
+        torch_ = self._torch
+        return [
+            origin(torch_.dataset), f"batch_size={torch_.batch_size}",
+            f"sampler={type(torch_.sampler).__name__}", f"num_workers={torch_.num_workers}",
+            f"concurrency={self._concurrency!r}",
+        ]  # fmt: skip
+
+    def executor_kind(self) -> str:
+        return "process" if self._processes else executor_kind(self._executor)
+
+    def timeout_message(self) -> str:
+        return f"DataLoader timed out after {self._torch.timeout} seconds"
+
+    def length(self) -> int:
         length = self._length()
-        if isinstance(self.dataset, IterableDataset):
-            self._len_called = len(self.dataset)  # type: ignore[arg-type]
+        dataset = self._torch.dataset
+        if isinstance(dataset, IterableDataset):
+            self._len_called = len(dataset)  # type: ignore[arg-type]
         return length
 
-    def _epoch_samples(self) -> int | None:
-        try:  # not len(self): only the user's asking arms the IterableDataset length warning
-            return self._length() * self._stages.group_size
+    def epoch_samples(self) -> int | None:
+        try:  # not length(): only the user's asking arms the IterableDataset length warning
+            return self._length() * self._plan.group_size
         except TypeError:
             return None
 
     def _length(self) -> int:
-        if not isinstance(self.dataset, IterableDataset):
-            return super().__len__()
-        length = len(self.dataset)  # type: ignore[arg-type]
-        if self.batch_size is None:
+        dataset = self._torch.dataset
+        if not isinstance(dataset, IterableDataset):
+            return len(self._plan)
+        length = len(dataset)  # type: ignore[arg-type]
+        batch_size = self._torch.batch_size
+        if batch_size is None:
             return length
-        return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
+        return length // batch_size if self._torch.drop_last else math.ceil(length / batch_size)
+
+    # -- state codec -------------------------------------------------------------------------------
+
+    def state_config(self) -> dict[str, Any]:
+        torch_ = self._torch
+        dataset = torch_.dataset
+        dataset_len = len(dataset) if hasattr(dataset, "__len__") else None
+        return {
+            "dataset_len": dataset_len, "batch_size": torch_.batch_size,
+            "drop_last": torch_.drop_last, "sampler": type(torch_.sampler).__name__,
+            "batch_sampler": type(torch_.batch_sampler).__name__,
+        }  # fmt: skip

@@ -198,6 +198,22 @@ async def test_async_iteration_ended_early_cancels_its_fetches(
 # -- garbage collection ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loader_held_by_its_iteration_alone_lives_until_the_epoch_ends(
+    mode: str, threads_stopped: Callable[[], list[str]]
+) -> None:
+    def unnamed() -> Loader[Any]:  # held by nothing but the `for` below
+        return make(mode, range(6), plain, batch_size=2, collate=None)
+
+    async def batches() -> list[Any]:
+        return [batch async for batch in unnamed()]
+
+    got = [batch for batch in unnamed()] if mode == "sync" else asyncio.run(batches())
+    assert got == [[0, 1], [2, 3], [4, 5]]
+    gc.collect()
+    assert threads_stopped() == []  # then dropped, and so closed
+
+
 def test_dropping_a_half_consumed_iterator_stops_its_epoch(
     loop_tasks_left: Callable[..., set[Any]], thread_names: Callable[[], list[str]]
 ) -> None:

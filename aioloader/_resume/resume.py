@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._exceptions import StateError
-from .._pipeline.order import Group, KeyPlan, Plan
+from .._pipeline.order import Group, Plan
 from .._util.ranges import Ranges
 from .state import (
     STATE_VERSION,
@@ -15,21 +15,21 @@ from .state import (
     Resume,
     check_config,
     elastic_consumed,
-    keys_digest,
     pick_own,
 )
 
-__all__ = ["Resumable"]
+__all__ = ["Ledger"]
 
 
-class Resumable:
-    """Epoch bookkeeping and `state_dict()` / `load_state_dict()` (a base of `Loader`)."""
+class Ledger:
+    """A loader's epoch bookkeeping: the epoch the next iteration runs, what of the epoch being
+    delivered was handed over, a resume pending after a load; and the state that says so
+    (`state_dict()` / `load_state_dict()` of the loader that owns it)."""
 
-    _plan: Plan
-    _lock: threading.Lock
-    _in_order: bool
-
-    def _init_resume(self) -> None:
+    def __init__(self, plan: Plan, in_order: bool) -> None:
+        self._plan = plan
+        self._in_order = in_order
+        self._lock = threading.Lock()
         self._epoch = 0
         self._progress: Progress | None = None  # the epoch being delivered, if any
         self._resume: Resume | None = None  # where the next iteration starts, after a load
@@ -40,7 +40,10 @@ class Resumable:
         """The epoch the next iteration will run."""
         return self._epoch
 
-    def _begin(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def begin(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
         """Take the next epoch number and its groups (in the caller's thread: a plan may draw from
         a generator here)."""
         with self._lock:
@@ -57,46 +60,37 @@ class Resumable:
         self._progress = progress = Progress(epoch, resume.consumed, set(resume.skip))
         return progress, (_skip(groups, skip) if skip else groups)
 
-    def _finished(self, progress: Progress) -> None:
+    def finished(self, progress: Progress) -> None:
         if self._progress is progress:
             self._progress = None
 
-    def _state_config(self) -> dict[str, Any]:
-        plan = self._plan
-        assert isinstance(plan, KeyPlan)
-        order = plan.order
-        return {
-            "keys": keys_digest(order.keys), "batch_size": plan.batch_size,
-            "drop_last": plan.drop_last, "shuffle": order.shuffle, "seed": order.seed,
-        }  # fmt: skip
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands: the epoch and what of it was delivered (small, JSON-ready).
-
-        Safe to call at any step, from the consumer's thread or task; see `_resume/state.py` for the rule.
-        """
+    def state_dict(self, kind: str, config: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Where the loader (of class `kind`, made as `config()` says) stands: the epoch and what
+        of it was delivered (small, JSON-ready)."""
         progress = self._progress or Progress(self._epoch)
         rank, world_size = self._plan.rank_and_world()
         return {
-            "version": STATE_VERSION, "kind": type(self).__name__,
-            "config": self._state_config(), "epoch": progress.epoch, "rank": rank,
+            "version": STATE_VERSION, "kind": kind,
+            "config": config(), "epoch": progress.epoch, "rank": rank,
             "world_size": world_size, "in_order": self._in_order,
             "consumed": progress.consumed.pairs, "delivered": Ranges.of(progress.delivered).pairs,
             **self._plan_state,
         }  # fmt: skip
 
-    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from a saved state (or from every rank's states, for another world size).
-
-        The next iteration continues the saved epoch. Raises StateError naming the field when a
-        state does not fit this loader.
-        """
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        kind: str,
+        config: Callable[[], dict[str, Any]],
+    ) -> None:
+        """Continue from a saved state (or from every rank's states, for another world size) of a
+        loader of class `kind` made as `config()` says; StateError naming the field otherwise."""
         states = [state] if isinstance(state, Mapping) else list(state)
         if not states:
             raise StateError("state: no state given", field="state")
-        config = self._state_config()
+        made = config()
         for s in states:
-            check_config(s, type(self).__name__, config)
+            check_config(s, kind, made)
         own = pick_own(states, *self._plan.rank_and_world())
         self._plan.restore(own or states[0])  # before the plan recomputes the saved ranks' batches
         if own is not None:

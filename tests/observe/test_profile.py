@@ -86,7 +86,7 @@ def test_breaking_out_of_a_progress_loop_stops_the_epoch() -> None:
     with make() as loader:
         for _ in loader.iter(progress=True):
             break
-        assert not loader._live
+        assert not loader._epochs.live
 
 
 def test_live_line_reads_the_interval_between_two_snapshots() -> None:

@@ -144,7 +144,7 @@ def test_a_device_stage_counts_transfers() -> None:
         return torch.full((2,), float(key))
 
     loader: Loader[Any] = Loader(range(6), tensor, batch_size=2)
-    loader._device = DeviceStage(FakeBackend())
+    loader._epochs.device = DeviceStage(FakeBackend())
     with loader:
         assert len(list(loader)) == 3
         st = loader.stats()

@@ -740,5 +740,5 @@ def test_cpu_device_means_no_stage() -> None:
     from aioloader import Loader
 
     with Loader([1, 2], lambda k: torch.tensor(k), batch_size=2, device="cpu") as loader:
-        assert loader._device is None
+        assert loader._epochs.device is None
         assert torch.equal(next(iter(loader)), torch.tensor([1, 2]))
