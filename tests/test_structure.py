@@ -1,22 +1,20 @@
-"""A Loader is made of parts, not of bases: what one batch goes through is read in one class at a time.
+"""Parts, not bases: what one batch goes through is read in one class at a time.
 
 `DataLoader` hands a `Loader` its parts (`_parts.py`) and overrides none of its private methods; the
-loader's classes have at most one of the package's classes above them (a `DataLoader` is a `Loader`),
-not a chain of bases each overriding the one before.
+process pool owns its parts (`_executors/process/dispatcher.py`). Every class of the package (its
+modules walked with pkgutil and imported) has at most one of the package's classes above it (a
+`DataLoader` is a `Loader`), not a chain of bases each reaching the state of all below it. Exceptions
+and Protocols are left out: their hierarchies are what they name.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from pathlib import Path
+import pkgutil
 from typing import Any
 
-import pytest
-
 from aioloader import DataLoader, Loader
-
-PACKAGE = Path(__file__).resolve().parent.parent / "aioloader"
 
 # what Python (or `Generic`) puts in a class's namespace, and the constructor
 STRUCTURAL = {
@@ -30,8 +28,14 @@ TORCH_DUNDERS = {
     "set after init",
 }
 
-# the modules whose classes make up a loader
-MODULES = ("_loader.py", "_epochs.py", "_parts.py", "dataloader.py", "_resume", "_torch")
+# Chains that are known and not yet undone, with the reason: the test fails when one is undone (drop
+# it here) or a new one appears. S3, GCS and Azure build on `Listed`, which builds on `Remote`: the
+# listing is to become a part that a store owns (issue "The house, second pass").
+KNOWN_CHAINS = {
+    "aioloader.sources.stores.s3.S3": ["Listed", "Remote"],
+    "aioloader.sources.stores.gcs.GCS": ["Listed", "Remote"],
+    "aioloader.sources.stores.azure.Azure": ["Listed", "Remote"],
+}
 
 
 def private_overrides(cls: type, base: type) -> list[str]:
@@ -53,14 +57,9 @@ def package_bases(cls: type) -> list[str]:
 
 
 def module_names() -> list[str]:
-    names = []
-    for entry in MODULES:
-        path = PACKAGE / entry
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
-        for file in files:
-            parts = file.relative_to(PACKAGE.parent).with_suffix("").parts
-            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
+    """Every module of the package."""
+    root = importlib.import_module("aioloader")
+    return ["aioloader", *(m.name for m in pkgutil.walk_packages(root.__path__, "aioloader."))]
 
 
 def classes_of(module: str) -> list[type]:
@@ -85,15 +84,20 @@ def test_the_torch_dunders_are_the_dataloaders_own() -> None:
     assert set(TORCH_DUNDERS) <= defined  # else drop the exception from the list
 
 
-@pytest.mark.parametrize("module", module_names())
-def test_a_loaders_classes_have_one_package_base_at_most(module: str) -> None:
-    deep = {c.__qualname__: package_bases(c) for c in classes_of(module)}
-    assert {name: bases for name, bases in deep.items() if len(bases) > 1} == {}
+def test_no_class_builds_on_a_chain_of_the_packages_classes() -> None:
+    deep = {
+        f"{c.__module__}.{c.__qualname__}": package_bases(c)
+        for module in module_names()
+        for c in classes_of(module)
+        if len(package_bases(c)) > 1
+    }
+    assert deep == KNOWN_CHAINS
 
 
 def test_the_modules_are_found() -> None:
     names = module_names()
     assert {"aioloader._loader", "aioloader.dataloader", "aioloader._resume.resume"} <= set(names)
+    assert {"aioloader._executors.process.dispatcher", "aioloader.sources.stores.s3"} <= set(names)
     assert any(name.startswith("aioloader._torch.") for name in names)
 
 
