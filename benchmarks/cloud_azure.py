@@ -208,7 +208,7 @@ def start_store(n: int) -> Any:
     """Azurite with `n` blobs of SIZE bytes under PREFIX (None when it cannot run here)."""
     sys.path.insert(0, str(TESTS))
     import pytest
-    from azurite import start_azurite
+    from support.azurite import start_azurite
 
     try:
         server = start_azurite(Path(tempfile.mkdtemp(prefix="aioloader-w7-")), IN_MEMORY)

@@ -194,8 +194,8 @@ def main() -> None:
     import remote
     import torch
     from _delayproxy import Proxy
-    from gcsserver import start_gcs
-    from serverprocs import free_port
+    from support.gcsserver import start_gcs
+    from support.serverprocs import free_port
 
     from aioloader import ProcessExecutor
 

@@ -53,7 +53,7 @@ from aioloader import Loader
 from aioloader.sources import parquet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from s3server import ACCESS_KEY, REGION, SECRET_KEY, find_weed, start_seaweed
+from support.s3server import ACCESS_KEY, REGION, SECRET_KEY, find_weed, start_seaweed
 
 COLUMNS = ["id", "label", "tokens"]
 ROW_GROUP = 4096

@@ -190,7 +190,7 @@ def put_objects(server: Any, keys: list[str]) -> None:
 def run_s3(keys: list[str], concurrency: int) -> Result | None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     try:
-        from s3server import find_weed, start_seaweed
+        from support.s3server import find_weed, start_seaweed
     except ImportError as exc:
         print(f"S3 skipped: {exc}")
         return None

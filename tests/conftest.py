@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest_remote import *  # noqa: F403 - the remote-source fixtures (origin, proxy, seaweed)
-from fakes import POLL_INTERVAL_S, STOP_DEADLINE_S
+from support.fakes import POLL_INTERVAL_S, STOP_DEADLINE_S
+from support.remote_fixtures import *  # noqa: F403 - the remote-source fixtures (origin, proxy, seaweed)
 
 
 def loader_threads(ignore: set[int | None] | None = None) -> list[threading.Thread]:

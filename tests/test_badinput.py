@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from faultproxy import Origin
 from PIL import UnidentifiedImageError
 from scripts.images import decode_jpeg, jpeg
 from scripts.leakcheck import census, left_behind_after, warm_up
 from scripts.tarcraft import END, header, member, pax, pax_record, read_members
+from support.faultproxy import Origin
 
 from aioloader import CollateError, FetchError, Loader
 from aioloader.sources import files, http, tar_shards

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from s3server import SeaweedServer
+from support.s3server import SeaweedServer
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_TIMEOUT_S = 120

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from fakes import AsyncFetch, FakeSource, Gate, Keys, SyncFetch, TickingFetch, Tracker
+from support.fakes import AsyncFetch, FakeSource, Gate, Keys, SyncFetch, TickingFetch, Tracker
 
 from aioloader import Loader, LoaderTimeout, sources
 

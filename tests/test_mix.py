@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import Boom
-from faultproxy import Origin
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.fakes import Boom
+from support.faultproxy import Origin
 from torch.utils.data import DistributedSampler
 
 from aioloader import FetchError, Loader, Mix, MixedLoaders, MixKey, StateError, mix, sources

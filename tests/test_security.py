@@ -31,8 +31,8 @@ import psutil
 import pytest
 import torch
 from aiohttp import web
-from faultproxy import Fault, FaultProxy, Origin, ServerThread
 from scripts.tarcraft import END, member
+from support.faultproxy import Fault, FaultProxy, Origin, ServerThread
 
 from aioloader import FetchError, Loader, ProcessExecutor
 from aioloader._executors.process.arena import SLAB_LINKS, Arena

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from fakes import FakeSource
-from faultproxy import ServerThread
+from support.fakes import FakeSource
+from support.faultproxy import ServerThread
 
 from aioloader import DataLoader, Loader, sources
 from aioloader._observe.diagnose import BOTTLENECKS, Diagnosis, diagnose

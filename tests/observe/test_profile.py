@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from profile_factory import make
+from support.profile_factory import make
 
 from aioloader import Loader
 from aioloader._observe.profile import SAMPLE_INTERVAL_S, Sampler, draw, figure, plot, series
@@ -30,7 +30,7 @@ def test_profile_prints_the_table_and_the_verdict_and_saves_a_plot(tmp_path: Pat
     pytest.importorskip("matplotlib")
     pytest.importorskip("tqdm")
     png, trace = tmp_path / "p.png", tmp_path / "t.json"
-    done = cli("profile", "profile_factory:make", "--batches", "15", "--interval", "0.05",
+    done = cli("profile", "support.profile_factory:make", "--batches", "15", "--interval", "0.05",
                "--png", str(png), "--trace", str(trace))  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -51,7 +51,7 @@ def test_profile_takes_a_file_path_and_says_when_matplotlib_is_missing(tmp_path:
     done = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(stub)!r}); "
          "from aioloader.__main__ import main; sys.exit(main())",
-         "profile", str(TESTS / "profile_factory.py") + ":make", "--batches", "3", "--no-progress"],
+         "profile", str(TESTS / "support" / "profile_factory.py") + ":make", "--batches", "3", "--no-progress"],
         cwd=tmp_path, capture_output=True, text=True, timeout=90, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -60,10 +60,10 @@ def test_profile_takes_a_file_path_and_says_when_matplotlib_is_missing(tmp_path:
 
 
 def test_profile_refuses_what_is_not_a_loader() -> None:
-    done = cli("profile", "profile_factory:not_a_loader", "--no-png", "--no-progress")
+    done = cli("profile", "support.profile_factory:not_a_loader", "--no-png", "--no-progress")
     assert done.returncode == 2
     assert "not a Loader" in done.stdout
-    assert cli("profile", "profile_factory").returncode != 0
+    assert cli("profile", "support.profile_factory").returncode != 0
 
 
 def test_iter_with_progress_yields_the_same_batches(capsys: pytest.CaptureFixture[str]) -> None:

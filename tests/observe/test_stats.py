@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 import pytest
-from fakecuda import FakeBackend
-from fakes import FakeSource
+from support.fakecuda import FakeBackend
+from support.fakes import FakeSource
 
 from aioloader import Loader
 from aioloader._observe.stats import STAGES, LoaderStats, NullRecorder, Recorder, StageCounters

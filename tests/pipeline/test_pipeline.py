@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fakes import (
+from support.fakes import (
     WAIT_S,
     AsyncFailing,
     AsyncFetch,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fakecuda import FakeBackend, FakeStream, Op
+from support.fakecuda import FakeBackend, FakeStream, Op
 
 from aioloader._pipeline.handover import LoopThread
 from aioloader._pipeline.stages import END

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from azurite import ACCOUNT, KEY, AzuriteServer
-from faultproxy import Fault, FaultProxy
+from support.azurite import ACCOUNT, KEY, AzuriteServer
+from support.faultproxy import Fault, FaultProxy
 
 from aioloader import FetchError, InvalidKeyError, Loader
 from aioloader.sources import azure, tar_shards

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultproxy import Fault, FaultProxy, Origin
-from s3server import SeaweedServer
+from support.faultproxy import Fault, FaultProxy, Origin
+from support.s3server import SeaweedServer
 
 from aioloader import FetchError, Loader, sources
 from aioloader.sources.cache import disk as cache_module

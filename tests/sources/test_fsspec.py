@@ -11,7 +11,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from faultproxy import FaultProxy, Origin
+from support.faultproxy import FaultProxy, Origin
 
 from aioloader import FetchError, InvalidKeyError, Loader, sources
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultproxy import Fault, FaultProxy
-from gcsserver import AuthGate, GcsServer, TokenServer
+from support.faultproxy import Fault, FaultProxy
+from support.gcsserver import AuthGate, GcsServer, TokenServer
 
 from aioloader import FetchError, InvalidKeyError, Loader
 from aioloader.sources import gcs, tar_shards

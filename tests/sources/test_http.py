@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from faultproxy import KINDS, Fault, FaultProxy, Origin
+from support.faultproxy import KINDS, Fault, FaultProxy, Origin
 
 from aioloader import FetchError, InvalidKeyError, Loader
 from aioloader.sources.http import Http, http
@@ -264,7 +264,7 @@ def test_tls_is_verified_by_default(
     import ssl
 
     from aiohttp import web
-    from faultproxy import ServerThread
+    from support.faultproxy import ServerThread
 
     cert, key = tls_origin
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -291,7 +291,7 @@ def test_fast_engine_gives_way_to_aiohttp_without_content_length(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from aiohttp import web
-    from faultproxy import ServerThread
+    from support.faultproxy import ServerThread
 
     async def chunked(_request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()

@@ -17,12 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
-from azurite import AzuriteServer
-from faultproxy import Fault, FaultProxy, Origin
-from gcsserver import GcsServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from s3server import SeaweedServer
+from support.azurite import AzuriteServer
+from support.faultproxy import Fault, FaultProxy, Origin
+from support.gcsserver import GcsServer
+from support.s3server import SeaweedServer
 
 from aioloader import FetchError, Loader
 from aioloader._util.ranges import Ranges

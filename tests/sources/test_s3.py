@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultproxy import Fault, FaultProxy
-from s3server import DOMAIN, SeaweedServer
+from support.faultproxy import Fault, FaultProxy
+from support.s3server import DOMAIN, SeaweedServer
 
 from aioloader import FetchError, Loader
 from aioloader._tuning.aimd import Aimd

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import webdataset as wds
 from aiohttp import web
-from faultproxy import Fault, FaultProxy, Origin, ServerThread
-from s3server import SeaweedServer
+from support.faultproxy import Fault, FaultProxy, Origin, ServerThread
+from support.s3server import SeaweedServer
 
 from aioloader import FetchError, Loader
 from aioloader.sources.formats.options import ShardOptions

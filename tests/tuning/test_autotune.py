@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fakes import Tracker
+from support.fakes import Tracker
 
 from aioloader import Loader
 from aioloader._observe.stats import NullRecorder, Recorder

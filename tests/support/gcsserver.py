@@ -29,8 +29,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from faultproxy import ServerThread
-from serverprocs import free_port, stop
+
+from support.faultproxy import ServerThread
+from support.serverprocs import free_port, stop
 
 __all__ = [
     "AuthGate",

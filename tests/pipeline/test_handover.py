@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from fakes import POLL_INTERVAL_S, STOP_DEADLINE_S, WAIT_S, Gate, consume
+from support.fakes import POLL_INTERVAL_S, STOP_DEADLINE_S, WAIT_S, Gate, consume
 
 from aioloader import Loader, LoaderClosedError
 

@@ -2,9 +2,9 @@
 
 - `objects`: 48 objects of a few KiB each, named "obj/00000.bin" ..., with distinct contents.
 - `origin`: an `Origin` serving `objects` on 127.0.0.1; `proxy`: a `FaultProxy` in front of it.
-- `seaweed`: one SeaweedFS server (S3 API) per test session; see tests/s3server.py.
-- `gcs_server`: one fake-gcs-server per test session; see tests/gcsserver.py.
-- `azurite`: one Azurite (Azure Blob's emulator) per test session; see tests/azurite.py.
+- `seaweed`: one SeaweedFS server (S3 API) per test session; see support/s3server.py.
+- `gcs_server`: one fake-gcs-server per test session; see support/gcsserver.py.
+- `azurite`: one Azurite (Azure Blob's emulator) per test session; see support/azurite.py.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import random
 from collections.abc import Iterator
 
 import pytest
-from azurite import azurite
-from faultproxy import FaultProxy, Origin
-from gcsserver import gcs_server
-from s3server import SeaweedServer, start_seaweed
+
+from support.azurite import azurite
+from support.faultproxy import FaultProxy, Origin
+from support.gcsserver import gcs_server
+from support.s3server import SeaweedServer, start_seaweed
 
 __all__ = ["azurite", "gcs_server", "objects", "origin", "proxy", "seaweed"]
 

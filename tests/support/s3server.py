@@ -24,7 +24,8 @@ import pytest
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
-from serverprocs import free_ports, stop
+
+from support.serverprocs import free_ports, stop
 
 __all__ = ["ACCESS_KEY", "BUCKET", "DOMAIN", "SECRET_KEY", "SeaweedServer", "start_seaweed"]
 

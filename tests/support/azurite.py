@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serverprocs import free_port, stop
+
+from support.serverprocs import free_port, stop
 
 __all__ = ["ACCOUNT", "CONTAINER", "KEY", "AzuriteServer", "find_azurite", "start_azurite"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from faultproxy import Origin
+from support.faultproxy import Origin
 
 import aioloader
 from aioloader import Loader

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 from aiohttp import web
-from faultproxy import Origin, ServerThread
+from support.faultproxy import Origin, ServerThread
 
 import aioloader
 from aioloader import FetchError, Loader, ProcessExecutor, WorkerDied
