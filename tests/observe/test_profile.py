@@ -51,7 +51,8 @@ def test_profile_takes_a_file_path_and_says_when_matplotlib_is_missing(tmp_path:
     done = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(stub)!r}); "
          "from aioloader.__main__ import main; sys.exit(main())",
-         "profile", str(TESTS / "support" / "profile_factory.py") + ":make", "--batches", "3", "--no-progress"],
+         "profile", str(TESTS / "support" / "profile_factory.py") + ":make", "--batches", "3",
+         "--no-progress"],
         cwd=tmp_path, capture_output=True, text=True, timeout=90, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
