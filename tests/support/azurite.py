@@ -23,7 +23,7 @@ from support.serverprocs import free_port, stop
 
 __all__ = ["ACCOUNT", "CONTAINER", "KEY", "AzuriteServer", "find_azurite", "start_azurite"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is in tests/support/)
 # Azurite's own development account: its name and key are published with the emulator.
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -81,6 +81,8 @@ def start_azurite(workdir: Path, in_memory: bool = True) -> AzuriteServer:
         pytest.skip("Azure tests need node (for Azurite); none on PATH")
     exe = find_azurite()
     if exe is None:
+        if (ROOT / ".azurite" / ".installed").exists():  # installed, and not found: a bug, not a skip
+            raise RuntimeError(f"make setup installed Azurite in {ROOT / '.azurite'}, not found")
         pytest.skip("Azure tests need Azurite: `make setup` installs it into .azurite/")
     pytest.importorskip("azure.storage.blob", reason="pip install azure-storage-blob (dev extra)")
     port = free_port()
