@@ -81,7 +81,9 @@ def start_azurite(workdir: Path, in_memory: bool = True) -> AzuriteServer:
         pytest.skip("Azure tests need node (for Azurite); none on PATH")
     exe = find_azurite()
     if exe is None:
-        if (ROOT / ".azurite" / ".installed").exists():  # installed, and not found: a bug, not a skip
+        if (
+            ROOT / ".azurite" / ".installed"
+        ).exists():  # installed, and not found: a bug, not a skip
             raise RuntimeError(f"make setup installed Azurite in {ROOT / '.azurite'}, not found")
         pytest.skip("Azure tests need Azurite: `make setup` installs it into .azurite/")
     pytest.importorskip("azure.storage.blob", reason="pip install azure-storage-blob (dev extra)")
