@@ -30,7 +30,7 @@ from ._pipeline.epoch import Epoch
 from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
 from ._pipeline.stages import END, SKIPPED, BatchFailed, Stages
-from ._pipeline.transfer import DeviceStage, Feed
+from ._pipeline.transfer import BatchStage, Feed
 from ._resume.resume import Ledger
 from ._resume.state import Progress
 from .sources import Source
@@ -53,7 +53,7 @@ class Epochs:
         describer: Describer,
         *,
         source: Source | None,
-        device: DeviceStage | None,
+        device: BatchStage | None,
         timeout: float | None,
         use_caller_loop: bool,
     ) -> None:

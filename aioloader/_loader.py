@@ -99,7 +99,8 @@ class Loader(Generic[T]):
             None or "cpu": no transfer stage.
         device_prefetch: batches on the device ahead of the consumer at most.
         memory_format: torch.channels_last to store 4-D tensors so on the device.
-        pin_memory: stage through pinned memory (default: when a device is given).
+        pin_memory: stage through pinned memory (default: when a device is given); True without a
+            device pins each batch on the host (where an accelerator is present), as torch does.
         use_caller_loop: for `async for`, run the pipeline in the caller's event loop instead of the
             loader's own loop thread. Cheaper hand-over, but a consumer that blocks its loop (a model
             step that does not await) then stalls fetching; keep the default unless your steps await.

@@ -29,7 +29,7 @@ from ._executors.base import Executor, workers_of, writes_rows
 from ._executors.fetch_in_workers import FetchDecode
 from ._pipeline.order import KeyPlan, Plan
 from ._pipeline.stages import Stages
-from ._pipeline.transfer import DeviceStage
+from ._pipeline.transfer import BatchStage
 from ._resume.state import keys_digest
 from ._tuning.bounds import ErrorPolicy
 from ._tuning.memory import MemoryBudget
@@ -215,7 +215,7 @@ class Parts:
     use_caller_loop: bool = False
     source: Source | None = None  # closed with the loader; told each epoch (`set_epoch`)
     seed: int = 0
-    device: DeviceStage | None = None
+    device: BatchStage | None = None
     errors: ErrorPolicy | None = None  # None: raise at the first error
     budget: MemoryBudget | None = None  # None: the default byte budget
     stats: bool = True

@@ -47,7 +47,12 @@ from ._parts import Parts, Read, executor_kind
 from ._pipeline.collate import DEFAULT_COLLATE, BufferPool, make_collate
 from ._pipeline.order import KeyOrder, KeyPlan, Plan
 from ._pipeline.transfer import make_device_stage
-from ._torch.arguments import check_arguments, check_context, warn_if_many_workers, warn_pin_memory
+from ._torch.arguments import (
+    check_arguments,
+    check_context,
+    warn_if_many_workers,
+    warn_pin_memory_device,
+)
 from ._torch.defaults import collates, samplers
 from ._torch.reads import WorkerIds, batch_reader, converting, reads_batches
 from ._torch.sampler import SamplerPlan, draw_seed
@@ -83,6 +88,8 @@ class DataLoader(Loader[T]):
             torch's workers do (for a dataset that is not thread-safe); k: up to k at once.
         device, device_prefetch: move batches to this device through pinned memory and a side
             stream (see `Loader`); with `pin_memory=True` the copy is staged through pinned buffers.
+            Without a device, `pin_memory=True` pins each batch on the host, as torch does, so that
+            `batch.to(device, non_blocking=True)` in the loop does not wait for the copy.
 
     Map-style datasets (with `__getitems__` too), IterableDataset, any Sampler or BatchSampler
     (DistributedSampler included: call its `set_epoch`, or this loader's) and async datasets work.
@@ -154,7 +161,7 @@ class DataLoader(Loader[T]):
         self._workers: ProcessExecutor | None = None  # the worker processes, if any
         self._worker_setup: WorkerSetup | None = None  # how they are seeded and set up
         if device is None:
-            warn_pin_memory(pin_memory, pin_memory_device)  # else the device stage checks it
+            warn_pin_memory_device(pin_memory, pin_memory_device)
         iterable = isinstance(dataset, IterableDataset)
         self.batch_size, self.drop_last = batch_size, drop_last
         self.sampler, self.batch_sampler = samplers(
@@ -183,7 +190,7 @@ class DataLoader(Loader[T]):
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, timeout=timeout or None,
             device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
-            ) if device is not None else None,
+            ),
             batch_errors=True, budget=self._budget,
             hooks=torch_parts, describer=torch_parts, state=torch_parts,
         ))  # fmt: skip

@@ -42,6 +42,7 @@ from .pinned import PinnedPool, Slab, round_up, slab_size
 from .stages import END
 
 __all__ = [
+    "BatchStage",
     "CudaBackend",
     "DeviceBackend",
     "DeviceStage",
@@ -67,7 +68,7 @@ class Staged:
 
     batch: Any
     tensors: list[torch.Tensor]
-    event: Event
+    event: Event | None  # None: nothing to wait for (pinned on the host only)
     on_hand_over: Callable[[], None] | None = None
     handed_over: bool = False
 
@@ -170,6 +171,7 @@ class DeviceStage:
             raise RuntimeError("this batch was already handed over")
         staged.handed_over = True
         stream = self.backend.current_stream()
+        assert staged.event is not None
         stream.wait_event(staged.event)
         for t in staged.tensors:
             self.backend.record_stream(t, stream)
@@ -243,6 +245,18 @@ class DeviceStage:
             self._held.clear()
 
 
+class BatchStage(Protocol):
+    """What `Feed` and the loader's epochs drive: `DeviceStage`, or `PinStage` (pinned on the host only)."""
+
+    device_prefetch: int
+
+    async def astage(self, batch: Any) -> Staged: ...
+    def hand_over(self, staged: Staged) -> Any: ...
+    def feed(self, epoch: _Batches, recorder: Recorder | None = None) -> Feed: ...
+    def stats(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
 class _Batches(Protocol):
     """What `Feed` wraps: an `Epoch` (get, aclose, cancel, loop)."""
 
@@ -264,7 +278,7 @@ class Feed:
     """
 
     def __init__(
-        self, stage: DeviceStage, epoch: _Batches, recorder: Recorder | None = None
+        self, stage: BatchStage, epoch: _Batches, recorder: Recorder | None = None
     ) -> None:
         self._stage, self._epoch = stage, epoch
         self._rec = recorder or Recorder()  # times each staging as the "transfer" stage
@@ -339,13 +353,16 @@ def make_device_stage(
     device_prefetch: int = 2,
     memory_format: torch.memory_format | None = None,
     backend: Callable[[torch.device], DeviceBackend] = CudaBackend,
+    accelerator: Callable[[], bool] | None = None,
     stacklevel: int = 2,
-) -> DeviceStage | None:
+) -> BatchStage | None:
     """The transfer stage for `device`, or None where there is nothing to transfer.
 
-    None for `device=None` or a CPU device, without touching CUDA; `pin_memory=True` then warns once
-    when no accelerator is present (as torch's DataLoader does) and pins nothing. `pin_memory=None`
-    means: pin when a device is given. Raises ValueError for other device types, RuntimeError when
+    For `device=None` or a CPU device: None without touching CUDA, unless `pin_memory=True`. Then,
+    as torch's DataLoader does, each batch's CPU tensors are pinned on the host (a `PinStage`, so
+    that the consumer's `.to(device, non_blocking=True)` does not wait), or, when no accelerator
+    is present, a warning is given once and nothing is pinned. `pin_memory=None` means: pin when
+    a device is given. Raises ValueError for other device types, RuntimeError when
     CUDA is asked for and absent.
     """
     check_int("device_prefetch", device_prefetch, minimum=1)
@@ -356,9 +373,14 @@ def make_device_stage(
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: not a device: {device!r}") from exc
     if target is None or target.type == "cpu":
-        if pin_memory and not torch.accelerator.is_available():
+        if not pin_memory:
+            return None
+        if not (accelerator or torch.accelerator.is_available)():
             warnings.warn(_NO_ACCELERATOR, stacklevel=stacklevel)
-        return None
+            return None
+        from .pin import PinStage  # torch's DataLoader(pin_memory=True): pinned host batches
+
+        return PinStage(device_prefetch=device_prefetch)
     if target.type != "cuda":
         raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {str(target)!r}")
     return DeviceStage(
@@ -367,24 +389,27 @@ def make_device_stage(
     )  # fmt: skip
 
 
-def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`obj` with `fn` applied to each CPU tensor leaf, depth first; other leaves kept as they are."""
+def _map(
+    obj: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] | None = None
+) -> Any:
+    """`obj` with `fn` applied to each CPU tensor leaf, depth first; other leaves kept as they are,
+    or passed through `other` where given."""
     if isinstance(obj, torch.Tensor):
         return fn(obj) if obj.device.type == "cpu" else obj
     if isinstance(obj, Mapping):
-        moved = {key: _map(value, fn) for key, value in obj.items()}
+        moved = {key: _map(value, fn, other) for key, value in obj.items()}
         if isinstance(obj, MutableMapping):
             out = copy.copy(obj)
             out.update(moved)
             return out
         return _rebuilt(obj, moved, dict)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map(value, fn) for value in obj))
+        return type(obj)(*(_map(value, fn, other) for value in obj))
     if isinstance(obj, list | tuple):
         return _rebuilt(
-            obj, [_map(value, fn) for value in obj], list if isinstance(obj, list) else tuple
+            obj, [_map(value, fn, other) for value in obj], list if isinstance(obj, list) else tuple
         )
-    return obj
+    return obj if other is None else other(obj)
 
 
 def _rebuilt(obj: Any, items: Any, fallback: Callable[[Any], Any]) -> Any:

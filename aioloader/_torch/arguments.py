@@ -8,10 +8,9 @@ import warnings
 from multiprocessing.context import BaseContext
 from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset
 
-__all__ = ["check_arguments", "check_context", "warn_if_many_workers", "warn_pin_memory"]
+__all__ = ["check_arguments", "check_context", "warn_if_many_workers", "warn_pin_memory_device"]
 
 
 def check_arguments(
@@ -65,18 +64,12 @@ def check_arguments(
         )
 
 
-def warn_pin_memory(pin_memory: bool, pin_memory_device: str) -> None:
-    """torch's warnings for `pin_memory` without an accelerator, and for `pin_memory_device`."""
+def warn_pin_memory_device(pin_memory: bool, pin_memory_device: str) -> None:
+    """torch's warning for `pin_memory_device` (the one for no accelerator: `make_device_stage`)."""
     if pin_memory and pin_memory_device:
         warnings.warn(
             "pin_memory_device is deprecated, the current accelerator will be used as the "
             f"device, ignore pin_memory_device='{pin_memory_device}'.",
-            stacklevel=3,
-        )
-    if pin_memory and not torch.accelerator.is_available():
-        warnings.warn(
-            "'pin_memory' argument is set as true but no accelerator is found, "
-            "then device pinned memory won't be used.",
             stacklevel=3,
         )
 

@@ -671,6 +671,9 @@ def test_gpu_feed_keeps_every_value_with_a_slow_stream(slow: str) -> None:
                 del batch  # its memory must not serve a later copy before the check above has run
         runner.run(feed.aclose(), 10.0)
         assert len(results) == 40
+        # The checks ran on `consumer`, which the default stream (where `bool` reads them) does not
+        # wait for: torch's streams do not synchronise with it.
+        consumer.synchronize()
         assert all(bool(r) for r in results)
         stats = stage.stats()
         assert stats["slabs_reused"] + stats["slab_waits"] > 0
@@ -697,6 +700,45 @@ def test_gpu_channels_last_and_registered_memory() -> None:
             stage.unregister_host_memory(slab)
     finally:
         stage.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("front", ["Loader", "DataLoader"])
+def test_gpu_loaders_hand_over_every_value_to_a_busy_default_stream(front: str) -> None:
+    """End to end on a real GPU: the consumer's (default) stream is busy before each batch is read."""
+    from aioloader import DataLoader, Loader
+
+    loader: Any
+    if front == "Loader":
+        loader = Loader(range(24), _sample, batch_size=4, device="cuda")
+    else:
+        loader = DataLoader(_Indexed(24, _sample), batch_size=4, num_workers=2, device="cuda")
+    sums = []
+    with loader:
+        for batch in loader:
+            assert batch.device.type == "cuda"
+            torch.cuda._sleep(1_000_000)  # a model step still running on the default stream
+            sums.append(batch[:, 0, 0].sum())
+    torch.cuda.synchronize()
+    assert [float(s) for s in sums] == [
+        float(4 * b + 4 * b + 1 + 4 * b + 2 + 4 * b + 3) for b in range(6)
+    ]
+
+
+def _sample(i: int) -> torch.Tensor:
+    return torch.full((64, 1024), float(i))
+
+
+class _Indexed(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, n: int, make: Callable[[int], torch.Tensor]) -> None:
+        self.n, self.make = n, make
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.make(i)
 
 
 # -- wired into the loaders ------------------------------------------------------------------------
