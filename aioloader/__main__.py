@@ -1,8 +1,11 @@
-"""Command line: `python -m aioloader profile MODULE:FACTORY` (see `python -m aioloader -h`).
+"""Command line: `python -m aioloader profile MODULE:FACTORY`, `python -m aioloader manifest URL -o FILE`.
 
 `profile` calls FACTORY() (a function of MODULE, a module name or a path to a .py file, that returns a
 Loader), draws `--batches` batches from it with a progress bar, then prints the stats table and the
 verdict of `loader.diagnose()`, and saves throughput and occupancy over time as a PNG.
+
+`manifest` lists the objects under URL (s3://, gs:// or az://; credentials as the sources find them)
+once and writes their keys, sizes and ETags to FILE, for a source's `manifest=` argument.
 """
 
 from __future__ import annotations
@@ -53,7 +56,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-png", action="store_true", help="do not plot")
     p.add_argument("--trace", help="also write a Perfetto/Chrome trace to this path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m = commands.add_parser("manifest", help="list a prefix once, write its manifest")
+    m.add_argument("url", help="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix")
+    m.add_argument("-o", "--output", required=True, help="the manifest file to write")
+    m.add_argument("--endpoint-url", help="the store's endpoint (an emulator, S3-compatible store)")
+    m.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="another argument of the source (a string), e.g. region=eu-west-1")  # fmt: skip
     return parser
+
+
+def manifest(args: argparse.Namespace) -> int:
+    from . import sources
+
+    makers = {"s3": sources.s3, "gs": sources.gcs, "az": sources.azure}
+    scheme = args.url.partition("://")[0]
+    if scheme not in makers:
+        print(f"aioloader: url must start with s3://, gs:// or az://, got {args.url!r}")
+        return 2
+    options: dict[str, Any] = dict(o.partition("=")[::2] for o in args.option)
+    if args.endpoint_url:
+        options["endpoint_url"] = args.endpoint_url
+    source = makers[scheme](args.url, **options)
+    listed = source.manifest()
+    path = listed.write(args.output)
+    size = path.stat().st_size
+    print(f"{len(listed.keys)} objects under {listed.where}: {path} ({size} bytes)")
+    return 0
 
 
 def profile(args: argparse.Namespace) -> int:
@@ -80,7 +108,7 @@ def profile(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return profile(args)
+    return manifest(args) if args.command == "manifest" else profile(args)
 
 
 if __name__ == "__main__":

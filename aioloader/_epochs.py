@@ -27,10 +27,10 @@ from typing import Any, TypeVar
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._parts import Describer, EpochHooks
 from ._pipeline.epoch import Epoch
+from ._pipeline.feed import BatchStage, Feed
 from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
 from ._pipeline.stages import END, SKIPPED, BatchFailed, Stages
-from ._pipeline.transfer import BatchStage, Feed
 from ._resume.resume import Ledger
 from ._resume.state import Progress
 from .sources import Source

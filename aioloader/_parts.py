@@ -27,9 +27,9 @@ from typing import Any, Protocol
 from ._arguments import _name
 from ._executors.base import Executor, workers_of, writes_rows
 from ._executors.fetch_in_workers import FetchDecode
+from ._pipeline.feed import BatchStage
 from ._pipeline.order import KeyPlan, Plan
 from ._pipeline.stages import Stages
-from ._pipeline.transfer import BatchStage
 from ._resume.state import keys_digest
 from ._tuning.bounds import ErrorPolicy
 from ._tuning.memory import MemoryBudget

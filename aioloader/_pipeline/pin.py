@@ -21,7 +21,7 @@ import torch
 
 from .._observe.stats import Recorder
 from .._util.threads import LazyThreadPool
-from .transfer import Feed, Staged, _Batches, _map
+from .feed import Feed, Staged, _Batches, map_leaves
 
 __all__ = ["PinStage"]
 
@@ -56,7 +56,7 @@ class PinStage:
             leaves[0] += 1
             return self._pin(t)
 
-        out = _map(batch, pin, other=_pin_object)
+        out = map_leaves(batch, pin, other=_pin_object)
         self._count(staged=1, ahead=1, leaves=leaves[0])
         return Staged(out, [], None)
 

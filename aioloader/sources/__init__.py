@@ -16,6 +16,7 @@ from .parquet import parquet as parquet
 from .protocol import Source as Source
 from .s3 import S3 as S3
 from .s3 import s3 as s3
+from .stores.manifest import Manifest as Manifest
 from .tar import SampleRef as SampleRef
 from .tar import TarShards as TarShards
 from .tar import tar_shards as tar_shards
@@ -28,6 +29,7 @@ __all__ = [
     "Files",
     "Fsspec",
     "Http",
+    "Manifest",
     "Parquet",
     "ParquetError",
     "RemoteOptions",

@@ -40,6 +40,7 @@ class Pinned:
 
     def __init__(self) -> None:
         self.ids: set[int] = set()
+        self.kept: list[torch.Tensor] = []  # alive, so that no later tensor takes one of their ids
         self.threads: set[str] = set()
         self.lock = threading.Lock()
 
@@ -47,6 +48,7 @@ class Pinned:
         out = t.clone()
         with self.lock:
             self.ids.add(id(out))
+            self.kept.append(out)
             self.threads.add(threading.current_thread().name)
         return out
 

@@ -9,6 +9,7 @@ the whole source (AIMD, see `_tuning/aimd.py`); `stats()["concurrency_limit"]` s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -28,6 +29,7 @@ from .azureauth import (
     parse_listing,
 )
 from .listing import Listed, Page
+from .manifest import Manifest
 
 __all__ = ["Azure", "azure"]
 
@@ -67,6 +69,7 @@ class Azure(Listed):
         min_concurrency: int = 1,
         page_size: int = 1000,
         stream_keys: bool = False,
+        manifest: str | os.PathLike[str] | Manifest | None = None,
         remote: RemoteOptions | None = None,
         **options: Any,
     ) -> None:
@@ -93,7 +96,7 @@ class Azure(Listed):
         self.account = found.account
         self.base = f"{endpoint}/{quote(self.container, safe='')}/"
         self._sas = f"?{found.sas}" if found.sas else ""
-        self._listed(keys, stream_keys)
+        self._listed(keys, stream_keys, manifest)
         self.page_size = min(page_size, MAX_PAGE)
         self._options: dict[str, Any] = {
             **shared.transport_options(),
@@ -188,6 +191,9 @@ def azure(url: str, keys: Sequence[str] | None = None, **options: Any) -> Azure:
         concurrency, min_concurrency: the largest and smallest number of requests in flight.
         page_size: names per List Blobs page (at most 5000).
         stream_keys: `keys()` streams the listing (an async iterable) instead of listing it all first.
+        manifest: a `Manifest` or the file `python -m aioloader manifest URL -o FILE` wrote: its
+            keys, sizes and ETags, read instead of listing (ValueError if it lists another prefix).
+            Without one, ranks of a torch.distributed job list the prefix once for the whole job.
         connect_timeout, read_timeout, deadline, attempts, backoff, max_backoff, ssl, engine: as for
             `http()`.
     """

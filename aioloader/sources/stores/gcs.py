@@ -26,6 +26,7 @@ from ..transport.responses import Failure
 from .gcsauth import Bearer, Found, Tokens, find_credentials, parse_gs_url
 from .listing import Listed, Page
 from .listobjects import Listing, list_query, parse_listing
+from .manifest import Manifest
 
 __all__ = ["GCS", "gcs"]
 
@@ -62,6 +63,7 @@ class GCS(Listed):
         min_concurrency: int = 1,
         page_size: int = 1000,
         stream_keys: bool = False,
+        manifest: str | os.PathLike[str] | Manifest | None = None,
         remote: RemoteOptions | None = None,
         **options: Any,
     ) -> None:
@@ -70,7 +72,7 @@ class GCS(Listed):
         shared = RemoteOptions.of(remote, options, "gcs")
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_gs_url(url)
-        self._listed(keys, stream_keys)
+        self._listed(keys, stream_keys, manifest)
         self.endpoint, emulator = _endpoint(endpoint_url)
         self.credentials: Found = find_credentials(
             token=token, credentials_file=credentials_file, hmac_key=hmac,
@@ -218,6 +220,9 @@ def gcs(url: str, keys: Sequence[str] | None = None, **options: Any) -> GCS:
         concurrency, min_concurrency: the largest and smallest number of requests in flight.
         page_size: objects per listing page (at most 1000).
         stream_keys: `keys()` streams the listing (an async iterable) instead of listing it all first.
+        manifest: a `Manifest` or the file `python -m aioloader manifest URL -o FILE` wrote: its
+            keys, sizes and ETags, read instead of listing (ValueError if it lists another prefix).
+            Without one, ranks of a torch.distributed job list the prefix once for the whole job.
         connect_timeout, read_timeout, deadline, attempts, backoff, max_backoff, ssl, engine: as for
             `http()`.
     """

@@ -8,6 +8,7 @@ loop); the keys, the streamed listing, `size(key)` and `etag(key)` are these.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import NamedTuple
@@ -15,6 +16,7 @@ from typing import NamedTuple
 from ..._exceptions import FetchError
 from ..transport.client import Transport
 from ..transport.remote import Remote
+from .manifest import Manifest, share_listing
 
 __all__ = ["Listed", "Page"]
 
@@ -34,12 +36,34 @@ class Listed(Remote):
     _given: list[str] | None
     _kind = "remote"  # names the listing thread ("aioloader-s3-list")
 
-    def _listed(self, keys: Sequence[str] | None, stream_keys: bool) -> None:
-        """Set up the listing state (called by the constructor): the keys given, if any."""
+    def _listed(
+        self,
+        keys: Sequence[str] | None,
+        stream_keys: bool,
+        manifest: str | os.PathLike[str] | Manifest | None = None,
+    ) -> None:
+        """Set up the listing state (called by the constructor, after `where` is known): the keys
+        given, if any, or those of `manifest` (a `Manifest` or its file), with their sizes and ETags."""
+        if manifest is not None and keys is not None:
+            raise ValueError("keys and manifest: give one of them, not both")
         self._given = None if keys is None else list(keys)
         self.stream_keys = stream_keys
         self._sizes: dict[str, int] = {}  # from the listings (`size`)
         self._etags: dict[str, str] = {}  # from the listings (`etag`): a cached copy is checked
+        if manifest is not None:
+            given = manifest if isinstance(manifest, Manifest) else Manifest.read(manifest)
+            if given.where != self.where:
+                raise ValueError(
+                    f"manifest: it lists {given.where}, not this source's {self.where}"
+                )
+            self._adopt(given)
+
+    def _adopt(self, manifest: Manifest, given: bool = True) -> None:
+        """Take `manifest`'s sizes and ETags, and its keys as the given ones (`given`)."""
+        if given:
+            self._given = manifest.keys
+        self._sizes.update(zip(manifest.keys, manifest.sizes.tolist(), strict=True))
+        self._etags.update((k, e) for k, e in zip(manifest.keys, manifest.etags, strict=True) if e)
 
     @property
     def where(self) -> str:
@@ -99,7 +123,19 @@ class Listed(Remote):
         return self._list_now()
 
     def _list_now(self) -> list[str]:
-        """List the prefix on a thread of its own (with its own loop and transport), blocking."""
+        """Every key under the prefix, listed once for the job (see `share_listing`), blocking."""
+        manifest = share_listing(self.where, self.manifest)
+        self._adopt(manifest, given=False)  # the next call lists again
+        return list(manifest.keys)
+
+    def manifest(self) -> Manifest:
+        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
+        keys = self._list_here()
+        return Manifest.of(
+            self.where, keys, [self._sizes[k] for k in keys], [self._etags.get(k, "") for k in keys]
+        )
+
+    def _list_here(self) -> list[str]:
         found: list[str] = []
         errors: list[BaseException] = []
 

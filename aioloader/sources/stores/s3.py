@@ -7,6 +7,7 @@ than having every request retry at full concurrency; `stats()["concurrency_limit
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
@@ -21,6 +22,7 @@ from ..transport.redact import redact_url
 from ..transport.remote import RemoteOptions
 from .listing import Listed, Page
 from .listobjects import list_query, parse_listing
+from .manifest import Manifest
 from .s3auth import AwsConfig, Signer, bucket_base, parse_s3_url
 
 __all__ = ["S3", "s3"]
@@ -56,6 +58,7 @@ class S3(Listed):
         min_concurrency: int = 1,
         page_size: int = 1000,
         stream_keys: bool = False,
+        manifest: str | os.PathLike[str] | Manifest | None = None,
         remote: RemoteOptions | None = None,
         **options: Any,
     ) -> None:
@@ -65,7 +68,7 @@ class S3(Listed):
         concurrency = shared.concurrency
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_s3_url(url)
-        self._listed(keys, stream_keys)
+        self._listed(keys, stream_keys, manifest)
         config = AwsConfig(profile)
         self.signer = Signer(credentials, region=region, anonymous=anonymous, config=config)
         endpoint_from = "endpoint_url"
@@ -143,6 +146,9 @@ def s3(url: str, keys: Sequence[str] | None = None, **options: Any) -> S3:
         concurrency, min_concurrency: the largest and smallest number of requests in flight.
         page_size: keys per ListObjectsV2 page (at most 1000).
         stream_keys: `keys()` streams the listing (an async iterable) instead of listing it all first.
+        manifest: a `Manifest` or the file `python -m aioloader manifest URL -o FILE` wrote: its
+            keys, sizes and ETags, read instead of listing (ValueError if it lists another prefix).
+            Without one, ranks of a torch.distributed job list the prefix once for the whole job.
         connect_timeout, read_timeout, deadline, attempts, backoff, max_backoff, ssl, engine: as for
             `http()`.
     """
