@@ -10,7 +10,11 @@ as a subprocess, on a free port or the one given, and waits until it has written
 forwarded and the bytes it sent back, and writes them to PORT_FILE.counts on SIGUSR1 (`counts()`).
 
 Usage (from Proxy): python benchmarks/_delayproxy.py PORT_FILE --upstream HOST:PORT --delay-ms MS
-                    [--port P]
+                    [--port P] [--throttle RATE:SECONDS]
+
+It also counts the requests by kind ("list", "get", "head": from each request's first line) and,
+with `--throttle`, answers requests above RATE per second with S3's 503 SlowDown for SECONDS from
+the first request (a store that throttles a job's start).
 """
 
 from __future__ import annotations
@@ -27,14 +31,55 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+_SLOW_BODY = (
+    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+)
+SLOW_DOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_SLOW_BODY), _SLOW_BODY)
+)
+SLOW_DOWN_HEAD = b"HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n"
+
+
+def _kind(data: bytes) -> str:
+    """What a client write asks for: "list" (ListObjectsV2), "get", "head", or "other" (a body)."""
+    line = data[: data.find(b"\r\n")] if b"\r\n" in data[:4096] else b""
+    if line.startswith(b"GET "):
+        return "list" if b"list-type=" in line else "get"
+    if line.startswith(b"HEAD "):
+        return "head"
+    return "other"
+
+
+class Throttle:
+    """Refuse requests above `rate` per second during `seconds` from the first request (503 SlowDown)."""
+
+    def __init__(self, rate: float, seconds: float) -> None:
+        self.rate, self.seconds = rate, seconds
+        self.start: float | None = None
+        self.window, self.used = -1, 0
+
+    def refuses(self) -> bool:
+        now = time.monotonic()
+        self.start = now if self.start is None else self.start
+        if now - self.start >= self.seconds:
+            return False
+        window = int((now - self.start) * 10)  # tenths of a second: rate / 10 requests in each
+        if window != self.window:
+            self.window, self.used = window, 0
+        self.used += 1
+        return self.used > max(1.0, self.rate / 10)
+
 
 class _Side(asyncio.Protocol):
     """One end of a proxied connection: what arrives is written to `peer`, `delay` seconds late
     (the client's side: each request is one write, so each request waits once; the server's
     side passes at once). `counts` gathers the client writes and the bytes sent back."""
 
-    def __init__(self, delay: float, counts: dict[str, int]) -> None:
-        self.delay, self.counts = delay, counts
+    def __init__(
+        self, delay: float, counts: dict[str, int], throttle: Throttle | None = None
+    ) -> None:
+        self.delay, self.counts, self.throttle = delay, counts, throttle
         self.transport: asyncio.Transport | None = None
         self.peer: _Side | None = None
         self.early: list[bytes] = []  # what came before the peer was connected
@@ -45,10 +90,21 @@ class _Side(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.delay:
             self.counts["requests"] += 1
+            kind = _kind(data)
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            if kind != "other" and self.throttle is not None and self.throttle.refuses():
+                self.counts["throttled"] = self.counts.get("throttled", 0) + 1
+                answer = SLOW_DOWN_HEAD if kind == "head" else SLOW_DOWN
+                asyncio.get_running_loop().call_later(self.delay, self._answer, answer)
+                return
             asyncio.get_running_loop().call_later(self.delay, self._pass, data)
         else:
             self.counts["bytes"] += len(data)
             self._pass(data)
+
+    def _answer(self, answer: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(answer)
 
     def _pass(self, data: bytes) -> None:
         if self.peer is None or self.peer.transport is None:
@@ -76,9 +132,13 @@ class _Side(asyncio.Protocol):
             asyncio.get_running_loop().call_later(delay, self.peer.transport.close)
 
 
-def serve(port_file: str, upstream: str, delay_ms: float, port: int = 0) -> None:
+def serve(
+    port_file: str, upstream: str, delay_ms: float, port: int = 0, throttle: str = ""
+) -> None:
     """Forward connections on `port` (0: any free one) to `upstream` (host:port), each client
-    write `delay_ms` late; the port is written to `port_file` once listening."""
+    write `delay_ms` late; the port is written to `port_file` once listening. `throttle`
+    "RATE:SECONDS" answers requests above RATE per second with 503 SlowDown for SECONDS."""
+    limit = Throttle(*map(float, throttle.split(":"))) if throttle else None
     try:
         import uvloop
 
@@ -105,7 +165,7 @@ def serve(port_file: str, upstream: str, delay_ms: float, port: int = 0) -> None
             client.connected(server)
 
         def accepted() -> _Side:
-            client = _Side(delay_ms / 1000, counts)
+            client = _Side(delay_ms / 1000, counts, limit)
             task = loop.create_task(connect(client))
             connecting.add(task)
             task.add_done_callback(connecting.discard)
@@ -126,11 +186,11 @@ def serve(port_file: str, upstream: str, delay_ms: float, port: int = 0) -> None
 class Proxy:
     """A running proxy subprocess: `url` to point clients at, `counts()`, `stop()`."""
 
-    def __init__(self, upstream: str, delay_ms: float, port: int = 0) -> None:
+    def __init__(self, upstream: str, delay_ms: float, port: int = 0, throttle: str = "") -> None:
         self._port_file = Path(tempfile.mkdtemp()) / "port"
         netloc = urlsplit(upstream).netloc
         cmd = [sys.executable, __file__, str(self._port_file), "--upstream", netloc,
-               "--delay-ms", str(delay_ms), "--port", str(port)]  # fmt: skip
+               "--delay-ms", str(delay_ms), "--port", str(port), "--throttle", throttle]  # fmt: skip
         self.proc = subprocess.Popen(cmd)
         deadline = time.monotonic() + 30
         while not self._port_file.exists() or not self._port_file.read_text():
@@ -163,8 +223,9 @@ def main() -> None:
     parser.add_argument("--upstream", required=True, help="host:port to forward to")
     parser.add_argument("--delay-ms", type=float, required=True, help="delay per request")
     parser.add_argument("--port", type=int, default=0, help="where to listen (0: any free port)")
+    parser.add_argument("--throttle", default="", help="RATE:SECONDS of 503 SlowDown above RATE/s")
     args = parser.parse_args()
-    serve(args.port_file, args.upstream, args.delay_ms, args.port)
+    serve(args.port_file, args.upstream, args.delay_ms, args.port, args.throttle)
 
 
 if __name__ == "__main__":
