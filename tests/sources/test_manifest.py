@@ -6,6 +6,7 @@ ListObjectsV2 request is a GET of the bucket's own path.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -156,29 +157,62 @@ def test_the_command_line_writes_a_manifest(
     assert "s3://, gs:// or az://" in bad.stdout
 
 
-def test_ranks_that_share_a_store_list_once(tmp_path: Path) -> None:
-    """Four ranks' clients of one TCPStore: the first lists, the others get its manifest."""
-    master = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False)
-    clients = [dist.TCPStore("127.0.0.1", master.port, 4, is_master=False) for _ in range(3)]
+class Counted:
+    """A rank's store client that counts the values it takes from the store, by key."""
+
+    def __init__(self, store: dist.Store, gets: collections.Counter[str]) -> None:
+        self.store, self.gets = store, gets
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.store.add(key, amount))
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.gets[key.rsplit("/", 1)[-1]] += 1
+        return bytes(self.store.get(key))
+
+    def wait(self, keys: list[str]) -> None:
+        self.store.wait(keys)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_ranks_that_share_a_store_list_once_and_fetch_once_per_node(nodes: int) -> None:
+    """Eight ranks' clients of one TCPStore: the first lists, the first of each node takes the
+    manifest from the store, the node's others map the file it wrote."""
+    master = dist.TCPStore("127.0.0.1", 0, 8, is_master=True, wait_for_workers=False)
+    clients = [dist.TCPStore("127.0.0.1", master.port, 8, is_master=False) for _ in range(7)]
+    gets: collections.Counter[str] = collections.Counter()
     calls: list[int] = []
     made = Manifest.of("s3://b/p/", ["p/a", "p/b"], [3, 4], ['"x"', ""])
     got: dict[int, Manifest] = {}
+    errors: list[BaseException] = []
 
-    def rank(i: int, store: dist.Store) -> None:
+    def rank(i: int, store: Counted) -> None:
         def list_here() -> Manifest:
             calls.append(i)
             return made
 
-        got[i] = share_listing("s3://b/p/", list_here, store)
+        try:
+            where = f"s3://b/p{nodes}/"  # each test its own: a process counts its listings
+            got[i] = share_listing(where, list_here, store, f"n{i % nodes}")
+        except BaseException as exc:
+            errors.append(exc)
 
-    threads = [threading.Thread(target=rank, args=(i, s)) for i, s in enumerate([master, *clients])]
+    stores = [Counted(s, gets) for s in [master, *clients]]  # alive: one per rank, as in a job
+    threads = [threading.Thread(target=rank, args=(i, s)) for i, s in enumerate(stores)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert not errors
     assert len(calls) == 1
+    assert sorted(got) == list(range(8))
     assert all(m.keys == made.keys and m.etags == made.etags for m in got.values())
-    assert sorted(got) == [0, 1, 2, 3]
+    assert all(m.sizes.tolist() == [3, 4] for m in got.values())
+    assert gets["data"] == nodes  # the manifest left the store once per node
+    assert gets["file"] == 8 - 1 - nodes  # the others read the node's file
 
 
 def test_a_failed_listing_reaches_every_rank_as_an_error() -> None:

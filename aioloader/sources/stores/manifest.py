@@ -16,11 +16,15 @@ to the others through the job's key-value store, so a job lists once whatever it
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
+import mmap
 import os
 import re
+import socket
 import struct
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -178,15 +182,20 @@ def job_store() -> KeyValueStore | None:
 
 
 def share_listing(
-    where: str, list_here: Callable[[], Manifest], store: KeyValueStore | None = None
+    where: str,
+    list_here: Callable[[], Manifest],
+    store: KeyValueStore | None = None,
+    node: str | None = None,
 ) -> Manifest:
     """`list_here()` on the first rank of the job that asks for `where`; the others get its manifest.
 
     Ranks ask in the same order (each process counts its listings of `where` through its store), so
     the n-th listing of each rank is the same one; a rank that asks more often than the others lists
     those extra times itself rather than wait. Where no process group is up (and no `store` is
-    given), it lists here. A rank whose listing fails passes the error on: the others raise
-    `FetchError` instead of waiting for it.
+    given), it lists here. The manifest crosses the network once per node (`node`: this host's
+    name): the first rank of a node to ask takes it from the store and writes it to a file of the
+    node's temporary folder, which the node's other ranks map. A rank whose listing fails passes the
+    error on: the others raise `FetchError` instead of waiting for it.
     """
     store = store if store is not None else job_store()
     if store is None:
@@ -202,12 +211,43 @@ def share_listing(
             raise
         store.set(f"{key}/data", b"M" + manifest.to_bytes())
         return manifest
-    store.wait([f"{key}/data"])
-    data = store.get(f"{key}/data")
-    if data[:1] == b"E":
-        raise FetchError(
-            f"listing of {where} failed on the rank that listed it for the job: "
-            f"{data[1:].decode(errors='replace')}",
-            key=where,
-        )
-    return Manifest.from_bytes(memoryview(data)[1:], f"the job's listing of {where}")
+    on_node = f"{key}/node/{node or socket.gethostname()}"
+    if store.add(f"{on_node}/claim", 1) == 1:  # the node's first: from the store to a file
+        store.wait([f"{key}/data"])
+        data = store.get(f"{key}/data")
+        if data[:1] == b"E":
+            store.set(f"{on_node}/file", data)
+            raise _failed(where, data)
+        path = _node_file(data)
+        store.set(f"{on_node}/file", b"F" + str(path).encode())
+        return Manifest.from_bytes(memoryview(data)[1:], f"the job's listing of {where}")
+    store.wait([f"{on_node}/file"])
+    answer = store.get(f"{on_node}/file")
+    if answer[:1] == b"E":
+        raise _failed(where, answer)
+    path = Path(answer[1:].decode())
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return Manifest.from_bytes(memoryview(mapped)[1:], f"the job's listing of {where} ({path})")
+
+
+def _failed(where: str, data: bytes) -> FetchError:
+    return FetchError(
+        f"listing of {where} failed on the rank that listed it for the job: "
+        f"{data[1:].decode(errors='replace')}",
+        key=where,
+    )
+
+
+def _node_file(data: bytes) -> Path:
+    """`data` in a new file of this node's temporary folder, removed when this process exits."""
+    folder = Path(tempfile.gettempdir(), "aioloader-manifests")
+    folder.mkdir(exist_ok=True)
+    fd, name = tempfile.mkstemp(suffix=".manifest", dir=folder)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    atexit.register(_remove, Path(name))
+    return Path(name)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
