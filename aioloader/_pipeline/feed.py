@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,7 +21,7 @@ from .._observe.stats import Recorder
 from .cuda import Event
 from .stages import END
 
-__all__ = ["BatchStage", "Feed", "Staged", "map_leaves"]
+__all__ = ["BatchStage", "Feed", "StageCounts", "Staged", "map_leaves"]
 
 
 @dataclass(eq=False)
@@ -32,6 +33,25 @@ class Staged:
     event: Event | None  # None: nothing to wait for (pinned on the host only)
     on_hand_over: Callable[[], None] | None = None
     handed_over: bool = False
+
+
+class StageCounts:
+    """A stage's counters, under a lock of their own (the transfer thread and the consumer's add to
+    them): "staged" and "handed_over" batches, "ahead" (staged, not handed over) and its peak."""
+
+    def __init__(self, *extra: str) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(("staged", "handed_over", "ahead", "ahead_peak", *extra), 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+            self._values["ahead_peak"] = max(self._values["ahead_peak"], self._values["ahead"])
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
 
 
 class BatchStage(Protocol):

@@ -13,7 +13,6 @@ custom batch type) is pinned by that method, as torch's DataLoader does.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 
 from .._observe.stats import Recorder
 from .._util.threads import LazyThreadPool
-from .feed import Feed, Staged, _Batches, map_leaves
+from .feed import Feed, StageCounts, Staged, _Batches, map_leaves
 
 __all__ = ["PinStage"]
 
@@ -44,8 +43,7 @@ class PinStage:
     ) -> None:
         self.device_prefetch = device_prefetch
         self._pin = pin
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("staged", "handed_over", "ahead", "ahead_peak", "leaves"), 0)
+        self._counts = StageCounts("leaves")
         self._threads = LazyThreadPool(1, "aioloader-transfer")
 
     def stage(self, batch: Any) -> Staged:
@@ -57,7 +55,7 @@ class PinStage:
             return self._pin(t)
 
         out = map_leaves(batch, pin, other=_pin_object)
-        self._count(staged=1, ahead=1, leaves=leaves[0])
+        self._counts.add(staged=1, ahead=1, leaves=leaves[0])
         return Staged(out, [], None)
 
     async def astage(self, batch: Any) -> Staged:
@@ -70,7 +68,7 @@ class PinStage:
             raise RuntimeError("this batch was already handed over")
         staged.handed_over = True
         batch, staged.batch = staged.batch, None
-        self._count(handed_over=1, ahead=-1)
+        self._counts.add(handed_over=1, ahead=-1)
         if staged.on_hand_over is not None:
             staged.on_hand_over()
         return batch
@@ -81,14 +79,7 @@ class PinStage:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot: "staged" / "handed_over" batches, "ahead" (and "ahead_peak"), "leaves" pinned."""
-        with self._lock:
-            return dict(self._counts) | {"device": "cpu", "pinning": "pinned on the host"}
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._counts[name] += delta
-            self._counts["ahead_peak"] = max(self._counts["ahead_peak"], self._counts["ahead"])
+        return self._counts.snapshot() | {"device": "cpu", "pinning": "pinned on the host"}
 
     def close(self) -> None:
         """Stop the transfer thread (2 s at most). Idempotent."""

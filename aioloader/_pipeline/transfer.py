@@ -35,7 +35,7 @@ from .._observe.stats import Recorder
 from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
 from .cuda import CudaBackend, DeviceBackend, Event, Pinning, register_host_memory
-from .feed import BatchStage, Feed, Staged, _Batches, map_leaves
+from .feed import BatchStage, Feed, StageCounts, Staged, _Batches, map_leaves
 from .pin import PinStage
 from .pinned import PinnedPool, Slab, round_up, slab_size
 
@@ -91,8 +91,8 @@ class DeviceStage:
         self._pool = PinnedPool(backend, device_prefetch + _SPARE_SLABS)
         self._held: list[tuple[Event, list[torch.Tensor]]] = []  # copied directly, until copied
         self._lock = threading.Lock()  # serialises stage(); guards the pool and _held
-        self._counts_lock = threading.Lock()
-        self._counts = dict.fromkeys(("staged", "handed_over", "ahead", "ahead_peak", "direct"), 0)
+        self._counts_lock = threading.Lock()  # guards _pinning
+        self._counts = StageCounts("direct")
         self._pinning = {"registered": 0, "staged": 0}  # outcomes of register_host_memory
         self._threads = LazyThreadPool(1, "aioloader-transfer")
 
@@ -117,7 +117,7 @@ class DeviceStage:
                 self._held.append((event, direct))
         moved = iter(devs)
         out = map_leaves(batch, lambda _: next(moved))
-        self._count(staged=1, ahead=1, direct=len(direct))
+        self._counts.add(staged=1, ahead=1, direct=len(direct))
         return Staged(out, devs, event)
 
     def _pin(
@@ -163,7 +163,7 @@ class DeviceStage:
         for t in staged.tensors:
             self.backend.record_stream(t, stream)
         batch, staged.batch, staged.tensors = staged.batch, None, []
-        self._count(handed_over=1, ahead=-1)
+        self._counts.add(handed_over=1, ahead=-1)
         if staged.on_hand_over is not None:
             staged.on_hand_over()
         return batch
@@ -201,8 +201,8 @@ class DeviceStage:
         "slab_waits" (stagings that waited for a copy because every slab was still being read).
         """
         pool = self._pool
+        counts = self._counts.snapshot()
         with self._counts_lock:
-            counts = dict(self._counts)
             registered = self._pinning["registered"] > 0 and self._pinning["staged"] == 0
         pinning = "registered" if registered else "staged" if self.pin_memory else "pageable"
         return counts | {
@@ -210,12 +210,6 @@ class DeviceStage:
             "slab_bytes": sum(map(slab_size, list(pool.slabs))), "slabs_allocated": pool.allocated,
             "slabs_reused": pool.reused, "slab_waits": pool.waits,
         }  # fmt: skip
-
-    def _count(self, **deltas: int) -> None:
-        with self._counts_lock:
-            for name, delta in deltas.items():
-                self._counts[name] += delta
-            self._counts["ahead_peak"] = max(self._counts["ahead_peak"], self._counts["ahead"])
 
     def close(self) -> None:
         """Stop the transfer thread; release the pinned slabs once the copies reading them have ended.
