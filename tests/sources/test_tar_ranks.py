@@ -1,0 +1,181 @@
+"""Tar shards across ranks: equal steps over uneven shards, states that name the rank, exact elastic
+resume onto fewer and more ranks (the ranks simulated in one process by rank / world_size)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioloader import FetchError, Loader
+from aioloader.sources.tar import count_samples, tar_shards
+
+SIZES = [7, 13, 5, 11, 9, 3, 17, 8, 1, 14]  # uneven: 88 samples in 10 shards
+
+
+def write_shards(folder: Path, sizes: list[int]) -> list[str]:
+    """Shards of `sizes` samples, each of two members (a pax long name in one of them)."""
+    paths = []
+    for s, n in enumerate(sizes):
+        path = folder / f"part-{s:03d}.tar"
+        with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+            for i in range(n):
+                stem = f"s{s}/{'long' * 40 if i == 2 else 'x'}{i:04d}"
+                for ext, data in (("txt", f"{s}-{i}".encode()), ("cls", str(i).encode())):
+                    info = tarfile.TarInfo(f"{stem}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return write_shards(tmp_path_factory.mktemp("uneven"), SIZES)
+
+
+ALL = {f"{s}-{i}" for s, n in enumerate(SIZES) for i in range(n)}
+
+
+def names(batch: list[dict[str, Any]]) -> list[str]:
+    return [sample["txt"].decode() for sample in batch]
+
+
+def make(shards: list[str], rank: int, world: int, **kw: Any) -> Loader[Any]:
+    source = tar_shards(shards, shuffle_buffer=kw.pop("shuffle_buffer", 6), seed=3, parallel=2,
+                        sample_counts=kw.pop("sample_counts", None))  # fmt: skip
+    return Loader(source, batch_size=4, collate=names, rank=rank, world_size=world, **kw)
+
+
+def head_and_state(loader: Loader[Any], batches: int) -> tuple[list[str], dict[str, Any]]:
+    it = iter(loader)
+    got = [name for _ in range(batches) for name in next(it)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    it.close()  # type: ignore[attr-defined]
+    return got, state
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_rank_gets_the_same_number_of_batches_over_uneven_shards(
+    shards: list[str], drop_last: bool
+) -> None:
+    per_rank = []
+    for rank in range(4):
+        with make(shards, rank, 4, drop_last=drop_last) as loader:
+            per_rank.append([list(batch) for batch in loader])
+    assert len({len(batches) for batches in per_rank}) == 1  # equal steps
+    every = [name for batches in per_rank for batch in batches for name in batch]
+    if drop_last:  # 88 = 4 x 22: cut to full batches of 4, 20 samples a rank
+        assert len(every) == 4 * 20
+        assert len(set(every)) == len(every)
+    else:  # 88 = 4 x 22: nothing padded
+        assert set(every) == ALL
+        assert len(every) == len(ALL)
+
+
+def test_padding_wraps_around_and_counts_given_equal_counts_found(shards: list[str]) -> None:
+    counted = count_samples(shards)
+    assert counted == SIZES
+    runs = []
+    for counts in (None, SIZES, dict(zip(shards, SIZES, strict=True))):
+        got = []
+        for rank in range(3):  # 88 among 3: 30 each, two of them padding
+            with make(shards, rank, 3, sample_counts=counts) as loader:
+                got.append([name for batch in loader for name in batch])
+        runs.append(got)
+    assert runs[0] == runs[1] == runs[2]
+    assert [len(r) for r in runs[0]] == [30, 30, 30]
+    every = [name for r in runs[0] for name in r]
+    assert set(every) == ALL
+    assert len(every) - len(ALL) == 2
+
+
+def test_a_state_records_the_real_rank_and_world_size(shards: list[str]) -> None:
+    with make(shards, 2, 4) as loader:
+        _, state = head_and_state(loader, 1)
+    assert (state["rank"], state["world_size"]) == (2, 4)
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 6])
+@pytest.mark.parametrize("new_world", [3, 5, 1])
+def test_elastic_resume_delivers_each_remaining_sample_once(
+    shards: list[str], new_world: int, shuffle_buffer: int
+) -> None:
+    delivered: list[str] = []
+    states = []
+    for rank in range(4):
+        with make(shards, rank, 4, shuffle_buffer=shuffle_buffer) as loader:
+            got, state = head_and_state(loader, 3)
+        delivered += got
+        states.append(state)
+    rest = []
+    for rank in range(new_world):
+        with make(shards, rank, new_world, shuffle_buffer=shuffle_buffer) as loader:
+            loader.load_state_dict(states)
+            rest.append([name for batch in loader for name in batch])
+    assert len({len(r) for r in rest}) == 1, "every new rank takes the same number of samples"
+    after = [name for r in rest for name in r]
+    left = ALL - set(delivered)
+    assert len(delivered) == len(set(delivered)) == 48
+    assert set(after) == left  # none lost
+    assert not set(after) & set(delivered)  # none delivered again
+    assert len(after) - len(left) < new_world  # only wrap-around padding repeats
+
+
+def test_elastic_resume_twice_stays_exact(shards: list[str]) -> None:
+    delivered: list[str] = []
+    states = []
+    for rank in range(4):
+        with make(shards, rank, 4) as loader:
+            got, state = head_and_state(loader, 2)
+        delivered, states = delivered + got, [*states, state]
+    again = []
+    for rank in range(3):
+        with make(shards, rank, 3) as loader:
+            loader.load_state_dict(states)
+            got, state = head_and_state(loader, 2)
+        delivered, again = delivered + got, [*again, state]
+    rest = []
+    for rank in range(2):
+        with make(shards, rank, 2) as loader:
+            loader.load_state_dict(again)
+            rest += [name for batch in loader for name in batch]
+    assert Counter(delivered).most_common(1)[0][1] == 1
+    assert set(rest) == ALL - set(delivered)
+    assert len(rest) - len(ALL - set(delivered)) < 2
+
+
+def test_same_world_resume_of_a_rank_continues_its_own_stream(shards: list[str]) -> None:
+    with make(shards, 1, 4) as loader:
+        whole = [name for batch in loader for name in batch]
+    with make(shards, 1, 4) as loader:
+        head, state = head_and_state(loader, 2)
+    with make(shards, 1, 4) as loader:
+        loader.load_state_dict(state)
+        tail = [name for batch in loader for name in batch]
+    assert head + tail == whole
+
+
+def test_wrong_sample_counts_are_named(shards: list[str]) -> None:
+    with pytest.raises(ValueError, match="sample_counts: 2 counts for 10 shards"):
+        tar_shards(shards, sample_counts=[1, 2])
+    with pytest.raises(ValueError, match=r"sample_counts\[1\]: expected an int >= 0"):
+        tar_shards(shards, sample_counts=[1, -1, *SIZES[2:]])
+    with pytest.raises(ValueError, match="no count for shard"):
+        tar_shards(shards, sample_counts={shards[0]: 7})
+    with pytest.raises(TypeError, match="sample_counts: expected one int per shard"):
+        tar_shards(shards, sample_counts="7")
+    short = [SIZES[0] + 1, *SIZES[1:]]  # shard 0 has one sample fewer than said
+
+    def read_both_ranks() -> None:
+        for rank in range(2):
+            with make(shards, rank, 2, sample_counts=short, shuffle_buffer=0) as loader:
+                list(loader)
+
+    with pytest.raises(FetchError, match=r"part-000\.tar: 7 samples, but sample_counts says 8"):
+        read_both_ranks()
