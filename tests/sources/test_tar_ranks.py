@@ -3,35 +3,15 @@ resume onto fewer and more ranks (the ranks simulated in one process by rank / w
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support.shardfiles import SIZES, write_shards
 
 from aioloader import FetchError, Loader
 from aioloader.sources.tar import count_samples, tar_shards
-
-SIZES = [7, 13, 5, 11, 9, 3, 17, 8, 1, 14]  # uneven: 88 samples in 10 shards
-
-
-def write_shards(folder: Path, sizes: list[int]) -> list[str]:
-    """Shards of `sizes` samples, each of two members (a pax long name in one of them)."""
-    paths = []
-    for s, n in enumerate(sizes):
-        path = folder / f"part-{s:03d}.tar"
-        with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-            for i in range(n):
-                stem = f"s{s}/{'long' * 40 if i == 2 else 'x'}{i:04d}"
-                for ext, data in (("txt", f"{s}-{i}".encode()), ("cls", str(i).encode())):
-                    info = tarfile.TarInfo(f"{stem}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        paths.append(str(path))
-    return paths
 
 
 @pytest.fixture(scope="module")
