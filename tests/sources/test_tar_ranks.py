@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from support.shardfiles import SIZES, write_shards
 
-from aioloader import FetchError, Loader
+from aioloader import FetchError, Loader, StateError
 from aioloader.sources.tar import count_samples, tar_shards
 
 
@@ -159,3 +159,13 @@ def test_wrong_sample_counts_are_named(shards: list[str]) -> None:
 
     with pytest.raises(FetchError, match=r"part-000\.tar: 7 samples, but sample_counts says 8"):
         read_both_ranks()
+
+
+def test_a_state_of_other_shards_or_order_is_refused(shards: list[str]) -> None:
+    with make(shards[:5], 0, 2) as loader:
+        _, state = head_and_state(loader, 1)
+    for other in (shards, shards[:5]):
+        with make(other, 0, 2, shuffle_buffer=0 if other is not shards else 6) as loader:
+            with pytest.raises(StateError, match="config field 'keys'") as err:
+                loader.load_state_dict(state)
+            assert err.value.field == "keys"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -88,6 +89,13 @@ class _Epochs:
 
     def __aiter__(self) -> AsyncIterator[SampleRef]:
         return self._shards._refs(self._shards._next_epoch())
+
+    def digest(self) -> str:
+        """What a saved loader state checks: the shards and what orders their samples."""
+        src = self._shards
+        h = hashlib.blake2b("\n".join(src.shards).encode(), digest_size=8).hexdigest()
+        return (f"tar_shards({len(src.shards)}:{h}, shuffle={src.shuffle}, seed={src.seed}, "
+                f"shuffle_buffer={src.shuffle_buffer}, parallel={src.parallel})")  # fmt: skip
 
 
 class TarShards:
