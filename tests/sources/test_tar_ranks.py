@@ -3,6 +3,7 @@ resume onto fewer and more ranks (the ranks simulated in one process by rank / w
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from typing import Any
@@ -169,3 +170,28 @@ def test_a_state_of_other_shards_or_order_is_refused(shards: list[str]) -> None:
             with pytest.raises(StateError, match="config field 'keys'") as err:
                 loader.load_state_dict(state)
             assert err.value.field == "keys"
+
+
+@pytest.mark.asyncio
+async def test_async_ranks_resume_elastically_inside_a_running_loop(shards: list[str]) -> None:
+    """`async for` and a load made on a running loop (the counts and positions are then found
+    on a loop of their own, in a thread); an early break leaves the shard reads closed."""
+    delivered: list[str] = []
+    states = []
+    for rank in range(2):
+        loader = make(shards, rank, 2, sample_counts=None)
+        async with loader:
+            async for batch in loader:
+                delivered += batch
+                if len(delivered) >= 8 * (rank + 1):
+                    break  # early: the reader's segments close
+            states.append(loader.state_dict())
+    rest = []
+    for rank in range(3):
+        loader = make(shards, rank, 3)
+        async with loader:
+            loader.load_state_dict(states)
+            rest += [name async for batch in loader for name in batch]
+    assert set(rest) == ALL - set(delivered)
+    assert not set(rest) & set(delivered)
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
