@@ -50,7 +50,8 @@ def test_torchrun_two_ranks_disjoint_complete_equal_steps(tmp_path: Path) -> Non
 
 def test_torchrun_four_ranks_step_together_over_uneven_tar_shards(tmp_path: Path) -> None:
     """DDP over tar shards of uneven sizes, and over a mix of them with a key list: every rank
-    takes the same number of all-reduced steps (none hangs), and every sample comes."""
+    takes the same number of all-reduced steps (none hangs), and every sample comes; the ranks
+    count the shards' samples together, each shard once."""
     sizes = [7, 13, 5, 11, 9, 3, 17, 8, 1, 14]
     shards = write_shards(tmp_path, sizes)
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=4", str(SCRIPTS / "ddp_shards.py")]
@@ -71,6 +72,8 @@ def test_torchrun_four_ranks_step_together_over_uneven_tar_shards(tmp_path: Path
     assert len(taken) == len(every)
     mixed = {name for r in ranks for name in r["mix"]["samples"]}
     assert every | {f"k{i}" for i in range(50)} <= mixed
+    assert sum(r["counted"][0] for r in ranks) == len(shards)  # each shard counted once per job
+    assert sum(r["counted"][1] for r in ranks) == 0  # the same shards again: the job's counts
 
 
 def run_lines(*args: str) -> list[str]:

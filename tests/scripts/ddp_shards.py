@@ -2,7 +2,8 @@
 uneven tar shards, then over a mix of them with a key list. A rank with one step more than another
 would hang in its all-reduce.
 
-Writes <out>/rank<r>.json: per run, the samples this rank took and its steps.
+Writes <out>/rank<r>.json: per run, the samples this rank took and its steps; and how many shards
+this rank counted (the ranks count the shards' samples together, each shard once per job).
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def main(out: Path, shards: list[str]) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     tar = sources.tar_shards(shards, shuffle_buffer=8, seed=1)
     record = {"tar": train(aioloader.Loader(tar, batch_size=3, collate=names), model, opt)}
-    both = aioloader.mix([sources.tar_shards(shards, seed=2), [f"k{i}" for i in range(50)]],
-                         [3, 1], seed=3, stop="all_exhausted")  # fmt: skip
+    again = sources.tar_shards(shards, seed=2)
+    both = aioloader.mix([again, [f"k{i}" for i in range(50)]], [3, 1], seed=3,
+                         stop="all_exhausted")  # fmt: skip
     record["mix"] = train(aioloader.Loader(both, batch_size=3, collate=names), model, opt)
+    record["counted"] = [tar.counted, again.counted]  # shards this rank counted, per source
     dist.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

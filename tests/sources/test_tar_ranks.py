@@ -10,8 +10,11 @@ from typing import Any
 
 import pytest
 from support.shardfiles import SIZES, write_shards
+from torch.distributed import HashStore
 
 from aioloader import FetchError, Loader, StateError
+from aioloader.sources.formats.tar import sample_key
+from aioloader.sources.formats.tar_counts import count_local, count_together
 from aioloader.sources.tar import count_samples, tar_shards
 
 
@@ -195,3 +198,43 @@ async def test_async_ranks_resume_elastically_inside_a_running_loop(shards: list
     assert set(rest) == ALL - set(delivered)
     assert not set(rest) & set(delivered)
     assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+
+@pytest.mark.asyncio
+async def test_ranks_count_together_each_shard_once_and_pass_a_failure_on(
+    shards: list[str],
+) -> None:
+    """Three ranks share one key-value store (as a torch.distributed job's): every shard is
+    counted once in all, each rank gets every count; a count that fails on one rank is an error
+    naming the shard on the others."""
+    store = HashStore()
+    calls: Counter[str] = Counter()
+
+    async def count(shard: str) -> int:
+        calls[shard] += 1
+        await asyncio.sleep(0)
+        return await asyncio.to_thread(count_local, shard, sample_key)
+
+    ranks = [count_together(shards, count, store, r * len(shards) // 3, 2) for r in range(3)]
+    results = await asyncio.gather(*ranks)
+    assert [counts for counts, _ in results] == [SIZES] * 3
+    assert sum(n for _, n in results) == len(shards)
+    assert set(calls.values()) == {1}
+
+    broken = HashStore()
+
+    async def failing(shard: str) -> int:
+        if shard == shards[4]:
+            raise FetchError(f"tar shard {shard}: truncated", key=shard)
+        return await count(shard)
+
+    outcomes = await asyncio.gather(
+        count_together(shards, failing, broken, 4, 2),  # claims shard 4 first
+        count_together(shards, failing, broken, 0, 2),
+        return_exceptions=True,
+    )
+    assert isinstance(outcomes[0], FetchError)
+    assert "truncated" in str(outcomes[0])
+    assert isinstance(outcomes[1], FetchError)
+    assert "failed on the rank that counted it" in str(outcomes[1])
+    assert outcomes[1].key == shards[4]

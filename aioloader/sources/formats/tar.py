@@ -36,10 +36,11 @@ from ..._util.loops import run_to_end
 from ..._util.ranges import Ranges
 from ..._util.validate import check_int
 from ..cache.disk import Cache, check_cache_args
+from ..stores.manifest import job_store
 from ..transport.redact import redact_url
 from .options import ShardOptions
 from .shards import SCHEMES, ReadMeter, cached_name, interleave, open_shard, shuffled
-from .tar_counts import count_local, count_members
+from .tar_counts import count_local, count_members, count_together
 from .tar_members import tar_members
 from .tar_share import Segment, check_counts, segments, shard_order
 
@@ -143,6 +144,7 @@ class TarShards:
         check_cache_args(cache_dir, cache_limit)
         self._cache = None if cache_dir is None else Cache(cache_dir, cache_limit)
         self.sample_counts = check_counts(sample_counts, self.shards)  # None: counted when needed
+        self.counted = 0  # shards whose samples this process counted (a first pass)
 
     def __repr__(self) -> str:
         mixing = f", shuffle_buffer={self.shuffle_buffer}" if self.shuffle_buffer else ""
@@ -272,19 +274,33 @@ class TarShards:
         return self.sample_counts
 
     async def _count_all(self, cache: Cache | None) -> list[int]:
-        turns = asyncio.Semaphore(max(self.parallel, 8))
+        """Every shard's count: with the job's other ranks when a process group is up (each shard
+        counted once per job, `tar_counts.count_together`), else all of them here."""
+        parallel = max(self.parallel, 8)
 
         async def one(shard: str) -> int:
-            async with turns:
-                scheme, sep, _ = shard.partition("://")
-                if not sep or scheme not in SCHEMES:  # a local file: its headers only
-                    return await asyncio.to_thread(count_local, shard, sample_key)
-                stream = open_shard(shard, self._remotes, self._options_of, cache)
-                members = tar_members(stream, redact_url(shard))
-                async with contextlib.aclosing(members):
-                    return await count_members(members, sample_key)
+            scheme, sep, _ = shard.partition("://")
+            if not sep or scheme not in SCHEMES:  # a local file: its headers only
+                return await asyncio.to_thread(count_local, shard, sample_key)
+            stream = open_shard(shard, self._remotes, self._options_of, cache)
+            members = tar_members(stream, redact_url(shard))
+            async with contextlib.aclosing(members):
+                return await count_members(members, sample_key)
 
-        return list(await asyncio.gather(*(one(s) for s in self.shards)))
+        store = job_store()
+        if store is not None:
+            first = self.slot * len(self.shards) // self.slots
+            counts, self.counted = await count_together(self.shards, one, store, first, parallel)
+            return counts
+        turns = asyncio.Semaphore(parallel)
+
+        async def limited(shard: str) -> int:
+            async with turns:
+                return await one(shard)
+
+        counts = list(await asyncio.gather(*(limited(s) for s in self.shards)))
+        self.counted = len(counts)
+        return counts
 
     def rank_and_world(self) -> tuple[int, int]:
         """This reader's place (rank, or rank and worker) among all: what a state records."""
