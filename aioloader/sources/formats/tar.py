@@ -29,20 +29,17 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from ..._exceptions import FetchError
 from ..._util.loops import run_to_end
 from ..._util.ranges import Ranges
 from ..._util.validate import check_int
 from ..cache.disk import Cache, check_cache_args
-from ..stores.manifest import job_store
 from ..transport.redact import redact_url
 from .options import ShardOptions
 from .shards import SCHEMES, ReadMeter, cached_name, interleave, open_shard, shuffled
-from .tar_counts import count_local, count_members, count_together
+from .tar_counts import count_all, count_local, count_members
 from .tar_members import tar_members
-from .tar_share import Segment, check_counts, segments, shard_order
+from .tar_share import Segment, check_counts, given, kept, segments, shard_order
 
 __all__ = ["SampleRef", "TarShards", "count_samples", "tar_shards"]
 
@@ -217,37 +214,12 @@ class TarShards:
         rng = random.Random(f"{self.seed}/{epoch}/{slot}")
         return shuffled(merged, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else merged
 
-    async def _segment(
-        self, seg: Segment, keep_going: bool
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    def _segment(self, seg: Segment, keep_going: bool) -> AsyncGenerator[dict[str, Any], None]:
         """The samples of one shard this reader keeps (`seg.members`; None: all of them)."""
         shard = self.shards[seg.shard]
         read = self._shard_or_its_rest if keep_going else self._shard_samples
-        wanted = seg.members
         expected = None if self.sample_counts is None else self.sample_counts[seg.shard]
-        member, k = 0, 0
-        async with contextlib.aclosing(read(shard)) as samples:
-            async for sample in samples:
-                if "__error__" in sample:  # the rest of a broken shard
-                    yield sample
-                    return
-                if wanted is None:
-                    yield sample
-                elif member == wanted[k]:
-                    yield sample
-                    k += 1
-                    if k == len(wanted):
-                        return  # the rest of the shard is other readers'
-                member += 1
-        if wanted is None and (expected is None or member == expected):
-            return
-        error = FetchError(
-            f"tar shard {redact_url(shard)}: {member} samples, but sample_counts says "
-            f"{expected}", key=redact_url(shard),
-        )  # fmt: skip
-        if not keep_going:
-            raise error
-        yield {"__error__": error, "__url__": shard, "__key__": f"<rest of {redact_url(shard)}>"}
+        return kept(read(shard), seg.members, expected, shard, keep_going)
 
     # -- sample counts: equal shares and the positions a state names ----------------------------------
 
@@ -275,8 +247,7 @@ class TarShards:
 
     async def _count_all(self, cache: Cache | None) -> list[int]:
         """Every shard's count: with the job's other ranks when a process group is up (each shard
-        counted once per job, `tar_counts.count_together`), else all of them here."""
-        parallel = max(self.parallel, 8)
+        counted once per job), else all of them here (`tar_counts.count_all`)."""
 
         async def one(shard: str) -> int:
             scheme, sep, _ = shard.partition("://")
@@ -287,19 +258,8 @@ class TarShards:
             async with contextlib.aclosing(members):
                 return await count_members(members, sample_key)
 
-        store = job_store()
-        if store is not None:
-            first = self.slot * len(self.shards) // self.slots
-            counts, self.counted = await count_together(self.shards, one, store, first, parallel)
-            return counts
-        turns = asyncio.Semaphore(parallel)
-
-        async def limited(shard: str) -> int:
-            async with turns:
-                return await one(shard)
-
-        counts = list(await asyncio.gather(*(limited(s) for s in self.shards)))
-        self.counted = len(counts)
+        first = self.slot * len(self.shards) // self.slots
+        counts, self.counted = await count_all(self.shards, one, first, max(self.parallel, 8))
         return counts
 
     def rank_and_world(self) -> tuple[int, int]:
@@ -325,7 +285,7 @@ class TarShards:
         cut = segments(self._counts_now(), order, consumed, rank, world_size, drop_last)
 
         async def first() -> list[int]:
-            streams = [_given(seg.positions) for seg in cut if seg.positions is not None]
+            streams = [given(seg.positions) for seg in cut if seg.positions is not None]
             out: list[int] = []
             async with contextlib.aclosing(self._merged(streams, epoch, rank)) as merged:
                 async for p in merged:
@@ -527,8 +487,3 @@ def count_samples(shards: str | Sequence[str], **options: Any) -> list[int]:
         >>> counts = count_samples(["/data/train-000.tar", "/data/train-001.tar"])  # doctest: +SKIP
     """
     return tar_shards(shards, **options)._counts_now()
-
-
-async def _given(values: np.ndarray) -> AsyncGenerator[int, None]:
-    for v in values.tolist():
-        yield v

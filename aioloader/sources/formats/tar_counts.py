@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from pathlib import Path
 
 from ..._exceptions import FetchError
-from ..stores.manifest import KeyValueStore
+from ..stores.manifest import KeyValueStore, job_store
 from ..transport.redact import redact_url
 
-__all__ = ["count_local", "count_members", "count_together"]
+__all__ = ["count_all", "count_local", "count_members", "count_together"]
 
 _SHARED_PREFIX = "aioloader/tar-counts/"
 
@@ -55,6 +55,25 @@ def _count(names: Iterable[str], key_of: KeyOf) -> int:
         if key is not None and key != last:
             n, last = n + 1, key
     return n
+
+
+async def count_all(
+    shards: Sequence[str], count: Callable[[str], Awaitable[int]], first: int, parallel: int
+) -> tuple[list[int], int]:
+    """Every shard's count by `count`, `parallel` at once: with the job's other ranks when a
+    torch.distributed process group is up (`count_together`, from shard `first` on), else all of
+    them here. Returns the counts and how many this process counted."""
+    store = job_store()
+    if store is not None:
+        return await count_together(shards, count, store, first, parallel)
+    turns = asyncio.Semaphore(parallel)
+
+    async def limited(shard: str) -> int:
+        async with turns:
+            return await count(shard)
+
+    counts = list(await asyncio.gather(*(limited(s) for s in shards)))
+    return counts, len(counts)
 
 
 async def count_together(

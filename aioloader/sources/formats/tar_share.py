@@ -19,17 +19,20 @@ a saved state's delivered batches name positions without reading a byte (`TarSha
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..._exceptions import FetchError
 from ..._util.ranges import Ranges
+from ..transport.redact import redact_url
 from .parquet_order import remaining, share
 
-__all__ = ["Segment", "check_counts", "segments", "shard_order"]
+__all__ = ["Segment", "check_counts", "given", "kept", "segments", "shard_order"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +98,42 @@ def segments(
         whole = len(members) == sizes[k]  # a run is ascending: all of them, in order
         out.append(Segment(order[k], None if whole else members, positions))
     return out
+
+
+async def kept(
+    samples: AsyncGenerator[dict[str, Any], None], members: np.ndarray | None,
+    expected: int | None, shard: str, keep_going: bool,
+) -> AsyncGenerator[dict[str, Any], None]:  # fmt: skip
+    """The samples of one shard's stream that a segment keeps (`members`; None: all of them),
+    closing the stream after the last; a shard with fewer samples than `expected` (or than the
+    members need) is a FetchError naming it (with `keep_going`: yielded as the rest's error)."""
+    member, k = 0, 0
+    async with contextlib.aclosing(samples):
+        async for sample in samples:
+            if "__error__" in sample:  # the rest of a broken shard
+                yield sample
+                return
+            if members is None:
+                yield sample
+            elif member == members[k]:
+                yield sample
+                k += 1
+                if k == len(members):
+                    return  # the rest of the shard is other readers'
+            member += 1
+    if members is None and (expected is None or member == expected):
+        return
+    label = redact_url(shard)
+    error = FetchError(
+        f"tar shard {label}: {member} samples, but sample_counts says {expected}", key=label
+    )
+    if not keep_going:
+        raise error
+    yield {"__error__": error, "__url__": shard, "__key__": f"<rest of {label}>"}
+
+
+async def given(values: np.ndarray) -> AsyncGenerator[int, None]:
+    """`values` as a stream: the positions a segment stands for, where `TarShards.positions`
+    replays a reader's merge."""
+    for v in values.tolist():
+        yield v
