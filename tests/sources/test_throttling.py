@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -107,3 +108,34 @@ def test_throttling_stops_at_the_deadline_and_other_failures_at_attempts(
     src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, **{**options, "attempts": 1})
     with Loader(src, collate=None) as loader, pytest.raises(FetchError, match=r"after 1 attempt"):
         list(loader)  # attempts=1: never retried, not even a throttle
+
+
+def test_four_ranks_at_once_through_a_throttle_all_finish_with_every_sample(
+    proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    """Four ranks' loaders (each in its own thread, as four processes would) start together
+    against a store throttling above 20 requests/s for 2 s: none fails, every sample comes once."""
+    limit = proxy.plan = RateLimit(per_second=20, seconds=2.0)
+    keys = sorted(stored)
+    got: dict[int, list[bytes]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def rank(r: int) -> None:
+        src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, endpoint_url=proxy.url,
+                 credentials=seaweed.credentials, concurrency=8, **RETRY)  # fmt: skip
+        try:
+            with Loader(src, collate=None, rank=r, world_size=4) as loader:
+                start.wait()
+                got[r] = [bytes(x) for x in loader]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(body for r in range(4) for body in got[r]) == sorted(stored.values())
+    assert limit.throttled > 0
