@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from support.shardfiles import SIZES, write_shards
 from torch.distributed import HashStore
 
 from aioloader import FetchError, Loader, StateError
+from aioloader._util.ranges import Ranges
 from aioloader.sources.formats.tar import sample_key
 from aioloader.sources.formats.tar_counts import count_local, count_together
+from aioloader.sources.formats.tar_share import shard_order
 from aioloader.sources.tar import count_samples, tar_shards
 
 
@@ -34,6 +40,13 @@ def make(shards: list[str], rank: int, world: int, **kw: Any) -> Loader[Any]:
     source = tar_shards(shards, shuffle_buffer=kw.pop("shuffle_buffer", 6), seed=3, parallel=2,
                         sample_counts=kw.pop("sample_counts", None))  # fmt: skip
     return Loader(source, batch_size=4, collate=names, rank=rank, world_size=world, **kw)
+
+
+def collect(stream: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def run() -> list[dict[str, Any]]:
+        return [sample async for sample in stream]
+
+    return asyncio.run(run())
 
 
 def head_and_state(loader: Loader[Any], batches: int) -> tuple[list[str], dict[str, Any]]:
@@ -238,3 +251,31 @@ async def test_ranks_count_together_each_shard_once_and_pass_a_failure_on(
     assert isinstance(outcomes[1], FetchError)
     assert "failed on the rank that counted it" in str(outcomes[1])
     assert outcomes[1].key == shards[4]
+
+
+def test_positions_replay_the_real_stream(tmp_path: Path) -> None:
+    """What a state counts as delivered is `positions`, found without reading: over random shard
+    sizes (empty shards too), readers, `parallel`, shuffle buffers, epochs, consumed positions and
+    `drop_last`, it is the stream each reader really reads, sample for sample."""
+    rng = random.Random(1)
+    for trial in range(25):
+        sizes = [rng.randrange(0, 9) for _ in range(rng.randrange(1, 9))]
+        total = sum(sizes)
+        if not total:
+            continue
+        folder = tmp_path / str(trial)
+        folder.mkdir()
+        paths = write_shards(folder, sizes)
+        parallel, buffer = rng.randrange(1, 5), rng.choice([0, 2, 5, 13])
+        world, epoch, drop = rng.randrange(1, 6), rng.randrange(3), rng.random() < 0.3
+        consumed = Ranges.of(rng.sample(range(total), rng.randrange(total)))
+        order = shard_order(len(paths), True, 7, epoch)
+        first = dict(zip(order, np.cumsum([0] + [sizes[s] for s in order]).tolist(), strict=False))
+        for rank in range(world):
+            src = tar_shards(paths, parallel=parallel, shuffle_buffer=buffer, seed=7, rank=rank,
+                             world_size=world, sample_counts=sizes)  # fmt: skip
+            stream = src.samples(epoch, consumed=consumed, drop_last=drop)
+            real = [
+                first[s] + i for s, i in (map(int, x["txt"].split(b"-")) for x in collect(stream))
+            ]
+            assert src.positions(epoch, consumed, drop, rank, world, None) == real, (trial, rank)
