@@ -34,6 +34,7 @@ from ..._util.loops import run_to_end
 from ..._util.ranges import Ranges
 from ..._util.validate import check_int
 from ..cache.disk import Cache, check_cache_args
+from ..stores.manifest import job_store
 from ..transport.redact import redact_url
 from .options import ShardOptions
 from .shards import SCHEMES, ReadMeter, cached_name, interleave, open_shard, shuffled
@@ -226,8 +227,13 @@ class TarShards:
     async def _counted(self) -> list[int]:
         """Every shard's sample count: as given, else counted once (a first pass)."""
         if self.sample_counts is None:
-            log.info("tar shards: counting the samples of %d shards (a first pass; pass "
-                     "sample_counts= to skip it)", len(self.shards))  # fmt: skip
+            remote = sum(s.partition("://")[0] in SCHEMES for s in self.shards)
+            shared = job_store() is not None
+            log.log(logging.INFO if shared or not remote else logging.WARNING,  # all read here
+                    "tar shards: counting the samples of %d shards (%d remote) %s, a first pass; "
+                    "pass sample_counts= (sources.tar.count_samples) to skip it",
+                    len(self.shards), remote, "with the job" if shared else "on this rank",
+                    )  # fmt: skip
             self.sample_counts = await self._count_all(self._cache)
         return self.sample_counts
 
