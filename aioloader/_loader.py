@@ -37,7 +37,7 @@ from ._parts import KeyPlanState, LoaderDescriber, Parts, Read
 from ._pipeline.collate import DEFAULT_COLLATE, make_collate
 from ._pipeline.fetch import Fetcher
 from ._pipeline.order import KeyOrder, KeyPlan
-from ._pipeline.ordered import OrdersItself, OwnPlan
+from ._pipeline.ordered import OrdersItself, OwnPlan, StreamPlan
 from ._pipeline.stages import Stages
 from ._pipeline.transfer import make_device_stage
 from ._resume.resume import Ledger
@@ -48,7 +48,14 @@ from ._util.loops import is_async_callable
 from ._util.ranks import resolve_rank
 from ._util.validate import check_callable, check_int, check_timeout
 from .sources import Source
-from .sources.protocol import Bindable, HasSize, HasStats, SaysHowItShuffles, ShufflesItself
+from .sources.protocol import (
+    Bindable,
+    HasSize,
+    HasStats,
+    SaysHowItShuffles,
+    SharesItsKeys,
+    ShufflesItself,
+)
 
 __all__ = ["DEFAULT_COLLATE", "Loader"]
 
@@ -200,6 +207,8 @@ class Loader(Generic[T]):
         budget = MemoryBudget.of(max_bytes_in_flight)
         if keys is source and isinstance(source, OrdersItself):  # e.g. sources.parquet
             plan = OwnPlan(source, batch_size, drop_last, budget.read_ahead_bytes)
+        elif keys is source and isinstance(source, SharesItsKeys):  # tar shards, a mix
+            plan = StreamPlan(order, source, batch_size, drop_last)
         self._assemble(Parts(
             plan, Read(fetch, decode, executor, workers, own_executor=owned), collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, timeout=timeout,

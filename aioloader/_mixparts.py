@@ -5,14 +5,17 @@ A part is one of the mix's inputs, made uniform:
 - `Indexed`: keys with a length (a `Source` such as `sources.files`/`sources.s3`, a map-style
   dataset, a list of samples). Its order in its own epoch `e` is a permutation seeded from (the
   mix's seed, the part's index, `e`) when the mix shuffles, else the stored order; across ranks each
-  takes every world_size-th entry, padded by wrapping as the order stage pads.
+  takes every world_size-th entry of the positions not consumed, padded by wrapping as the order
+  stage pads.
 - `Streamed`: keys that only come by iterating (`sources.tar_shards`, a streamed listing, an
   IterableDataset or any iterable or async iterable of samples; the indices of a torch `Sampler`
   paired with its map-style dataset, `(dataset, sampler)`). Each pass iterates it afresh,
   after `set_epoch(e)` where it has one; a task reads up to `READ_AHEAD` keys ahead of the mix, so
   every streamed part reads at once.
 
-`Pass.next()` gives the pass's next key or `END`; nothing here depends on timing.
+`Pass.next()` gives the pass's next key or `END`; nothing here depends on timing. A part that knows
+its epoch's size (`epoch_size()`: keys with a length; tar shards) also says which positions of its
+epoch a rank's pass stands for (`positions`), so the mix can resume on another world size.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from ._exceptions import FetchError
 from ._pipeline.ordered import OrdersItself
 from ._resume.state import keys_digest
 from ._util.loops import is_async_callable
+from ._util.ranges import Ranges
 from ._util.threads import LazyThreadPool
-from .sources.protocol import Bindable, HasSetEpoch, HasSize, Source
+from .sources.formats.parquet_order import remaining
+from .sources.protocol import Bindable, HasSetEpoch, HasSize, SharesItsStream, Source
 
 __all__ = ["END", "READ_AHEAD", "Indexed", "Part", "Pass", "Streamed", "make_part"]
 
@@ -81,10 +86,21 @@ class Part:
         self.rank, self.world_size = 0, 1
         self.sizer: Callable[[Any], int | None] | None = None  # a source's `size`
 
-    def open(self, epoch: int) -> Pass:
+    def open(self, epoch: int, consumed: Ranges | None = None) -> Pass:
+        """A pass over this rank's share of `epoch`, once the positions in `consumed` are out."""
         raise NotImplementedError
 
     def digest(self) -> str:
+        raise NotImplementedError
+
+    def epoch_size(self) -> int | None:
+        """The positions of one epoch over all ranks (None: not known: no elastic resume)."""
+        return None
+
+    def positions(
+        self, epoch: int, consumed: Ranges, rank: int, world_size: int
+    ) -> Sequence[int] | np.ndarray[Any, Any]:
+        """The positions of `epoch` that the pass of `rank` of `world_size` gives, in order."""
         raise NotImplementedError
 
     def bind(self, rank: int, world_size: int) -> None:
@@ -125,25 +141,41 @@ class Indexed(Part):
             raise ValueError(f"{name}: it has no samples")
         self.keys, self.index, self.shuffle, self.seed = keys, index, shuffle, seed
 
-    def order(self, epoch: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    def order(
+        self, epoch: int, consumed: Ranges | None = None
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Key positions this rank takes in `epoch`, in order (8 bytes a key, not a list's 36)."""
-        n, rank, world = len(self.keys), self.rank, self.world_size
+        n = len(self.keys)
         perm = (
             np.random.default_rng([self.seed, self.index, epoch, _PERM_SALT]).permutation(n)
             if self.shuffle
             else np.arange(n, dtype=np.int64)
         )
-        if world > 1:  # as `shard` deals them: every world-th from `rank`, wrapping around
-            perm = perm[np.arange(rank, self.length() * world, world) % n]
+        if self.world_size > 1 or consumed:
+            perm = perm[self.positions(epoch, consumed or Ranges(), self.rank, self.world_size)]
         return perm
 
-    def open(self, epoch: int, index: int = 0) -> Pass:
-        """A pass over `epoch`'s keys that has given `index` of them already."""
-        return _IndexedPass(epoch, self.keys, self.order(epoch), index)
+    def positions(
+        self, epoch: int, consumed: Ranges, rank: int, world_size: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """As `shard` deals them: every world_size-th position left from `rank`, wrapping around."""
+        left = remaining(consumed, len(self.keys))
+        if not len(left):
+            return left
+        return left[np.arange(rank, self.length(consumed, world_size) * world_size, world_size)
+                    % len(left)]  # fmt: skip
 
-    def length(self) -> int:
-        """Keys this rank takes per epoch."""
-        return -(-len(self.keys) // self.world_size)  # as `shard` counts them, padded
+    def open(self, epoch: int, consumed: Ranges | None = None, index: int = 0) -> Pass:
+        """A pass over `epoch`'s keys (less `consumed`) that has given `index` of them already."""
+        return _IndexedPass(epoch, self.keys, self.order(epoch, consumed), index)
+
+    def length(self, consumed: Ranges | None = None, world_size: int | None = None) -> int:
+        """Keys this rank takes per epoch (less `consumed`)."""
+        left = len(self.keys) - (len(consumed) if consumed else 0)
+        return -(-left // (world_size or self.world_size))  # as `shard` counts them, padded
+
+    def epoch_size(self) -> int:
+        return len(self.keys)
 
     def digest(self) -> str:
         return keys_digest(self.keys)
@@ -152,16 +184,16 @@ class Indexed(Part):
 class _StreamedPass(Pass):
     """Reads a pass's keys on a task, up to `READ_AHEAD` ahead; an error is raised in its place."""
 
-    def __init__(self, epoch: int, part: Streamed) -> None:
+    def __init__(self, epoch: int, part: Streamed, consumed: Ranges | None) -> None:
         super().__init__(epoch)
-        self._part = part
+        self._part, self._consumed = part, consumed
         self._queue: asyncio.Queue[Any] = asyncio.Queue(READ_AHEAD)
         self._task = asyncio.get_running_loop().create_task(self._read(), name="aioloader-mix-read")
         part.passes.add(self)
 
     async def _read(self) -> None:
         try:
-            async for chunk in self._part.chunks(self.epoch):
+            async for chunk in self._part.chunks(self.epoch, self._consumed):
                 for key in chunk:
                     await self._queue.put(key)
         except Exception as exc:
@@ -207,11 +239,19 @@ class Streamed(Part):
         self._keys, self._owner = keys, owner
         self.passes: set[_StreamedPass] = set()
 
-    def open(self, epoch: int) -> Pass:
-        return _StreamedPass(epoch, self)
+    def open(self, epoch: int, consumed: Ranges | None = None) -> Pass:
+        return _StreamedPass(epoch, self, consumed)
 
     def digest(self) -> str:
         return f"stream:{type(self._owner).__name__}"
+
+    def epoch_size(self) -> int | None:
+        owner = self._owner
+        return owner.epoch_size() if isinstance(owner, SharesItsStream) else None
+
+    def positions(self, epoch: int, consumed: Ranges, rank: int, world_size: int) -> list[int]:
+        assert isinstance(self._owner, SharesItsStream)
+        return self._owner.positions(epoch, consumed, False, rank, world_size, None)
 
     def bind(self, rank: int, world_size: int) -> None:
         replicas = getattr(self._owner, "num_replicas", None)  # a DistributedSampler: its share
@@ -229,11 +269,17 @@ class Streamed(Part):
             )
         super().bind(rank, world_size)
 
-    async def chunks(self, epoch: int) -> AsyncIterator[list[Any]]:
-        """The keys of one pass in `epoch`, in lists (a sync iterable is read in the threads)."""
-        if isinstance(self._owner, HasSetEpoch) and callable(self._owner.set_epoch):
-            self._owner.set_epoch(epoch)
-        keys = self._keys()
+    async def chunks(self, epoch: int, consumed: Ranges | None = None) -> AsyncIterator[list[Any]]:
+        """The keys of one pass in `epoch` (less `consumed`, for a source that shares its stream
+        itself), in lists (a sync iterable is read in the threads)."""
+        owner = self._owner
+        keys: Iterable[Any] | AsyncIterable[Any]
+        if isinstance(owner, SharesItsStream):  # tar shards: this rank's equal share
+            keys = owner.share_keys(epoch, consumed or Ranges(), False)
+        else:
+            if isinstance(owner, HasSetEpoch) and callable(owner.set_epoch):
+                owner.set_epoch(epoch)
+            keys = self._keys()
         if isinstance(keys, AsyncIterable):
             stream = aiter(keys)
             try:

@@ -1,6 +1,14 @@
 """The mix as a source: its keys (`MixKey`s, one epoch per iteration of `keys()`) and its fetch.
 
 See `_mix.py` for the rule a mix follows; `_mixparts.py` for how each input gives its keys.
+
+Across ranks, every rank draws the same sources at the same positions and each source gives every
+rank as many keys (its share, padded), so every rank's epoch ends at the same position: equal steps.
+For a resume on another world size, the positions of the mix are the sources' own, laid end to end:
+pass `k` of source `i` (its epoch `e + k`) holds positions `k * T + base_i + j` for the `j`-th of its
+N_i positions (T: all sources' N together, base_i: those before `i`); a saved state's delivered
+samples are counted there (`positions`), and the resumed epoch draws anew from position 0, each
+source giving the new rank its share of what is left.
 """
 
 from __future__ import annotations
@@ -8,9 +16,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ._exceptions import FetchError, InvalidKeyError
+import numpy as np
+
+from ._exceptions import FetchError, InvalidKeyError, StateError
 from ._mixchoice import Choices
 from ._mixparts import END, Indexed, Part, Pass, make_part
+from ._util.ranges import Ranges
 from ._util.threads import LazyThreadPool
 from ._util.validate import check_int
 from .sources.protocol import HasStats
@@ -95,6 +106,7 @@ class Mix:
         ]
         self._epoch = 0
         self.starts: dict[int, int] = {}  # epoch -> the position its next stream begins at
+        self.rank, self.world_size = 0, 1
 
     def __repr__(self) -> str:
         shown = [_short(s) for s in self._sources]
@@ -155,6 +167,50 @@ class Mix:
         """
         for part in self.parts:
             part.bind(rank, world_size)
+        self.rank, self.world_size = rank, world_size
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """This rank's place: what a loader's state records."""
+        return self.rank, self.world_size
+
+    def share_keys(self, epoch: int, consumed: Ranges, drop_last: bool) -> AsyncIterator[MixKey]:
+        """This rank's `MixKey`s of `epoch`, once the positions in `consumed` are taken out."""
+        return self.stream(epoch, consumed)
+
+    def positions(
+        self, epoch: int, consumed: Ranges, drop_last: bool, rank: int, world_size: int,
+        stop: int | None,
+    ) -> list[int]:  # fmt: skip
+        """The positions (see the module's docstring) of the first `stop` keys of `epoch` that
+        `rank` of `world_size` streamed, found from the draws and the sources' shares alone;
+        StateError when a source cannot say (a stream without a known size)."""
+        layout = _Layout(self, consumed, world_size)
+        choices = Choices(self.weights, self.seed, epoch)
+        live = {i for i, w in enumerate(self.weights) if w > 0}
+        at = dict.fromkeys(live, 0)  # each source: its pass, and its place in it
+        k = dict.fromkeys(live, 0)
+        shares: dict[tuple[int, int], Any] = {}
+        out: list[int] = []
+        ran_out: set[int] = set()
+        for i in choices.iter_from(0):
+            if stop is not None and len(out) >= stop:
+                break
+            share = shares.get((i, k[i]))
+            if share is None:
+                share = shares[i, k[i]] = layout.share(i, k[i], epoch, rank)
+            if at[i] >= len(share):
+                ran_out.add(i)
+                if self.stop == "first_exhausted" or (
+                    self.stop == "all_exhausted" and ran_out >= live
+                ):
+                    break
+                k[i], at[i] = k[i] + 1, 0
+                share = shares[i, k[i]] = layout.share(i, k[i], epoch, rank)
+                if not len(share):
+                    raise ValueError(self._empty(i, epoch + k[i]))
+            out.append(layout.position(i, k[i], int(share[at[i]])))
+            at[i] += 1
+        return out
 
     def stats(self) -> dict[str, float]:
         """The retries and throttles of the remote sources in the mix, summed."""
@@ -191,8 +247,16 @@ class Mix:
             f"shuffle={self.shuffle}, sources=[{parts}])"
         )
 
-    async def stream(self, epoch: int) -> AsyncIterator[MixKey]:
-        """The `MixKey`s of `epoch`, in the mix's order (see the module docstring for the rule)."""
+    async def stream(self, epoch: int, consumed: Ranges | None = None) -> AsyncIterator[MixKey]:
+        """The `MixKey`s of `epoch`, in the mix's order (see the module docstring for the rule),
+        once the positions in `consumed` are taken out."""
+        layout = _Layout(self, consumed, self.world_size) if consumed else None
+
+        def opened(i: int, part_epoch: int) -> Pass:
+            if layout is None:
+                return self.parts[i].open(part_epoch)
+            return self.parts[i].open(part_epoch, layout.consumed(i, part_epoch - epoch))
+
         choices = Choices(self.weights, self.seed, epoch)
         live = {i for i, w in enumerate(self.weights) if w > 0}
         start = self.starts.pop(epoch, 0)
@@ -202,7 +266,7 @@ class Mix:
         ran_out: set[int] = set()
         try:
             for i in sorted(live):  # all read ahead at once
-                await self._advance(i, epoch, passes, drawn[i], ran_out)
+                await self._advance(i, epoch, passes, drawn[i], ran_out, layout)
             for i in choices.iter_from(start):
                 current = passes[i]
                 key = current.take() if current.at_hand else await current.next()
@@ -213,7 +277,7 @@ class Mix:
                     ):
                         return
                     await current.aclose()
-                    current = passes[i] = self.parts[i].open(current.epoch + 1)
+                    current = passes[i] = opened(i, current.epoch + 1)
                     key = await current.next()
                     if key is END:
                         raise ValueError(self._empty(i, current.epoch))
@@ -223,23 +287,30 @@ class Mix:
                 await open_pass.aclose()
 
     async def _advance(
-        self, i: int, epoch: int, passes: dict[int, Pass], drawn: int, ran_out: set[int]
-    ) -> None:
+        self, i: int, epoch: int, passes: dict[int, Pass], drawn: int, ran_out: set[int],
+        layout: _Layout | None,
+    ) -> None:  # fmt: skip
         """Open source `i`'s pass in `passes` where `drawn` draws have left it: for a source with
         a length, by arithmetic; for a stream, by reading (and dropping) that many keys."""
         part = self.parts[i]
+
+        def left(k: int) -> Ranges | None:  # what the resume consumed of its pass `k`
+            return None if layout is None else layout.consumed(i, k)
+
         if isinstance(part, Indexed) and drawn:
-            passes_done, index = divmod(drawn - 1, part.length())
-            if passes_done:
-                ran_out.add(i)  # a draw found it empty and started its next epoch
-            passes[i] = part.open(epoch + passes_done, index + 1)
+            k = 0  # passes done: a draw found the pass empty and started the next epoch
+            while drawn > (length := part.length(left(k))):
+                drawn, k = drawn - length, k + 1
+            if k:
+                ran_out.add(i)
+            passes[i] = part.open(epoch + k, left(k), drawn)
             return
-        current = passes[i] = part.open(epoch)
+        current = passes[i] = part.open(epoch, left(0))
         for _ in range(drawn):
             if await current.next() is END:
                 ran_out.add(i)
                 await current.aclose()
-                current = passes[i] = part.open(current.epoch + 1)
+                current = passes[i] = part.open(current.epoch + 1, left(current.epoch + 1 - epoch))
                 if await current.next() is END:
                     raise ValueError(self._empty(i, current.epoch))
 
@@ -259,3 +330,40 @@ def _short(obj: object, most: int = 60) -> str:
 
 def label(index: int, name: str | None) -> str:
     return f"sources[{index}]" if name is None else f"sources[{name!r}]"
+
+
+class _Layout:
+    """The positions of a mix's sources laid end to end (the module's docstring), and what of
+    each source's pass a set of consumed positions holds."""
+
+    def __init__(self, mix: Mix, consumed: Ranges | None, old_world: int) -> None:
+        sizes = [part.epoch_size() for part in mix.parts]
+        unknown = [part.name for part, n in zip(mix.parts, sizes, strict=True) if n is None]
+        if unknown:
+            raise StateError(
+                f"world_size: a mix state saved on world size {old_world} cannot resume on "
+                f"{mix.world_size}: {unknown[0]} does not know its epoch's size (a stream with "
+                "neither a length nor sample counts); resume on the same world size",
+                field="world_size",
+            )
+        self._parts = mix.parts
+        self._sizes = [int(n or 0) for n in sizes]
+        self._base = np.concatenate([[0], np.cumsum(self._sizes)]).tolist()
+        self._total = self._base[-1]
+        self._consumed = consumed or Ranges()
+        self._world = old_world
+
+    def position(self, i: int, k: int, local: int) -> int:
+        return int(k * self._total + self._base[i] + local)
+
+    def consumed(self, i: int, k: int) -> Ranges:
+        """The consumed positions of source `i`'s pass `k`, as its own (from 0)."""
+        lo = self.position(i, k, 0)
+        hi = lo + self._sizes[i]
+        return Ranges(
+            (max(a, lo) - lo, min(b, hi) - lo) for a, b in self._consumed.pairs if a < hi and b > lo
+        )
+
+    def share(self, i: int, k: int, epoch: int, rank: int) -> Any:
+        """Source `i`'s positions in its pass `k` (its epoch `epoch + k`) for `rank`."""
+        return self._parts[i].positions(epoch + k, self.consumed(i, k), rank, self._world)

@@ -1,23 +1,30 @@
-"""The order stage of a source that orders its own rows (`sources.parquet`): its order, its shares.
+"""The order stage of a source that orders its own rows (`sources.parquet`) or shares its own stream
+(`sources.tar_shards`, `aioloader.mix`): its order, its shares.
 
 Such a source says, from what it knows before reading (a Parquet file's footer), which rows an epoch
 holds in which order (`epoch_order`), which indices of that order a reader delivers (`share`: one
 contiguous share per reader, all of one length), and what keys those make (`refs`). The plan is
 otherwise the order stage's: groups of `batch_size` samples, numbered within the epoch, so the
 loader's state and its resume (also elastic: `group_indices`) work as for any keys.
+
+A source that shares its own stream (`SharesItsKeys`) knows its order only as it streams, but says
+which positions of its epoch the first keys of any reader's stream stand for (`positions`, from
+what it knows without reading: shards' sample counts, a mix's draws): `StreamPlan` numbers its keys
+as they come and counts a saved state's delivered groups as consumed positions from that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from .._util.ranges import Ranges
-from .order import KeyOrder, KeyPlan
+from ..sources.protocol import SharesItsKeys
+from .order import Group, KeyOrder, KeyPlan, achunk
 
-__all__ = ["OrdersItself", "OwnOrder", "OwnPlan"]
+__all__ = ["OrdersItself", "OwnOrder", "OwnPlan", "StreamPlan"]
 
 
 @runtime_checkable
@@ -103,3 +110,49 @@ class OwnPlan(KeyPlan):
         mine = source.share(consumed, self.drop_last, rank, world_size)
         rows = self._rows_per_group()
         return [int(i) for i in mine[group * rows : (group + 1) * rows]]
+
+
+class StreamPlan(KeyPlan):
+    """`KeyPlan` over the keys a `SharesItsKeys` source streams for this reader: its own shares,
+    positions and place (`rank_and_world`), so a state records the real rank and world size."""
+
+    def __init__(
+        self, order: KeyOrder, source: SharesItsKeys, batch_size: int | None, drop_last: bool
+    ) -> None:
+        super().__init__(order, batch_size, drop_last)
+        self.source = source
+        self._epoch = 0  # the epoch of the states being resumed (`restore`)
+        self._streams: dict[tuple[Any, ...], list[int]] = {}  # their readers' positions so far
+
+    def groups(self, epoch: int, consumed: Ranges) -> AsyncIterable[Group]:
+        first, self._first = self._first, 0
+        keys = self.source.share_keys(epoch, consumed, self.drop_last)
+        return achunk(_numbered(keys, first * self.group_size), self.batch_size, self.drop_last,
+                      first)  # fmt: skip
+
+    def rank_and_world(self) -> tuple[int, int]:
+        return self.source.rank_and_world()
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Before the saved states' groups are counted (`group_indices`): their epoch."""
+        self._epoch = int(state["epoch"])
+        self._streams.clear()
+
+    def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
+        """The positions of group `group` of reader `rank` of `world_size`, in the restored epoch."""
+        stop = (group + 1) * self.group_size
+        key = (rank, world_size, tuple(map(tuple, consumed.pairs)))
+        known = self._streams.get(key, [])
+        if len(known) < stop:  # the first keys of that reader's stream, more each time
+            most = max(stop, 2 * len(known))
+            known = self._streams[key] = self.source.positions(
+                self._epoch, consumed, self.drop_last, rank, world_size, most
+            )
+        return known[group * self.group_size : stop]
+
+
+async def _numbered(keys: AsyncIterable[Any], start: int) -> AsyncIterator[tuple[int, Any]]:
+    i = start
+    async for key in keys:
+        yield i, key
+        i += 1

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from .._util.ranges import Ranges
+
 __all__ = [
     "Bindable",
     "HasEtag",
@@ -18,6 +20,8 @@ __all__ = [
     "HasSize",
     "HasStats",
     "SaysHowItShuffles",
+    "SharesItsKeys",
+    "SharesItsStream",
     "ShufflesItself",
     "Source",
 ]
@@ -101,3 +105,33 @@ class SaysHowItShuffles(Protocol):
     """Says how it shuffles itself, for the error a refused `shuffle=True` raises."""
 
     shuffles_how: str
+
+
+@runtime_checkable
+class SharesItsKeys(Protocol):
+    """Streams its keys and shares them among the readers itself, exactly (tar shards, a mix).
+
+    `share_keys(epoch, consumed, drop_last)` streams this reader's keys of `epoch` once the
+    positions in `consumed` are taken out, every reader the same number (padded by wrapping, or
+    cut with `drop_last`); `positions(epoch, consumed, drop_last, rank, world_size, stop)` gives
+    the positions the first `stop` keys of reader `rank` of `world_size` stand for (None: all of
+    them), without reading: what a loader's state counts as consumed when it resumes on another
+    world size. `rank_and_world()`: this reader's place, as a saved state records it.
+    """
+
+    def rank_and_world(self) -> tuple[int, int]: ...
+
+    def share_keys(self, epoch: int, consumed: Ranges, drop_last: bool) -> AsyncIterable[Any]: ...
+
+    def positions(
+        self, epoch: int, consumed: Ranges, drop_last: bool, rank: int, world_size: int,
+        stop: int | None,
+    ) -> list[int]: ...  # fmt: skip
+
+
+@runtime_checkable
+class SharesItsStream(SharesItsKeys, Protocol):
+    """`SharesItsKeys` over a fixed number of positions per epoch (`epoch_size()`, all readers'
+    together): one part of a mix that resumes on another world size (tar shards)."""
+
+    def epoch_size(self) -> int: ...

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from support.shardfiles import write_shards
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -45,6 +46,34 @@ def test_torchrun_two_ranks_disjoint_complete_equal_steps(tmp_path: Path) -> Non
         assert a | b == set(range(50))  # complete
         assert len(ranks[0]["keys"][epoch]) == len(a)  # no sample twice on one rank
     assert ranks[0]["keys"][0] != ranks[0]["keys"][1]  # set_epoch reshuffled
+
+
+def test_torchrun_four_ranks_step_together_over_uneven_tar_shards(tmp_path: Path) -> None:
+    """DDP over tar shards of uneven sizes, and over a mix of them with a key list: every rank
+    takes the same number of all-reduced steps (none hangs), and every sample comes; the ranks
+    count the shards' samples together, each shard once."""
+    sizes = [7, 13, 5, 11, 9, 3, 17, 8, 1, 14]
+    shards = write_shards(tmp_path, sizes)
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=4", str(SCRIPTS / "ddp_shards.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [*cmd, str(tmp_path), *shards], env=env, timeout=300, capture_output=True, text=True
+    )
+    written = [tmp_path / f"rank{r}.json" for r in range(4)]
+    if done.returncode != 0:  # as above: only torch's own teardown may abort, after the records
+        torn_down = all(p.exists() for p in written) and "exitcode: -6" in done.stderr
+        assert torn_down, done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
+    ranks = [json.loads(p.read_text()) for p in written]
+    every = {f"{s}-{i}" for s, n in enumerate(sizes) for i in range(n)}
+    for run in ("tar", "mix"):
+        assert len({r[run]["steps"] for r in ranks}) == 1, run  # equal steps: nobody hangs
+    taken = [name for r in ranks for name in r["tar"]["samples"]]
+    assert set(taken) == every  # 88 samples among 4 ranks: 22 each, none padded
+    assert len(taken) == len(every)
+    mixed = {name for r in ranks for name in r["mix"]["samples"]}
+    assert every | {f"k{i}" for i in range(50)} <= mixed
+    assert sum(r["counted"][0] for r in ranks) == len(shards)  # each shard counted once per job
+    assert sum(r["counted"][1] for r in ranks) == 0  # the same shards again: the job's counts
 
 
 def run_lines(*args: str) -> list[str]:

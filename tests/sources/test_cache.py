@@ -225,6 +225,37 @@ def test_s3_changed_object_is_fetched_again(
     assert dict(s3proxy.seen) == {f"{bucket}/": 1, f"{bucket}/{changed}": 1}
 
 
+def test_two_endpoints_of_one_bucket_share_one_cached_copy(
+    seaweed: SeaweedServer, s3proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Objects and tar shards are cached by store, bucket and key: a process that reaches the same
+    bucket through another endpoint URL (here, a proxy in front of it) reads the copy the first
+    one downloaded, and sends no request."""
+    prefix = "cache-endpoints/"
+    bodies = {f"{prefix}{i}.bin": bytes([i]) * (1000 + i) for i in range(4)}
+    for key, body in bodies.items():
+        seaweed.put(key, body)
+    shard = f"{prefix}shard.tar"
+    seaweed.put(shard, _tar({"a.txt": b"one", "b.txt": b"two"}))
+    keys = sorted(bodies)
+    credentials, bucket = seaweed.credentials, seaweed.bucket
+
+    def both(endpoint: str) -> tuple[list[object], list[object]]:
+        objects = sources.s3(f"s3://{bucket}/{prefix}", keys, endpoint_url=endpoint,
+                             credentials=credentials, cache_dir=tmp_path)  # fmt: skip
+        shards = sources.tar_shards([f"s3://{bucket}/{shard}"], cache_dir=tmp_path,
+                                    s3_options={"endpoint_url": endpoint,
+                                                "credentials": credentials})  # fmt: skip
+        return epochs(objects, 1)[0], epochs(shards, 1)[0]
+
+    direct = both(seaweed.endpoint)
+    assert direct[0] == list(bodies.values())
+    assert [s["txt"] for s in direct[1]] == [b"one", b"two"]  # type: ignore[index]
+    assert both(s3proxy.url) == direct
+    assert gets(s3proxy) == 0  # all from the copies the other endpoint's reads kept
+    assert data_file(tmp_path, f"s3://{bucket}/{keys[0]}").exists()
+
+
 def _tar(members: dict[str, bytes]) -> bytes:
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:

@@ -181,13 +181,13 @@ def test_a_persistent_failure_or_stall_is_a_typed_error_naming_the_key(
 ) -> None:
     keys = sorted(stored)[:6]
     bad = keys[3]
-    gcs_proxy.plan = lambda path, n: Fault("503") if path.endswith(bad) else None
+    gcs_proxy.plan = lambda path, n: Fault("500") if path.endswith(bad) else None
     src = gcs(f"gs://{gcs_server.bucket}/{PREFIX}", keys, endpoint_url=gcs_proxy.url,
               anonymous=True, attempts=3, engine=engine, **FAST)  # fmt: skip
     with Loader(src, concurrency=4, collate=None) as loader, pytest.raises(FetchError) as info:
         list(loader)
     assert info.value.key == bad
-    assert "status 503" in str(info.value)
+    assert "status 500" in str(info.value)  # not throttling: `attempts` attempts
     assert "3 attempt(s)" in str(info.value)
     gcs_proxy.reset_counts()
     gcs_proxy.plan = lambda path, n: Fault("stall", 3.0)

@@ -109,6 +109,7 @@ def test_truncated_and_corrupt_shards_name_shard_and_offset(
 
 def test_shards_split_across_ranks_and_workers_without_overlap(shards: list[str]) -> None:
     seen: list[str] = []
+    samples: list[list[str]] = []
     for rank in range(2):
         for worker in range(2):
             src = tar_shards(shards, rank=rank, world_size=2, worker=worker, num_workers=2)
@@ -116,7 +117,13 @@ def test_shards_split_across_ranks_and_workers_without_overlap(shards: list[str]
             assert mine == TarShards(shards, rank=rank, world_size=2, worker=worker,
                                      num_workers=2).shards_for(3)  # fmt: skip
             seen += mine
-    assert sorted(seen) == sorted(shards)
+            samples.append([s["__key__"] for s in collect(src, epoch=3)])
+    assert set(seen) == set(shards)
+    total = N_SHARDS * PER_SHARD  # 42 among 4 readers: 11 each, the last padded by 2
+    assert [len(m) for m in samples] == [-(-total // 4)] * 4
+    every = [k for m in samples for k in m]
+    assert len(set(every)) == total
+    assert all(len(set(m)) == len(m) for m in samples)  # no reader has a sample twice
     one = tar_shards(shards)
     assert one.shards_for(0) != one.shards_for(1)  # reshuffled per epoch
     assert sorted(one.shards_for(0)) == sorted(shards)

@@ -4,7 +4,8 @@
 and an origin and, for the n-th request of each path, does what `proxy.plan(path, n)` says: forward it
 (after `Fault.seconds`), answer 503 (with or without Retry-After, or as S3's "SlowDown"), reset the
 connection, send a body shorter than its Content-Length, stall, or send the body slowly in pieces.
-Each runs its own event loop on its own thread.
+`RateLimit` is such a plan that throttles by rate, as a store does: for some seconds it answers
+503 SlowDown to the requests beyond a rate. Each runs its own event loop on its own thread.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +24,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-__all__ = ["Fault", "FaultProxy", "Origin", "ServerThread"]
+__all__ = ["Fault", "FaultProxy", "Origin", "RateLimit", "ServerThread"]
 
-KINDS = ("503", "503-retry-after", "429", "reset", "reset-mid-body", "truncate", "stall", "latency",
-         "trickle")  # fmt: skip
+KINDS = ("503", "503-retry-after", "429", "500", "reset", "reset-mid-body", "truncate", "stall",
+         "latency", "trickle")  # fmt: skip
 SLOWDOWN = (
     b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 )
@@ -46,6 +48,36 @@ class Fault:
 
     kind: str
     seconds: float = 0.0
+
+
+class RateLimit:
+    """A proxy's plan: for `seconds` from the first request, each tenth of a second lets through
+    `per_second / 10` requests (at least one) and answers the others with `kind` (S3's SlowDown);
+    after that, everything passes. `throttled` and `passed` count what it did."""
+
+    def __init__(self, per_second: float, seconds: float, kind: str = "slowdown") -> None:
+        self.per_window = max(1, int(per_second / 10))
+        self.seconds, self.kind = seconds, kind
+        self.start: float | None = None
+        self.window, self.used = -1, 0
+        self.throttled = self.passed = 0
+
+    def __call__(self, path: str, n: int) -> Fault | None:
+        now = time.monotonic()  # a server's rule: time is what it throttles by
+        if self.start is None:
+            self.start = now
+        if now - self.start >= self.seconds:
+            self.passed += 1
+            return None
+        window = int((now - self.start) * 10)
+        if window != self.window:
+            self.window, self.used = window, 0
+        if self.used < self.per_window:
+            self.used += 1
+            self.passed += 1
+            return None
+        self.throttled += 1
+        return Fault(self.kind)
 
 
 class ServerThread:
@@ -190,7 +222,7 @@ class FaultProxy(ServerThread):
             return resp.status, {k: v for k, v in resp.headers.items() if k in passed}, body
 
     async def _inject(self, request: web.Request, fault: Fault) -> web.StreamResponse:
-        if fault.kind in ("503", "429"):
+        if fault.kind in ("503", "429", "500"):
             return web.Response(status=int(fault.kind), text="busy")
         if fault.kind in AZURE_BUSY:
             status, body = AZURE_BUSY[fault.kind]

@@ -134,7 +134,7 @@ def store_for(url: str, remotes: dict[str, Any], options: StoreOptions) -> Store
     reach = SCHEMES.get(scheme) if sep else None
     if reach is None:
         return Store(url)
-    remote, remote_url = reach(url, remotes, options)
+    remote, remote_url, _ = reach(url, remotes, options)
     return Store(url, remote, remote_url)
 
 

@@ -45,26 +45,31 @@ _READ_AHEAD = 32
 StoreOptions = Callable[[str], dict[str, Any]]
 
 
-def _http(shard: str, remotes: dict[str, Any], options: StoreOptions) -> tuple[Remote, str]:
+# (the source that reads a shard, the shard's URL there, what names it in a cache)
+Reach = tuple["Remote", str, str]
+
+
+def _http(shard: str, remotes: dict[str, Any], options: StoreOptions) -> Reach:
     if "http" not in remotes:
         from ..stores.http import Http
 
         remotes["http"] = Http([], **options("http"))
-    return remotes["http"], shard
+    return remotes["http"], shard, shard
 
 
-def _bucketed(kind: str) -> Callable[[str, dict[str, Any], StoreOptions], tuple[Remote, str]]:
+def _bucketed(kind: str) -> Callable[[str, dict[str, Any], StoreOptions], Reach]:
     """How a scheme of bucket stores ("s3", "gs", "az") finds its shards: one source per bucket
-    (or container), made on first use with `options(kind)`; the shard's URL is that source's."""
+    (or container), made on first use with `options(kind)`; the shard's URL and cache name are
+    that source's (the store, bucket and key: not the endpoint)."""
 
-    def find(shard: str, remotes: dict[str, Any], options: StoreOptions) -> tuple[Remote, str]:
+    def find(shard: str, remotes: dict[str, Any], options: StoreOptions) -> Reach:
         scheme, _, rest = shard.partition("://")
         bucket, _, key = rest.partition("/")
         name = f"{scheme}:{bucket}"
         if name not in remotes:
             remotes[name] = _store(kind)(f"{scheme}://{bucket}/", **options(kind))
         src = remotes[name]
-        return src, src.url(key)
+        return src, src.url(key), src.cache_name(key)
 
     return find
 
@@ -85,8 +90,8 @@ def _store(kind: str) -> Callable[..., Remote]:
 
 
 # URL scheme -> (the remote source that reads such shards, made once and kept in `remotes`; the
-# shard's URL there). A shard of another scheme, or a bare path, is a local file.
-SCHEMES: dict[str, Callable[[str, dict[str, Any], StoreOptions], tuple[Remote, str]]] = {
+# shard's URL there; its cache name). A shard of another scheme, or a bare path, is a local file.
+SCHEMES: dict[str, Callable[[str, dict[str, Any], StoreOptions], Reach]] = {
     "http": _http,
     "https": _http,
     "s3": _bucketed("s3"),
@@ -96,10 +101,11 @@ SCHEMES: dict[str, Callable[[str, dict[str, Any], StoreOptions], tuple[Remote, s
 
 
 def cached_name(shard: str, remotes: dict[str, Any], options: StoreOptions) -> str | None:
-    """What names a remote shard in a cache (its URL); None for a local one."""
+    """What names a remote shard in a cache (its store, bucket and key; an http(s) shard: its
+    URL); None for a local one."""
     scheme, sep, _ = shard.partition("://")
     reach = SCHEMES.get(scheme) if sep else None
-    return None if reach is None else reach(shard, remotes, options)[1]
+    return None if reach is None else reach(shard, remotes, options)[2]
 
 
 async def open_shard(
@@ -110,13 +116,13 @@ async def open_shard(
     scheme, sep, _ = shard.partition("://")
     reach = SCHEMES.get(scheme) if sep else None
     if reach is not None:
-        src, url = reach(shard, remotes, options)
+        src, url, name = reach(shard, remotes, options)
         stream: AsyncGenerator[bytes | bytearray | memoryview, None]
         if cache is None:
             stream = _remote(src.transport, url, shard)
         else:
             stream = cache.stream(
-                url, redact_url(url), lambda version: _remote(src.transport, url, shard, version)
+                name, redact_url(url), lambda version: _remote(src.transport, url, shard, version)
             )
         async with contextlib.aclosing(stream):
             async for chunk in stream:

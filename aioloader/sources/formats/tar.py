@@ -5,9 +5,11 @@ a key (the path up to the first "." of the file name) make one dict `{"__key__":
 "jpg": bytes, "cls": bytes, ...}` (extensions lower-cased; `__*__` metadata members skipped).
 
 Per epoch, the shard list is shuffled with (seed, epoch) (by default: `shuffle=False` keeps the given
-order, for validation and evaluation) and dealt out across `world_size * num_workers`
-readers without overlap; `parallel` shards are read at once and their samples interleaved round-robin
-(a fixed order, whatever the timing), then mixed by a bounded shuffle buffer.
+order, for validation and evaluation) and its samples shared out across `world_size * num_workers`
+readers without overlap, every reader the same number (`tar_share.py`: from the shards' sample
+counts, given as `sample_counts` or counted by a first pass); `parallel` shards are read at once and
+their samples interleaved round-robin (a fixed order, whatever the timing), then mixed by a bounded
+shuffle buffer.
 
 Since samples exist only once a shard is read, the keys of this source are produced while streaming:
 `keys()` is an async iterable of `SampleRef`s (each full iteration is one epoch) that carry their sample,
@@ -17,23 +19,30 @@ gives the samples directly.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import random
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from ..._exceptions import FetchError
+from ..._util.loops import run_to_end
+from ..._util.ranges import Ranges
 from ..._util.validate import check_int
 from ..cache.disk import Cache, check_cache_args
+from ..stores.manifest import job_store
 from ..transport.redact import redact_url
 from .options import ShardOptions
-from .shards import ReadMeter, cached_name, interleave, open_shard, shuffled
+from .shards import SCHEMES, ReadMeter, cached_name, interleave, open_shard, shuffled
+from .tar_counts import count_all, count_local, count_members
 from .tar_members import tar_members
+from .tar_share import Segment, check_counts, given, kept, segments, shard_order
 
-__all__ = ["SampleRef", "TarShards", "tar_shards"]
+__all__ = ["SampleRef", "TarShards", "count_samples", "tar_shards"]
 
 log = logging.getLogger("aioloader")
 
@@ -47,6 +56,13 @@ def split_name(name: str) -> tuple[str | None, str]:
     if not dot or not stem:
         return None, ""
     return folder + slash + stem, ext
+
+
+def sample_key(name: str) -> str | None:
+    """The key of the sample a member belongs to (None: metadata, or a name without a key)."""
+    if _META.match(name) or name.rpartition("/")[2].startswith("__"):
+        return None
+    return split_name(name)[0]
 
 
 class SampleRef:
@@ -73,6 +89,13 @@ class _Epochs:
     def __aiter__(self) -> AsyncIterator[SampleRef]:
         return self._shards._refs(self._shards._next_epoch())
 
+    def digest(self) -> str:
+        """What a saved loader state checks: the shards and what orders their samples."""
+        src = self._shards
+        h = hashlib.blake2b("\n".join(src.shards).encode(), digest_size=8).hexdigest()
+        return (f"tar_shards({len(src.shards)}:{h}, shuffle={src.shuffle}, seed={src.seed}, "
+                f"shuffle_buffer={src.shuffle_buffer}, parallel={src.parallel})")  # fmt: skip
+
 
 class TarShards:
     """Samples from WebDataset-style tar shards, as a source. See `tar_shards()` for the arguments.
@@ -95,6 +118,7 @@ class TarShards:
         suffixes: Sequence[str] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
+        sample_counts: Sequence[int] | Mapping[str, int] | None = None,
         options: ShardOptions | None = None,
         **shared: Any,
     ) -> None:
@@ -117,6 +141,8 @@ class TarShards:
         self._reads = ReadMeter(parallel)
         check_cache_args(cache_dir, cache_limit)
         self._cache = None if cache_dir is None else Cache(cache_dir, cache_limit)
+        self.sample_counts = check_counts(sample_counts, self.shards)  # None: counted when needed
+        self.counted = 0  # shards whose samples this process counted (a first pass)
 
     def __repr__(self) -> str:
         mixing = f", shuffle_buffer={self.shuffle_buffer}" if self.shuffle_buffer else ""
@@ -142,26 +168,139 @@ class TarShards:
         return epoch
 
     def shards_for(self, epoch: int) -> list[str]:
-        """The shards this rank and worker read in `epoch`, in reading order."""
-        order = list(self.shards)
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        mine = order[self.slot :: self.slots]
-        if not mine:
-            log.warning("tar shards: %d shards for %d readers; reader %d has none",
-                        len(order), self.slots, self.slot)  # fmt: skip
-        return mine
+        """The shards this rank and worker read (all or part of) in `epoch`, in reading order."""
+        order = shard_order(len(self.shards), self.shuffle, self.seed, epoch)
+        if self.slots > 1:
+            counts = self._counts_now()
+            cut = segments(counts, order, Ranges(), self.slot, self.slots, False)
+            order = [seg.shard for seg in cut]
+        return [self.shards[i] for i in order]
 
-    def samples(self, epoch: int, keep_going: bool = False) -> AsyncGenerator[dict[str, Any], None]:
-        """The samples of `epoch` for this rank and worker, streamed. A shard that cannot be read
-        (missing, truncated, corrupt) raises FetchError naming it and the offset; with
+    def samples(
+        self, epoch: int, keep_going: bool = False, consumed: Ranges | None = None,
+        drop_last: bool = False,
+    ) -> AsyncGenerator[dict[str, Any], None]:  # fmt: skip
+        """The samples of `epoch` for this rank and worker, streamed: its share of the epoch's
+        samples once those in `consumed` (positions, `tar_share.py`) are taken out, as many as
+        every other reader's (padded by wrapping, or cut with `drop_last`). A shard that cannot be
+        read (missing, truncated, corrupt) raises FetchError naming it and the offset; with
         `keep_going` it yields `{"__error__": that error, ...}` in its place and the others go on
         (how a Loader skips it under `on_error="skip"`)."""
-        read = self._shard_or_its_rest if keep_going else self._shard_samples
-        streams = [read(shard) for shard in self.shards_for(epoch)]
-        merged = interleave(streams, self.parallel, self._reads)
-        rng = random.Random(f"{self.seed}/{epoch}/{self.slot}")
+        return self._samples(epoch, keep_going, consumed or Ranges(), drop_last)
+
+    async def _samples(
+        self, epoch: int, keep_going: bool, consumed: Ranges, drop_last: bool
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        order = shard_order(len(self.shards), self.shuffle, self.seed, epoch)
+        if self.sample_counts is None and self.slots == 1 and not len(consumed):
+            mine = [Segment(i, None, None) for i in order]  # all of every shard: no count needed
+        else:
+            counts = await self._counted()
+            mine = segments(counts, order, consumed, self.slot, self.slots, drop_last)
+        if not mine:
+            log.warning("tar shards: reader %d of %d has no samples", self.slot, self.slots)
+        streams = [self._segment(seg, keep_going) for seg in mine]
+        merged = self._merged(streams, epoch, self.slot, self._reads)
+        async with contextlib.aclosing(merged):
+            async for sample in merged:
+                yield sample
+
+    def _merged(
+        self, streams: list[AsyncGenerator[Any, None]], epoch: int, slot: int,
+        meter: ReadMeter | None = None,
+    ) -> AsyncGenerator[Any, None]:  # fmt: skip
+        """Reader `slot`'s streams of `epoch` as one: interleaved, then through the shuffle buffer
+        (the same for samples and for the positions they stand for: `positions`)."""
+        merged = interleave(streams, self.parallel, meter)
+        rng = random.Random(f"{self.seed}/{epoch}/{slot}")
         return shuffled(merged, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else merged
+
+    def _segment(self, seg: Segment, keep_going: bool) -> AsyncGenerator[dict[str, Any], None]:
+        """The samples of one shard this reader keeps (`seg.members`; None: all of them)."""
+        shard = self.shards[seg.shard]
+        read = self._shard_or_its_rest if keep_going else self._shard_samples
+        expected = None if self.sample_counts is None else self.sample_counts[seg.shard]
+        return kept(read(shard), seg.members, expected, shard, keep_going)
+
+    # -- sample counts: equal shares and the positions a state names ----------------------------------
+
+    async def _counted(self) -> list[int]:
+        """Every shard's sample count: as given, else counted once (a first pass)."""
+        if self.sample_counts is None:
+            remote = sum(s.partition("://")[0] in SCHEMES for s in self.shards)
+            shared = job_store() is not None
+            log.log(logging.INFO if shared or not remote else logging.WARNING,  # all read here
+                    "tar shards: counting the samples of %d shards (%d remote) %s, a first pass; "
+                    "pass sample_counts= (sources.tar.count_samples) to skip it",
+                    len(self.shards), remote, "with the job" if shared else "on this rank",
+                    )  # fmt: skip
+            self.sample_counts = await self._count_all(self._cache)
+        return self.sample_counts
+
+    def _counts_now(self) -> list[int]:
+        """`_counted()` from sync code (on a loop of its own, whose connections it then closes)."""
+        if self.sample_counts is None:
+
+            async def count() -> list[int]:
+                try:
+                    return await self._count_all(None)
+                finally:
+                    for remote in self._remotes.values():  # made on this loop: closed with it
+                        await remote.aclose()
+
+            self.sample_counts = run_to_end(count(), "aioloader-tar-count")
+        return self.sample_counts
+
+    async def _count_all(self, cache: Cache | None) -> list[int]:
+        """Every shard's count: with the job's other ranks when a process group is up (each shard
+        counted once per job), else all of them here (`tar_counts.count_all`)."""
+
+        async def one(shard: str) -> int:
+            scheme, sep, _ = shard.partition("://")
+            if not sep or scheme not in SCHEMES:  # a local file: its headers only
+                return await asyncio.to_thread(count_local, shard, sample_key)
+            stream = open_shard(shard, self._remotes, self._options_of, cache)
+            members = tar_members(stream, redact_url(shard))
+            async with contextlib.aclosing(members):
+                return await count_members(members, sample_key)
+
+        first = self.slot * len(self.shards) // self.slots
+        counts, self.counted = await count_all(self.shards, one, first, max(self.parallel, 8))
+        return counts
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """This reader's place (rank, or rank and worker) among all: what a state records."""
+        return self.slot, self.slots
+
+    def epoch_size(self) -> int:
+        """The samples of one epoch, over all readers."""
+        return sum(self._counts_now())
+
+    def share_keys(self, epoch: int, consumed: Ranges, drop_last: bool) -> AsyncIterator[SampleRef]:
+        """This reader's `SampleRef`s of `epoch` once `consumed` is taken out (a loader's plan)."""
+        return self._refs(epoch, consumed, drop_last)
+
+    def positions(
+        self, epoch: int, consumed: Ranges, drop_last: bool, rank: int, world_size: int,
+        stop: int | None,
+    ) -> list[int]:  # fmt: skip
+        """The epoch positions (`tar_share.py`) of the first `stop` samples (None: all) that
+        reader `rank` of `world_size` streams, found without reading a shard: its segments'
+        positions, through the same interleave and shuffle buffer as its samples."""
+        order = shard_order(len(self.shards), self.shuffle, self.seed, epoch)
+        cut = segments(self._counts_now(), order, consumed, rank, world_size, drop_last)
+
+        async def first() -> list[int]:
+            streams = [given(seg.positions) for seg in cut if seg.positions is not None]
+            out: list[int] = []
+            async with contextlib.aclosing(self._merged(streams, epoch, rank)) as merged:
+                async for p in merged:
+                    out.append(p)
+                    if len(out) == stop:
+                        break
+            return out
+
+        return run_to_end(first(), "aioloader-tar-positions")
 
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self.samples(self._next_epoch())
@@ -230,9 +369,11 @@ class TarShards:
         stores = self._store_options
         return stores[kind] if kind in stores else stores["http"]
 
-    async def _refs(self, epoch: int) -> AsyncIterator[SampleRef]:
+    async def _refs(
+        self, epoch: int, consumed: Ranges | None = None, drop_last: bool = False
+    ) -> AsyncIterator[SampleRef]:
         index = 0
-        async for sample in self.samples(epoch, keep_going=True):
+        async for sample in self.samples(epoch, True, consumed, drop_last):
             yield SampleRef(sample["__url__"], index, sample)  # a broken shard: fetch raises
             index += 1
 
@@ -290,6 +431,7 @@ def tar_shards(
     azure_options: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit: int | None = None,
+    sample_counts: Sequence[int] | Mapping[str, int] | None = None,
 ) -> TarShards:
     """A source of the samples in WebDataset tar shards.
 
@@ -317,6 +459,12 @@ def tar_shards(
             it from there afterwards (no request): shared safely by the processes of one machine.
         cache_limit: the most bytes kept in `cache_dir` (None: no limit); the least recently
             used shards are deleted to stay under it.
+        sample_counts: the samples in each shard (one int per shard, or {shard: count}), from
+            which every reader gets the same number per epoch (the last padded by wrapping around,
+            or cut by a Loader's `drop_last`) and a saved state resumes on another world size.
+            None: with more than one reader, counted by a first pass before the first epoch (a
+            local shard from its headers; a remote one read once, into `cache_dir` if given).
+            `count_samples(shards)` gives them, to save and pass at scale.
 
     Example:
         >>> train = tar_shards([f"s3://bucket/train-{i:04d}.tar" for i in range(64)],
@@ -330,5 +478,18 @@ def tar_shards(
     )  # fmt: skip
     return TarShards(
         shards, parallel=parallel, suffixes=suffixes, cache_dir=cache_dir,
-        cache_limit=cache_limit, options=shared,
+        cache_limit=cache_limit, sample_counts=sample_counts, options=shared,
     )  # fmt: skip
+
+
+def count_samples(shards: str | Sequence[str], **options: Any) -> list[int]:
+    """The samples in each of `shards`, one int per shard: `tar_shards(..., sample_counts=)`.
+
+    A first pass: a local shard is counted from its headers, a remote one read once. `options`
+    are `tar_shards()`'s (the stores' options, `parallel` for how many at once). Blocks; save the
+    result (e.g. as JSON) and pass it to every rank rather than counting on each.
+
+    Example:
+        >>> counts = count_samples(["/data/train-000.tar", "/data/train-001.tar"])  # doctest: +SKIP
+    """
+    return tar_shards(shards, **options)._counts_now()

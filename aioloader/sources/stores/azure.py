@@ -126,6 +126,10 @@ class Azure(Listed):
     def where(self) -> str:
         return f"az://{self.container}/{self.prefix}"
 
+    def cache_name(self, key: str) -> str:
+        """The account, container and blob name: one cached copy whatever the endpoint."""
+        return f"az://{self.account or ''}/{self.container}/{key}"
+
     async def _page(self, transport: Transport, token: str | None) -> Page:
         query = list_query(self.prefix, self.page_size, token)
         sas = "&" + self._sas[1:] if self._sas else ""

@@ -33,6 +33,7 @@ class Listed(Remote):
     """A remote source over the objects under one prefix of a bucket (or container)."""
 
     stream_keys: bool
+    prefix: str
     _given: list[str] | None
     _kind = "remote"  # names the listing thread ("aioloader-s3-list")
 
@@ -77,6 +78,12 @@ class Listed(Remote):
     def _list_transport(self) -> Transport:
         """A transport of its own for `keys()`, which lists on a thread with its own loop."""
         raise NotImplementedError
+
+    def cache_name(self, key: str) -> str:
+        """What names object `key` in the cache: the store, its bucket and the key
+        ("s3://bucket/key"), not the endpoint's URL, so that processes that reach one store by
+        different endpoints (a node's ranks through their own gateways) keep one copy."""
+        return self.where.removesuffix(self.prefix) + key
 
     def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
         """(key, size) of each object under the prefix, in key order, one page at a time."""

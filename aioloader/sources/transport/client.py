@@ -4,7 +4,11 @@ The session is made lazily, inside the first request, on the event loop that run
 a keep-alive pool of `limit` connections; `aclose()` closes it there. Every attempt has its own connect
 and read timeouts; the whole read of one sample (all attempts and the waits between them) has a
 deadline. Failures that may pass (connection errors, resets, timeouts, short bodies and the statuses in
-`Retry.statuses`) are retried with full-jitter backoff; anything else ends the read at once, and so
+`Retry.statuses`) are retried with full-jitter backoff, up to `Retry.attempts` attempts; a throttled
+answer (429, 503 and a store's throttle codes: S3's SlowDown, GCS's rateLimitExceeded, Azure's
+ServerBusy) is retried until the deadline instead, its backoff ceiling doubling with each throttle
+up to `max_backoff`, so that ranks throttled together spread out and wait rather than fail (with
+`attempts=1` nothing is retried). Anything else ends the read at once, and so
 does a host name that does not resolve and never has for this transport (a typo or a wrong endpoint
 is not worth minutes of retries; a name that resolved before may fail for a moment, and is retried).
 What finally fails is a `FetchError` naming the redacted URL, the last status and the attempts made.
@@ -228,6 +232,7 @@ class Transport:
         self, url: str, key: Any, attempt: Callable[[], Awaitable[T]], limited: bool = True
     ) -> T:
         made = 0
+        failed = throttled = 0  # attempts that failed, and of them those that were throttled
         failure: Failure | None = None
         try:
             async with asyncio.timeout(self.timeouts.deadline):
@@ -239,9 +244,16 @@ class Transport:
                         failure = exc
                     if failure.dns and urlsplit(url).hostname not in self._resolved:
                         failure = self._never_resolved(url, failure)
-                    if not failure.retryable or made >= self.retry.attempts:
+                    throttle = failure.retryable and self._throttled(failure)
+                    throttled += throttle
+                    failed += not throttle
+                    if (
+                        not failure.retryable
+                        or failed >= self.retry.attempts
+                        or self.retry.attempts == 1  # never retried, not even when throttled
+                    ):
                         break
-                    delay = self.retry.delay(made, failure.retry_after)
+                    delay = self.retry.delay(throttled if throttle else failed, failure.retry_after)
                     self.counts["retries"] += 1
                     log.debug(
                         "GET %s: %s (attempt %d of %d); retrying in %.3f s",
@@ -275,10 +287,14 @@ class Transport:
         try:
             return await attempt()
         except Failure as failure:
-            throttled = failure.status in _THROTTLE_STATUSES or self._throttle_code(failure)
+            throttled = self._throttled(failure)
             raise
         finally:
             self.limiter.release(ticket, throttled=throttled)
+
+    def _throttled(self, failure: Failure) -> bool:
+        """Whether `failure` is the store asking for fewer requests (a status or an error code)."""
+        return failure.status in _THROTTLE_STATUSES or self._throttle_code(failure)
 
     def _throttle_code(self, failure: Failure) -> bool:
         """Whether `failure` is an error answer whose code is one of `throttle_codes`."""

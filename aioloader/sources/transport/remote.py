@@ -89,7 +89,8 @@ class Remote:
         raise NotImplementedError
 
     def cache_name(self, key: str) -> str:
-        """What names object `key` in the cache: its URL (hashed there; never written out)."""
+        """What names object `key` in the cache (hashed there; never written out): its URL here; a
+        bucket store's source names the store, bucket and key instead (`stores/listing.py`)."""
         return self.url(key)
 
     def _expect(self, key: str) -> Expect:

@@ -2,7 +2,9 @@
 
 `Retry.delay(attempt)` is a uniform draw from [0, min(max_backoff, backoff * 2**(attempt-1))] ("full
 jitter"), so that many clients failing together do not retry together. A server's `Retry-After` is a
-floor on the wait (capped at `max_retry_after`).
+floor on the wait (capped at `max_retry_after`). `attempts` bounds the failures that are not
+throttling; a throttled answer is retried until the read's deadline (`Transport`), its backoff
+counted by the throttles so far.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class Retry:
     """How often, and after how long, a failed read is tried again.
 
     Attributes:
-        attempts: attempts in all (1: never retry).
+        attempts: attempts in all for failures other than throttling (1: never retry, not even a
+            throttled answer, which is otherwise retried until the deadline).
         backoff: the first backoff ceiling in seconds; doubles with each attempt.
         max_backoff: the largest backoff ceiling.
         max_retry_after: the longest `Retry-After` honoured; a longer one is cut to this.

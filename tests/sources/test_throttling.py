@@ -1,0 +1,141 @@
+"""Throttling that slows down: a store answering 503 SlowDown above a request rate for seconds is
+waited out (retries until each read's deadline, full jitter), by the listing and by every read, so no
+sample is lost and no error raised; failures that are not throttling still stop at `attempts`."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+from collections.abc import Iterator
+
+import pytest
+from support.faultproxy import Fault, FaultProxy, RateLimit
+from support.s3server import SeaweedServer
+
+from aioloader import FetchError, Loader
+from aioloader.sources.s3 import s3
+from aioloader.sources.tar import tar_shards
+
+PREFIX = "throttled/"
+# Backoff small enough for a test, a deadline far past the throttle: attempts alone (5) would fail.
+RETRY = {"backoff": 0.02, "max_backoff": 0.2, "deadline": 60.0, "attempts": 5}
+
+
+@pytest.fixture(scope="module")
+def stored(seaweed: SeaweedServer) -> dict[str, bytes]:
+    objects = {f"{PREFIX}{i:04d}.bin": bytes([i % 251]) * (512 + i) for i in range(80)}
+    for name, body in objects.items():
+        seaweed.put(name, body)
+    return objects
+
+
+@pytest.fixture(scope="module")
+def shards(seaweed: SeaweedServer) -> list[str]:
+    urls = []
+    for s in range(6):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for i in range(5):
+                data = f"{s}-{i}".encode()
+                info = tarfile.TarInfo(f"x{s}_{i}.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        name = f"throttled-shards/{s}.tar"
+        seaweed.put(name, buf.getvalue())
+        urls.append(f"s3://{seaweed.bucket}/{name}")
+    return urls
+
+
+@pytest.fixture
+def proxy(seaweed: SeaweedServer) -> Iterator[FaultProxy]:
+    server = FaultProxy(seaweed.endpoint)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+def test_a_throttled_store_is_waited_out_by_the_listing_and_every_read(
+    engine: str, proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    limit = proxy.plan = RateLimit(per_second=20, seconds=2.0)
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", endpoint_url=proxy.url,
+             credentials=seaweed.credentials, concurrency=16, engine=engine, page_size=10,
+             **RETRY)  # fmt: skip
+    keys = src.keys()  # 8 pages, listed through the throttle
+    assert keys == sorted(stored)
+    with Loader(src, concurrency=16, collate=None, max_bytes_in_flight=None) as loader:
+        got = [bytes(x) for x in loader]
+    assert got == [stored[k] for k in keys]  # every sample, in order, none lost
+    stats = src.stats()
+    assert limit.throttled > 5 * 16  # more throttles than five attempts per read would survive
+    assert stats["failures"] == 0
+    assert stats["retries"] >= stats["throttles"] > 0
+
+
+def test_tar_shards_through_a_throttle_lose_no_sample(
+    proxy: FaultProxy, seaweed: SeaweedServer, shards: list[str]
+) -> None:
+    limit = proxy.plan = RateLimit(per_second=10, seconds=1.5)
+    options = {"endpoint_url": proxy.url, "credentials": seaweed.credentials, **RETRY}
+    src = tar_shards(shards, parallel=6, s3_options=options)
+    with Loader(src, collate=None) as loader:
+        got = sorted(sample["txt"].decode() for sample in loader)
+    assert got == sorted(f"{s}-{i}" for s in range(6) for i in range(5))
+    assert limit.throttled > 0
+
+
+def test_throttling_stops_at_the_deadline_and_other_failures_at_attempts(
+    proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    keys = sorted(stored)[:1]
+    options = {"endpoint_url": proxy.url, "credentials": seaweed.credentials, "backoff": 0.01,
+               "max_backoff": 0.05, "attempts": 3}  # fmt: skip
+    proxy.plan = lambda path, n: Fault("slowdown")  # a throttle that never ends
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, deadline=0.5, **options)
+    with Loader(src, collate=None) as loader, pytest.raises(FetchError) as throttled:
+        list(loader)
+    assert "deadline of 0.5 s passed; last error: HTTP 503" in str(throttled.value)
+    assert "SlowDown" in str(throttled.value)
+    assert proxy.seen[keys[0].replace(PREFIX, f"{seaweed.bucket}/{PREFIX}")] > 3  # past attempts
+    proxy.reset_counts()
+    proxy.plan = lambda path, n: Fault("500")  # a server error: tried `attempts` times
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, deadline=30.0, **options)
+    with Loader(src, collate=None) as loader, pytest.raises(FetchError, match=r"after 3 attempt"):
+        list(loader)
+    proxy.reset_counts()
+    proxy.plan = lambda path, n: Fault("slowdown")
+    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, **{**options, "attempts": 1})
+    with Loader(src, collate=None) as loader, pytest.raises(FetchError, match=r"after 1 attempt"):
+        list(loader)  # attempts=1: never retried, not even a throttle
+
+
+def test_four_ranks_at_once_through_a_throttle_all_finish_with_every_sample(
+    proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    """Four ranks' loaders (each in its own thread, as four processes would) start together
+    against a store throttling above 20 requests/s for 2 s: none fails, every sample comes once."""
+    limit = proxy.plan = RateLimit(per_second=20, seconds=2.0)
+    keys = sorted(stored)
+    got: dict[int, list[bytes]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def rank(r: int) -> None:
+        src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, endpoint_url=proxy.url,
+                 credentials=seaweed.credentials, concurrency=8, **RETRY)  # fmt: skip
+        try:
+            with Loader(src, collate=None, rank=r, world_size=4) as loader:
+                start.wait()
+                got[r] = [bytes(x) for x in loader]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(body for r in range(4) for body in got[r]) == sorted(stored.values())
+    assert limit.throttled > 0

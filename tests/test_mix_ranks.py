@@ -1,0 +1,129 @@
+"""aioloader.mix across ranks: equal steps, and exact resume onto fewer and more ranks, for a mix of two
+key lists and of tar shards with a key list (ranks simulated in one process by rank / world_size)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.shardfiles import SIZES, write_shards
+
+from aioloader import Loader, MixKey, StateError, mix, sources
+
+A = [f"a{i}" for i in range(61)]
+B = [f"b{i}" for i in range(37)]
+TAR = [f"{s}-{i}" for s, n in enumerate(SIZES) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return write_shards(tmp_path_factory.mktemp("mixed"), SIZES)
+
+
+def label(key: MixKey, sample: Any) -> tuple[int, int, str]:
+    """(source, that source's epoch, the sample's name): what a delivery is counted by."""
+    name = sample["txt"].decode() if isinstance(sample, dict) else sample
+    return key.source, key.epoch, name
+
+
+def make(kind: str, shards: list[str], stop: str, rank: int, world: int) -> Loader[Any]:
+    if kind == "lists":
+        inputs: list[Any] = [A, B]
+    else:
+        inputs = [sources.tar_shards(shards, shuffle_buffer=5, seed=2), B]
+    both = mix(inputs, [2, 1], seed=4, stop=stop)
+    return Loader(both, batch_size=4, collate=list, decode=label, decode_with_key=True,
+                  rank=rank, world_size=world)  # fmt: skip
+
+
+def universe(kind: str) -> set[tuple[int, int, str]]:
+    first = A if kind == "lists" else TAR
+    return {(0, 0, a) for a in first} | {(1, 0, b) for b in B}
+
+
+@pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
+@pytest.mark.parametrize("kind", ["lists", "tar"])
+def test_every_rank_takes_the_same_number_of_steps(kind: str, shards: list[str], stop: str) -> None:
+    steps = []
+    for rank in range(4):
+        with make(kind, shards, stop, rank, 4) as loader:
+            steps.append(sum(1 for _ in loader))
+    assert len(set(steps)) == 1
+
+
+@pytest.mark.parametrize("new_world", [3, 5])
+@pytest.mark.parametrize("kind", ["lists", "tar"])
+def test_elastic_resume_delivers_each_remaining_sample_once(
+    kind: str, shards: list[str], new_world: int
+) -> None:
+    """With stop="all_exhausted" every sample of each source's first epoch comes in the mix's
+    epoch: before the resume or after it, once (but for the padding of the new ranks' shares)."""
+    delivered: list[tuple[int, int, str]] = []
+    states = []
+    for rank in range(4):
+        with make(kind, shards, "all_exhausted", rank, 4) as loader:
+            it = iter(loader)
+            delivered += [s for _ in range(3) for s in next(it)]
+            states.append(json.loads(json.dumps(loader.state_dict())))
+            it.close()  # type: ignore[attr-defined]
+    assert (states[3]["rank"], states[3]["world_size"]) == (3, 4)
+    rest = []
+    for rank in range(new_world):
+        with make(kind, shards, "all_exhausted", rank, new_world) as loader:
+            loader.load_state_dict(states)
+            rest.append([s for batch in loader for s in batch])
+    assert len({len(r) for r in rest}) == 1, "every new rank takes the same number of samples"
+    after = [s for r in rest for s in r]
+    assert not set(after) & set(delivered)  # none delivered again
+    first_epochs = [s for s in delivered + after if s[1] == 0]
+    assert set(first_epochs) == universe(kind)  # none lost
+    twice = Counter(first_epochs) - Counter(set(first_epochs))
+    assert all(n < new_world for n in Counter(s[0] for s in twice.elements()).values())
+
+
+@pytest.mark.parametrize("new_world", [3, 5])
+def test_elastic_resume_ending_at_the_first_exhausted_repeats_nothing(
+    shards: list[str], new_world: int
+) -> None:
+    delivered = []
+    states = []
+    for rank in range(4):
+        with make("tar", shards, "first_exhausted", rank, 4) as loader:
+            it = iter(loader)
+            delivered += [s for _ in range(2) for s in next(it)]
+            states.append(loader.state_dict())
+            it.close()  # type: ignore[attr-defined]
+    after = []
+    for rank in range(new_world):
+        with make("tar", shards, "first_exhausted", rank, new_world) as loader:
+            loader.load_state_dict(states)
+            after += [s for batch in loader for s in batch]
+    assert not set(after) & set(delivered)
+    assert after  # the epoch went on
+    left_b = set(B) - {s[2] for s in delivered if s[0] == 1}
+    assert {s[2] for s in after if s[0] == 1} == left_b  # the source that ran out: all of it
+
+
+def test_a_source_that_cannot_say_its_size_refuses_another_world_size(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"id": list(range(40))}), path, row_group_size=8)
+
+    def loader(rank: int, world: int) -> Loader[Any]:
+        both = mix([sources.parquet([str(path)]), A], [1, 1], seed=1)
+        return Loader(both, batch_size=4, collate=list, rank=rank, world_size=world)
+
+    states = []
+    for rank in range(2):
+        with loader(rank, 2) as first:
+            it = iter(first)
+            next(it)
+            states.append(first.state_dict())
+            it.close()  # type: ignore[attr-defined]
+    with loader(0, 3) as other, pytest.raises(StateError, match="world size 2 cannot resume on 3"):
+        other.load_state_dict(states)
