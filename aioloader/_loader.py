@@ -52,6 +52,7 @@ from .sources.protocol import (
     Bindable,
     HasSize,
     HasStats,
+    ReadsAhead,
     SaysHowItShuffles,
     SharesItsKeys,
     ShufflesItself,
@@ -205,6 +206,8 @@ class Loader(Generic[T]):
             )
         plan = KeyPlan(order, batch_size, drop_last)
         budget = MemoryBudget.of(max_bytes_in_flight)
+        if isinstance(source, ReadsAhead):  # e.g. sources.tar_shards: its share of the budget
+            source.max_bytes_ahead = budget.read_ahead_bytes
         if keys is source and isinstance(source, OrdersItself):  # e.g. sources.parquet
             plan = OwnPlan(source, batch_size, drop_last, budget.read_ahead_bytes)
         elif keys is source and isinstance(source, SharesItsKeys):  # tar shards, a mix

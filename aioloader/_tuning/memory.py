@@ -14,7 +14,7 @@ The budget says where it came from (`MemoryBudget.origin`), and `stats()` and `d
   do instead of the pool's); a DataLoader's workers get the whole budget for their batches. Slabs
   are anonymous memory, which the cgroup counts: whole batches in flight are admitted against it.
 - `concurrency="auto"` climbs no higher than the budget holds samples of the mean size.
-- A source that reads ahead by itself (Parquet row groups) may read half the budget ahead.
+- A source that reads ahead by itself (Parquet row groups, tar shards) may read half the budget ahead.
 - The allocator hands its slack back to the system each time a quarter of the share of samples in
   flight has been released while that share binds (`ByteBudget`).
 - A buffer pool keeps, per shape, one buffer for each batch that may wait (made ahead of the
@@ -222,7 +222,8 @@ class MemoryBudget:
 
     @property
     def read_ahead_bytes(self) -> int | None:
-        """What a source that reads ahead by itself (Parquet row groups) may hold: half the budget."""
+        """What a source that reads ahead by itself (Parquet row groups, tar shards) may hold: half
+        the budget."""
         return None if self.max_bytes is None else self.max_bytes // 2
 
     @staticmethod

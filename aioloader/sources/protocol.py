@@ -19,6 +19,7 @@ __all__ = [
     "HasSetEpoch",
     "HasSize",
     "HasStats",
+    "ReadsAhead",
     "SaysHowItShuffles",
     "SharesItsKeys",
     "SharesItsStream",
@@ -47,7 +48,8 @@ class Source(Protocol):
     "shard_all_reading_s" and "shard_read_p50_s" / "_p95_s" / "_p99_s", which then stand for the
     fetch stage; a `shuffle` attribute (`ShufflesItself`): the source orders itself, and a `Loader`
     over it refuses its own `shuffle=True` (saying how the source shuffles, from `shuffles_how`,
-    `SaysHowItShuffles`, when it has one).
+    `SaysHowItShuffles`, when it has one); a `max_bytes_ahead` attribute (`ReadsAhead`): the source
+    reads ahead by itself, and the loader gives it its budget's share for that.
     """
 
     def keys(self) -> Sequence[Any] | Iterable[Any] | AsyncIterable[Any]: ...
@@ -90,6 +92,15 @@ class HasStats(Protocol):
     """Reports counters (`Source` says which ones the loader reads)."""
 
     def stats(self) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """Reads ahead by itself (tar shards, Parquet row groups): a loader over it sets
+    `max_bytes_ahead`, what it may hold read ahead, to its budget's share for that (None: no byte
+    bound), at construction."""
+
+    max_bytes_ahead: int | None
 
 
 @runtime_checkable

@@ -4,14 +4,19 @@
 A remote stream that breaks part-way is resumed with a Range request from the byte it stopped at (up to
 the source's `attempts`), so a reset costs a reconnect, not a re-read of the whole shard.
 
+`interleave` merges the shards of an epoch round-robin, `parallel` at a time, and reads the next ones
+ahead (`ahead` shards, within `max_bytes_ahead`) so that their first bytes are on their way while the
+current ones are read; `shuffled` mixes the merged stream through a buffer that starts small and grows.
+
 `ReadMeter` counts what the readers of `interleave` do as a pipeline stage: each sample read is an
 item, timed from when its reader asked for it to when it had it, so the time a reader waits for room
-ahead of the merge (the consumer is slower) is not reading time.
+ahead of the merge (the consumer is slower) is not reading time; samples read ahead count, untimed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -31,7 +36,16 @@ from ..transport.client import Transport, keep_version
 from ..transport.redact import redact_url
 from ..transport.remote import Remote
 
-__all__ = ["SCHEMES", "ReadMeter", "cached_name", "interleave", "open_shard", "shuffled"]
+__all__ = [
+    "INITIAL_FILL",
+    "SCHEMES",
+    "ReadMeter",
+    "cached_name",
+    "initial_fill",
+    "interleave",
+    "open_shard",
+    "shuffled",
+]
 
 log = logging.getLogger("aioloader")
 
@@ -39,6 +53,8 @@ T = TypeVar("T")
 CHUNK = 1 << 20
 # Samples each shard reader may run ahead of the merge.
 _READ_AHEAD = 32
+# The samples a shuffle buffer holds before its first one goes out, by default (at most the buffer).
+INITIAL_FILL = 100
 
 
 # a scheme's kind ("http", "s3", "gcs", "az") -> its source's options
@@ -201,6 +217,11 @@ class ReadMeter:
             s.bytes += nbytes(item)
             s.latencies.append(now - t0)
 
+    def count(self, item: Any) -> None:
+        """`item` was read, untimed (by a reader read ahead)."""
+        self.stage.items += 1
+        self.stage.bytes += nbytes(item)
+
     def stats(self) -> dict[str, float | None]:
         """The counters as `TarShards.stats()` gives them (`shard_*`; seconds, bytes, samples)."""
         s, now = self.stage, time.perf_counter()
@@ -221,17 +242,66 @@ class _End:
 _END = _End()
 
 
-class _Reader:
-    """Runs one stream ahead into a bounded queue, on its own task."""
+class _Room:
+    """The bytes the shard readers hold ahead of the merge (in their queues), and the readers read
+    ahead that wait for room: a reader read ahead holds at least its first sample, and more only
+    while all of them together hold less than `limit` (None: no byte bound). The readers the merge
+    takes from (`parallel` of them) never wait here; their bytes count all the same."""
 
-    def __init__(self, stream: AsyncGenerator[Any, None], meter: ReadMeter | None = None) -> None:
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.held = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def admit(self, reader: _Reader, size: int) -> None:
+        """Wait until `reader` may queue `size` bytes more, then count them."""
+        while (
+            self.limit is not None
+            and reader.ahead
+            and reader.queue.qsize() > 0
+            and self.held + size > self.limit
+        ):
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+        self.held += size
+
+    def free(self, size: int) -> None:
+        """`size` bytes left a queue (or a reader stopped waiting ahead): let the waiters look."""
+        self.held -= size
+        self.wake()
+
+    def wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class _Reader:
+    """Runs one stream ahead into a bounded queue, on its own task: `_READ_AHEAD` items at most,
+    and, while it is `ahead` (the merge does not take from it yet), what `room` allows."""
+
+    def __init__(
+        self,
+        stream: AsyncGenerator[Any, None],
+        meter: ReadMeter | None = None,
+        room: _Room | None = None,
+        ahead: bool = False,
+    ) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
         self.meter = meter
+        self.room = room or _Room(None)
+        self.ahead = ahead
         self.task = asyncio.get_running_loop().create_task(self._run(stream))
 
     async def _run(self, stream: AsyncGenerator[Any, None]) -> None:
         try:
             while (item := await self._read(stream)) is not _END:
+                await self.room.admit(self, nbytes(item))
                 await self.queue.put(item)
         except Exception as exc:
             await self.queue.put(exc)
@@ -241,68 +311,115 @@ class _Reader:
         await self.queue.put(_END)
 
     async def _read(self, stream: AsyncGenerator[Any, None]) -> Any:
-        """The stream's next item (`_END` after its last), timed by the meter."""
-        t0 = self.meter.start() if self.meter is not None else 0.0
-        item: Any = None
+        """The stream's next item (`_END` after its last), timed by the meter; read ahead, it is
+        counted but not timed (the merge's `parallel` readers set the stage's pace)."""
+        meter = self.meter
+        if meter is None or self.ahead:
+            item = await anext(stream, _END)
+            if meter is not None and item is not _END:
+                meter.count(item)
+            return item
+        t0 = meter.start()
+        item = None
         try:
             item = await anext(stream, _END)
             return item
         finally:
-            if self.meter is not None:
-                self.meter.stop(t0, None if item is _END else item)
+            meter.stop(t0, None if item is _END else item)
+
+    def take_turns(self) -> None:
+        """The merge takes from this reader now: it reads on without waiting for room."""
+        self.ahead = False
+        self.room.wake()
 
     async def get(self) -> Any:
         item = await self.queue.get()
         if isinstance(item, Exception):
             raise item
+        if item is not _END:
+            self.room.free(nbytes(item))
         return item
 
     async def aclose(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
+        while not self.queue.empty():  # what it held is dropped: its bytes are no longer held
+            item = self.queue.get_nowait()
+            if not isinstance(item, Exception) and item is not _END:
+                self.room.free(nbytes(item))
 
 
 async def interleave(
-    streams: list[AsyncGenerator[T, None]], parallel: int, meter: ReadMeter | None = None
+    streams: list[AsyncGenerator[T, None]],
+    parallel: int,
+    meter: ReadMeter | None = None,
+    *,
+    ahead: int = 0,
+    max_bytes_ahead: int | None = None,
 ) -> AsyncGenerator[T, None]:
-    """Items of `streams`, `parallel` read at once, taken round-robin (a fixed order); `meter`
-    counts the reads."""
+    """Items of `streams`, `parallel` taken from at once, round-robin (a fixed order, whatever the
+    timing); `meter` counts the reads.
+
+    Besides those, the next `ahead` streams (in the order they will be taken from) are read
+    already, so that their first bytes are on their way while the current ones are read; together
+    the readers read ahead hold at most `max_bytes_ahead` bytes beyond their first items (None: no
+    byte bound). A stream read ahead that fails raises at the point its items would have come."""
     pending = iter(streams)
-    readers = [_Reader(s, meter) for s in itertools.islice(pending, parallel)]
+    room = _Room(max_bytes_ahead)
+    readers = [_Reader(s, meter, room) for s in itertools.islice(pending, parallel)]
+    upcoming = collections.deque(
+        _Reader(s, meter, room, ahead=True) for s in itertools.islice(pending, ahead)
+    )
     try:
         turn = 0
         while readers:
             turn %= len(readers)
             item = await readers[turn].get()
-            if item is _END:
+            if item is _END:  # its place goes to the next stream, read ahead or not yet begun
                 nxt = next(pending, None)
-                if nxt is None:
-                    readers.pop(turn)
+                if nxt is not None:
+                    upcoming.append(_Reader(nxt, meter, room, ahead=True))
+                if upcoming:
+                    readers[turn] = upcoming.popleft()
+                    readers[turn].take_turns()
                 else:
-                    readers[turn] = _Reader(nxt, meter)
+                    readers.pop(turn)
                 continue
             yield item
             turn += 1
     finally:
-        for reader in readers:
+        for reader in (*readers, *upcoming):
             await reader.aclose()
         for stream in pending:
             await stream.aclose()
 
 
+def initial_fill(size: int) -> int:
+    """The samples a shuffle buffer of `size` holds before its first one goes out, by default."""
+    return min(size, INITIAL_FILL)
+
+
 async def shuffled(
-    stream: AsyncGenerator[T, None], size: int, rng: random.Random
+    stream: AsyncGenerator[T, None], size: int, rng: random.Random, initial: int | None = None
 ) -> AsyncGenerator[T, None]:
-    """`stream` mixed through a buffer of `size` items: each item out is a random one held."""
+    """`stream` mixed through a buffer of up to `size` items: each item out is a random one held.
+
+    The first goes out once `initial` items are held (None: `initial_fill(size)`); from there the
+    buffer grows by one item for each item out (two read per one out) until it holds `size`, so
+    a first batch waits for a small fill, not the whole buffer. Which item goes out when depends
+    only on the stream's order and `rng`, never on timing."""
+    cap = initial_fill(size) if initial is None else max(1, min(size, initial))
     held: list[T] = []
     try:
         async for item in stream:
-            if len(held) < size:
-                held.append(item)
+            held.append(item)
+            if len(held) < cap:
                 continue
-            i = rng.randrange(size)
-            held[i], item = item, held[i]
-            yield item
+            i = rng.randrange(len(held))
+            held[i], held[-1] = held[-1], held[i]
+            yield held.pop()
+            if cap < size:
+                cap += 1
         rng.shuffle(held)
         for item in held:
             yield item

@@ -9,7 +9,9 @@ order, for validation and evaluation) and its samples shared out across `world_s
 readers without overlap, every reader the same number (`tar_share.py`: from the shards' sample
 counts, given as `sample_counts` or counted by a first pass); `parallel` shards are read at once and
 their samples interleaved round-robin (a fixed order, whatever the timing), then mixed by a bounded
-shuffle buffer.
+shuffle buffer. The next `read_ahead` shards of each of the `parallel` are requested before the
+current ones end (within the loader's read-ahead share of its memory budget), so one shard's
+first-byte wait overlaps another's reading.
 
 Since samples exist only once a shard is read, the keys of this source are produced while streaming:
 `keys()` is an async iterable of `SampleRef`s (each full iteration is one epoch) that carry their sample,
@@ -37,7 +39,7 @@ from ..cache.disk import Cache, check_cache_args
 from ..stores.manifest import job_store
 from ..transport.redact import redact_url
 from .options import ShardOptions
-from .shards import SCHEMES, ReadMeter, cached_name, interleave, open_shard, shuffled
+from .shards import SCHEMES, ReadMeter, cached_name, initial_fill, interleave, open_shard, shuffled
 from .tar_counts import count_all, count_local, count_members
 from .tar_members import tar_members
 from .tar_share import Segment, check_counts, given, kept, segments, shard_order
@@ -115,6 +117,8 @@ class TarShards:
         shards: str | Sequence[str],
         *,
         parallel: int = 2,
+        read_ahead: int = 1,
+        shuffle_initial: int | None = None,
         suffixes: Sequence[str] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
@@ -130,10 +134,20 @@ class TarShards:
             raise ValueError("shards: no shards given")
         self.options.check("samples")
         check_int("parallel", parallel, minimum=1)
+        check_int("read_ahead", read_ahead, minimum=0)
+        if shuffle_initial is not None:
+            check_int("shuffle_initial", shuffle_initial, minimum=1)
         self.shuffle = self.options.shuffle
         self.shuffle_buffer, self.seed = self.options.shuffle_buffer, self.options.seed
         self.slot, self.slots = self.options.place()
         self.parallel = parallel
+        self.read_ahead = read_ahead
+        self.shuffle_initial = (
+            initial_fill(self.shuffle_buffer) if shuffle_initial is None else shuffle_initial
+        )
+        # what the shards read ahead may hold together (None: no byte bound); a loader sets it
+        # to its budget's share for reading ahead (`MemoryBudget.read_ahead_bytes`)
+        self.max_bytes_ahead: int | None = None
         self.suffixes = None if suffixes is None else frozenset(s.lower() for s in suffixes)
         self._store_options = self.options.stores()
         self._remotes: dict[str, Any] = {}
@@ -211,9 +225,14 @@ class TarShards:
     ) -> AsyncGenerator[Any, None]:  # fmt: skip
         """Reader `slot`'s streams of `epoch` as one: interleaved, then through the shuffle buffer
         (the same for samples and for the positions they stand for: `positions`)."""
-        merged = interleave(streams, self.parallel, meter)
+        merged = interleave(
+            streams, self.parallel, meter, ahead=self.parallel * self.read_ahead,
+            max_bytes_ahead=self.max_bytes_ahead,
+        )  # fmt: skip
+        if self.shuffle_buffer <= 1:
+            return merged
         rng = random.Random(f"{self.seed}/{epoch}/{slot}")
-        return shuffled(merged, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else merged
+        return shuffled(merged, self.shuffle_buffer, rng, self.shuffle_initial)
 
     def _segment(self, seg: Segment, keep_going: bool) -> AsyncGenerator[dict[str, Any], None]:
         """The samples of one shard this reader keeps (`seg.members`; None: all of them)."""
@@ -424,6 +443,8 @@ def tar_shards(
     worker: int = 0,
     num_workers: int = 1,
     parallel: int = 2,
+    read_ahead: int = 1,
+    shuffle_initial: int | None = None,
     suffixes: Sequence[str] | None = None,
     http_options: dict[str, Any] | None = None,
     s3_options: dict[str, Any] | None = None,
@@ -442,13 +463,21 @@ def tar_shards(
     shuffles itself, so a `Loader` over it takes no `shuffle=True`.
 
     Args:
-        shards: paths, http(s) URLs, s3:// or az:// URLs of .tar files.
-        shards: paths, http(s) URLs, s3:// or gs:// URLs of .tar files.
+        shards: paths, http(s) URLs, s3://, gs:// or az:// URLs of .tar files.
         shuffle: shuffle the shard order per epoch (True, the default) or keep it (False).
         shuffle_buffer: samples held to mix the stream (0: no sample shuffle); needs `shuffle`.
+        shuffle_initial: samples the shuffle buffer holds before the first one goes out (default:
+            100, at most `shuffle_buffer`); it then grows by one sample per sample out (two read
+            per one out) until it holds `shuffle_buffer`, so the first batch does not wait for
+            the whole buffer. Which sample goes out when follows from (seed, epoch) alone.
         seed: what every epoch's shard order and mixing derive from (with the epoch).
         rank, world_size, worker, num_workers: read only this reader's share of the shards.
         parallel: shards read at once (their samples interleaved round-robin).
+        read_ahead: shards requested ahead per each of the `parallel` (0: none), before the
+            current ones end, so that their first bytes are on their way while those are read;
+            under a Loader, the shards read ahead hold at most its budget's read-ahead share
+            (half of `max_bytes_in_flight`) beyond their first samples. The order is the same
+            whatever `read_ahead` is.
         suffixes: keep only these extensions (others are dropped from the samples).
         http_options: passed to `http()` for http(s) shards (timeouts, retries, headers, ssl).
         s3_options: passed to `s3()` for s3:// shards (endpoint_url, credentials, region, ...).
@@ -477,8 +506,9 @@ def tar_shards(
         s3_options=s3_options, gcs_options=gcs_options, azure_options=azure_options,
     )  # fmt: skip
     return TarShards(
-        shards, parallel=parallel, suffixes=suffixes, cache_dir=cache_dir,
-        cache_limit=cache_limit, sample_counts=sample_counts, options=shared,
+        shards, parallel=parallel, read_ahead=read_ahead, shuffle_initial=shuffle_initial,
+        suffixes=suffixes, cache_dir=cache_dir, cache_limit=cache_limit,
+        sample_counts=sample_counts, options=shared,
     )  # fmt: skip
 
 
