@@ -168,6 +168,9 @@ def test_shards_are_shuffled_by_default_and_a_validation_set_keeps_its_order(
         ({"shuffle": False, "shuffle_buffer": 10}, ValueError, "shuffle_buffer"),
         ({"shuffle": "no"}, TypeError, "shuffle"),
         ({"shufle": False}, TypeError, "shufle"),
+        ({"read_ahead": -1}, ValueError, "read_ahead"),
+        ({"read_ahead": 1.5}, TypeError, "read_ahead"),
+        ({"shuffle_initial": 0}, ValueError, "shuffle_initial"),
     ],
 )
 def test_bad_shuffle_options_name_the_argument(
