@@ -25,19 +25,31 @@ Contenders:
   through `WebLoader(batch_size=None, num_workers=4 / 8)`, each shard fetched by `curl` (its
   http(s) opener) from a presigned URL; cached: `cache_dir=`.
 - litdata 0.2.76 and mosaicml-streaming 0.13.0 (the `bench` extra; `_streampeers.py`): the same
-  samples in their own formats, written by their own writers, read with 4 / 8 workers; skipped
-  with the reason printed when not installed or when they fail here. Known traps, on record:
-  litdata's obstore client refuses an http endpoint unless `allow_http` is set in its storage
-  options; mosaic 0.13 fetches its index in the parent and its forked workers then share that
-  boto3 connection, which corrupts shards unless the parent's client is dropped before the fork;
-  PyPI's torchvision may not load with the CPU torch, and mosaic imports it.
+  samples in their own formats, written by their own writers (`optimize` chunks, `MDSWriter`
+  shards, about as many as the tar shards), read with 4 / 8 workers; one network epoch each (they
+  keep what they read, so their later epochs are cached ones). They run under `--peers-python`
+  (default: this interpreter), an environment of their own where their pins would replace
+  aioloader's torch; skipped with the reason printed when they do not import or fail. Known
+  traps, on record: litdata's obstore client refuses an http endpoint unless `allow_http` is set,
+  and 0.2.76 takes it from no argument (it is set in the client options its downloader module
+  gives every store); mosaic 0.13 fetches its index in the parent and its forked workers then
+  share that boto3 connection, which corrupts shards unless the parent's client is dropped before
+  the fork; PyPI's torchvision may not load with the CPU torch ("operator torchvision::nms does
+  not exist": 0.28.0 with torch 2.13.0+cpu here), and mosaic imports it (and transformers), so
+  mosaic is skipped where no CPU torchvision can be installed.
+  A peers environment that keeps aioloader's torch: `python -m venv P`, a .pth file in P's
+  site-packages naming this environment's site-packages, then `P/bin/pip install --no-deps
+  litdata==0.2.76 mosaicml-streaming==0.13.0` and their small dependencies (lightning-utilities,
+  filelock, boto3, tifffile, obstore; xxhash, zstd, python-snappy, Brotli, catalogue).
 
 Figures on the shared 2-core machine are provisional.
 
 Usage: python benchmarks/streams.py [--quick] [--epochs N] [--samples N] [--shards N]
-`--quick` (under 60 s): 1,000 samples in 16 shards; aioloader at concurrency 64, webdataset with
-4 workers, and the cached epochs. The last line printed is a JSON summary (ratios: the best
-aioloader row against the best peer's, by samples/s).
+                                   [--only WORDS] [--peers-python PYTHON]
+`--quick` (under 60 s): 640 samples in 10 shards; aioloader at concurrency 64 and webdataset with
+4 workers, each with its cache (one network epoch, which fills it, and one cached). The last line
+printed is a JSON summary (ratios: the best aioloader row against the best peer's, by samples/s;
+"cached": the best cached epochs against each other).
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ SIZES = (100_000, 120_000)  # each sample's bytes, drawn uniformly
 PSS_PERIOD_S = 0.25  # psutil reads /proc/PID/smaps_rollup per process: a few times a second
 PREFIX = "streams"
 PEERS = ("webdataset", "litdata", "mosaic")
+OPTIONAL = ("litdata", "mosaic")  # run under --peers-python, skipped where they do not import
 
 
 # -- the data -------------------------------------------------------------------------------------------
@@ -216,7 +229,7 @@ def epoch(loader: Iterable[Any], sizes: list[int], proxy: tuple[str, int]) -> di
 def child(spec: dict[str, Any]) -> None:
     warnings.filterwarnings("ignore")
     kind = spec["kind"]
-    if kind in ("litdata", "mosaic"):
+    if kind in OPTIONAL:
         import _streampeers
 
         make: Callable[[dict[str, Any]], tuple[Iterable[Any], Callable[[], None]]] = getattr(
@@ -246,9 +259,9 @@ def tree_pss(root: psutil.Process) -> int:
     return total
 
 
-def measure(spec: dict[str, Any]) -> dict[str, Any] | str:
-    """Run one contender in its own process; its result, or why it was skipped."""
-    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+def measure(spec: dict[str, Any], python: str) -> dict[str, Any] | str:
+    """Run one contender in its own process (of `python`); its result, or why it was skipped."""
+    cmd = [python, __file__, "--child", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     root, peak, done = psutil.Process(proc.pid), 0, threading.Event()
 
@@ -268,8 +281,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any] | str:
         done.set()
         sampler.join()
     if proc.returncode != 0:
-        lines = (err.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return f"failed: {lines[:300]}"
+        errors = [line for line in err.splitlines() if "Error" in line or "error" in line]
+        return f"failed: {(errors or [f'exit code {proc.returncode}'])[-1].strip()[:300]}"
     epochs = json.loads(out.strip().splitlines()[-1])["epochs"]
     net, cached = epochs[: spec["epochs"]], epochs[spec["epochs"] :]
     best = min(net, key=lambda e: e["seconds"])
@@ -289,49 +302,44 @@ def measure(spec: dict[str, Any]) -> dict[str, Any] | str:
 
 
 def contenders(quick: bool, epochs: int, work: Path) -> list[dict[str, Any]]:
-    """The specs to run, in order."""
+    """The specs to run, in order. A cached row's network figures are those of its first epoch
+    (which fills its cache); `--quick` runs only such rows, one per library."""
     cache = str(work / "cache")
-    specs: list[dict[str, Any]] = [
-        {"name": "aioloader tar_shards c64", "kind": "aioloader", "concurrency": 64},
-        {"name": "webdataset WebLoader w4", "kind": "webdataset", "workers": 4},
-    ]
-    if not quick:
-        specs[1:1] = [
-            {"name": "aioloader tar_shards c16", "kind": "aioloader", "concurrency": 16},
-            {"name": "aioloader c64 read_ahead=0", "kind": "aioloader", "concurrency": 64,
-             "read_ahead": 0, "reference": True},
-            {"name": "aioloader.DataLoader(wds) w4", "kind": "aio_dataloader", "workers": 4},
-        ]  # fmt: skip
-        specs += [{"name": "webdataset WebLoader w8", "kind": "webdataset", "workers": 8}]
-        specs += [{"name": f"{peer} w{w}", "kind": peer, "workers": w}
-                  for peer in ("litdata", "mosaic") for w in (4, 8)]  # fmt: skip
-    for spec in specs:
-        spec.update(epochs=epochs, cached=0)
     cached = [
         {"name": "aioloader c64 cache_dir", "kind": "aioloader", "concurrency": 64,
          "cache_dir": cache + "-aio"},
         {"name": "webdataset w4 cache_dir", "kind": "webdataset", "workers": 4,
          "cache_dir": cache + "-wds"},
     ]  # fmt: skip
-    if not quick:
-        cached += [{"name": f"{peer} w4 cache", "kind": peer, "workers": 4, "cache_dir": cache + peer}
-                   for peer in ("litdata", "mosaic")]  # fmt: skip
     for spec in cached:
         spec.update(epochs=1, cached=1 if quick else 2)
-    return specs + cached
+    if quick:
+        return cached
+    specs: list[dict[str, Any]] = [
+        {"name": "aioloader tar_shards c64", "kind": "aioloader", "concurrency": 64},
+        {"name": "aioloader tar_shards c16", "kind": "aioloader", "concurrency": 16},
+        {"name": "aioloader c64 read_ahead=0", "kind": "aioloader", "concurrency": 64,
+         "read_ahead": 0, "reference": True},
+        {"name": "aioloader.DataLoader(wds) w4", "kind": "aio_dataloader", "workers": 4},
+        {"name": "webdataset WebLoader w4", "kind": "webdataset", "workers": 4},
+        {"name": "webdataset WebLoader w8", "kind": "webdataset", "workers": 8},
+    ]  # fmt: skip
+    specs += [{"name": f"{peer} w{w}", "kind": peer, "workers": w}
+              for peer in OPTIONAL for w in (4, 8)]  # fmt: skip
+    for spec in specs:  # the optional peers keep what they read: their later epochs are cached
+        spec.update(epochs=1 if spec["kind"] in OPTIONAL else epochs, cached=0)
+    peers_cached = [{"name": f"{peer} w4 cache", "kind": peer, "workers": 4,
+                     "cache_dir": cache + peer, "epochs": 1, "cached": 2}
+                    for peer in OPTIONAL]  # fmt: skip
+    return specs + cached + peers_cached
 
 
-def peers_ready(kind: str) -> str | None:
-    """Why a peer cannot run here (None: it can)."""
-    if kind not in ("litdata", "mosaic"):
-        return None
+def prepare(server: Any, proxy: Proxy, work: Path, n: int, shards: int, python: str,
+            peers: set[str]) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+    """Write the samples in every format (the optional `peers`' with their own writers, under
+    `python`) and put them into the bucket: what the children read, and why a peer is skipped."""
     import _streampeers
 
-    return _streampeers.missing(kind)
-
-
-def prepare(server: Any, proxy: Proxy, work: Path, n: int, shards: int) -> dict[str, Any]:
-    """Write the samples in every format and put them into the bucket; what the children read."""
     sizes, pool = make_samples(n)
     (work / "sizes.json").write_text(json.dumps(sizes))
     tars = work / "tars"
@@ -343,28 +351,52 @@ def prepare(server: Any, proxy: Proxy, work: Path, n: int, shards: int) -> dict[
         "credentials": list(server.credentials), "bucket": server.bucket,
         "http_urls": presigned(proxy.url, server.bucket, keys, server.credentials),
     }  # fmt: skip
-    import _streampeers
-
-    for kind in ("litdata", "mosaic"):
-        if _streampeers.missing(kind) is None:
-            data[kind] = _streampeers.write(kind, work / kind, sizes, pool, shards)
-            upload(server, work / kind / "out", f"{PREFIX}/{kind}")
-    return data
+    skipped: dict[str, str] = {}
+    for kind in sorted(peers):
+        why = _streampeers.missing(kind, python)
+        if why is None:
+            cmd = [python, __file__, "--write-peer", kind, str(work / kind), str(n), str(shards)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
+            if out.returncode == 0:
+                upload(server, work / kind, f"{PREFIX}/{kind}")
+                data[kind] = f"{PREFIX}/{kind}"
+            else:
+                why = "its writer failed: " + (out.stderr.strip().splitlines() or ["?"])[-1][:200]
+        if why is not None:
+            skipped[kind] = why
+    return data, skipped
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1,000 samples, fewer contenders")
+    parser.add_argument("--quick", action="store_true", help="640 samples, two contenders")
     parser.add_argument("--epochs", type=int, default=None, help="network epochs per contender")
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--shards", type=int, default=None)
+    parser.add_argument(
+        "--peers-python",
+        default=os.environ.get("STREAMS_PEERS_PYTHON", sys.executable),
+        help="the interpreter litdata and mosaic run under (their own environment)",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="run the contenders whose names hold one of these comma-separated words",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--write-peer", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
         return
-    n = args.samples or (1000 if args.quick else SAMPLES)
-    shards = args.shards or (16 if args.quick else SHARDS)
+    if args.write_peer:
+        import _streampeers
+
+        kind, folder, count, parts = args.write_peer
+        _streampeers.write(kind, Path(folder), int(count), int(parts))
+        return
+    n = args.samples or (640 if args.quick else SAMPLES)
+    shards = args.shards or (10 if args.quick else SHARDS)
     epochs = args.epochs or (1 if args.quick else 2)
     sys.path.insert(0, str(TESTS))
     from support.s3server import find_weed, start_seaweed
@@ -381,12 +413,17 @@ def main() -> None:
     proxy = Proxy(server.endpoint, DELAY_MS)
     results: list[dict[str, Any]] = []
     try:
-        data = prepare(server, proxy, work, n, shards)
-        for spec in contenders(args.quick, epochs, work):
-            why = peers_ready(spec["kind"])
+        specs = [spec for spec in contenders(args.quick, epochs, work)
+                 if not args.only or any(w in spec["name"] for w in args.only.split(","))]  # fmt: skip
+        peers = {spec["kind"] for spec in specs} & set(OPTIONAL)
+        data, skipped = prepare(server, proxy, work, n, shards, args.peers_python, peers)
+        for spec in specs:
+            why = skipped.get(spec["kind"])
             if why is None:
-                spec.update(data=data, sizes=str(work / "sizes.json"), proxy=list(proxy.handle))
-                got = measure(spec)
+                spec.update(data=data, sizes=str(work / "sizes.json"), proxy=list(proxy.handle),
+                            work=str(work))  # fmt: skip
+                python = args.peers_python if spec["kind"] in OPTIONAL else sys.executable
+                got = measure(spec, python)
                 why = got if isinstance(got, str) else None
                 if isinstance(got, dict):
                     results.append(got)
@@ -418,11 +455,10 @@ def summary(results: list[dict[str, Any]], n: int, shards: int) -> dict[str, Any
     out: dict[str, Any] = {"workload": "streams", "samples": n, "shards": shards,
                            "rows": {r["name"]: {k: v for k, v in r.items() if k != "name"}
                                     for r in results}}  # fmt: skip
-    net = lambda rs: [r for r in rs if "cached_per_s" not in r]  # noqa: E731
     peers = [r for r in results if r["peer"]]
-    if net(ours) and net(peers):
-        a = max(net(ours), key=lambda r: r["samples_per_s"])
-        p = max(net(peers), key=lambda r: r["samples_per_s"])
+    if ours and peers:
+        a = max(ours, key=lambda r: r["samples_per_s"])
+        p = max(peers, key=lambda r: r["samples_per_s"])
         out |= {"best_aioloader": a["name"], "best_peer": p["name"], "ratios": {
             "samples_per_s": round(a["samples_per_s"] / p["samples_per_s"], 3),
             "first_batch": round(a["first_batch_s"] / p["first_batch_s"], 3),
