@@ -98,3 +98,22 @@ def test_cloud_gcs_runs_torch_and_aioloader_against_the_emulator() -> None:
     assert summary["torch_items_per_s"] > 0
     assert summary["aioloader_items_per_s"] > 0
     assert summary["obstore_items_per_s"] is None or summary["obstore_items_per_s"] > 0
+
+
+def test_streams_reads_every_sample_once_and_its_cached_epoch_without_a_request() -> None:
+    # A few samples in SeaweedFS behind the 20 ms proxy: aioloader and webdataset, each cached.
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "streams.py"), "--quick", "--samples", "128",
+         "--shards", "4"], 240
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skipped" in summary:
+        pytest.skip(f"streams: {summary['skipped']}")
+    assert summary["workload"] == "streams"
+    assert summary["every_sample_once"]
+    ours = summary["rows"]["aioloader c64 cache_dir"]
+    assert ours["requests"] == 4  # one GET per shard, the proxy counted
+    assert ours["cached_requests"] == 0
+    assert summary["best_peer"] == "webdataset w4 cache_dir"
+    assert summary["ratios"]["samples_per_s"] > 0
+    assert summary["ratios"]["cached"] > 0
