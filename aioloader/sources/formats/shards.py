@@ -53,6 +53,10 @@ T = TypeVar("T")
 CHUNK = 1 << 20
 # Samples each shard reader may run ahead of the merge.
 _READ_AHEAD = 32
+# Samples a reader read ahead of its turn holds at most (its request is out, its first bytes in: the
+# wait it is there to hide is over; reading further would only take the cores and the wire from the
+# readers the merge takes from).
+_AHEAD_OF_TURN = 4
 # The samples a shuffle buffer holds before its first one goes out, by default (at most the buffer).
 INITIAL_FILL = 100
 
@@ -244,9 +248,10 @@ _END = _End()
 
 class _Room:
     """The bytes the shard readers hold ahead of the merge (in their queues), and the readers read
-    ahead that wait for room: a reader read ahead holds at least its first sample, and more only
-    while all of them together hold less than `limit` (None: no byte bound). The readers the merge
-    takes from (`parallel` of them) never wait here; their bytes count all the same."""
+    ahead that wait for room: a reader read ahead holds at least its first sample, and more (up to
+    `_AHEAD_OF_TURN`) only while all of them together hold less than `limit` (None: no byte
+    bound). The readers the merge takes from (`parallel` of them) never wait here; their bytes
+    count all the same."""
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
@@ -255,12 +260,7 @@ class _Room:
 
     async def admit(self, reader: _Reader, size: int) -> None:
         """Wait until `reader` may queue `size` bytes more, then count them."""
-        while (
-            self.limit is not None
-            and reader.ahead
-            and reader.queue.qsize() > 0
-            and self.held + size > self.limit
-        ):
+        while reader.ahead and self._full(reader.queue.qsize(), size):
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -269,6 +269,14 @@ class _Room:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
         self.held += size
+
+    def _full(self, queued: int, size: int) -> bool:
+        """Whether a reader read ahead that holds `queued` items must wait to queue `size` bytes."""
+        if queued == 0:
+            return False
+        return queued >= _AHEAD_OF_TURN or (
+            self.limit is not None and self.held + size > self.limit
+        )
 
     def free(self, size: int) -> None:
         """`size` bytes left a queue (or a reader stopped waiting ahead): let the waiters look."""

@@ -474,10 +474,10 @@ def tar_shards(
         rank, world_size, worker, num_workers: read only this reader's share of the shards.
         parallel: shards read at once (their samples interleaved round-robin).
         read_ahead: shards requested ahead per each of the `parallel` (0: none), before the
-            current ones end, so that their first bytes are on their way while those are read;
-            under a Loader, the shards read ahead hold at most its budget's read-ahead share
-            (half of `max_bytes_in_flight`) beyond their first samples. The order is the same
-            whatever `read_ahead` is.
+            current ones end, so that their first bytes are on their way while those are read.
+            Each holds a few samples until its turn comes, and under a Loader all of them
+            together at most its budget's read-ahead share (half of `max_bytes_in_flight`)
+            beyond their first samples. The order is the same whatever `read_ahead` is.
         suffixes: keep only these extensions (others are dropped from the samples).
         http_options: passed to `http()` for http(s) shards (timeouts, retries, headers, ssl).
         s3_options: passed to `s3()` for s3:// shards (endpoint_url, credentials, region, ...).
