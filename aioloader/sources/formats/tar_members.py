@@ -45,10 +45,14 @@ class _Buffer:
         return True
 
     def take(self, n: int) -> bytes:
-        out = bytes(self._buf[self._pos : self._pos + n])
+        with memoryview(self._buf) as view:  # one copy, out of the buffer (a slice would be two)
+            out = bytes(view[self._pos : self._pos + n])
+        self.skip(n)
+        return out
+
+    def skip(self, n: int) -> None:
         self._pos += n
         self.offset += n
-        return out
 
     def available(self) -> int:
         return len(self._buf) - self._pos
@@ -138,7 +142,7 @@ async def _members(buf: _Buffer, shard: str) -> AsyncGenerator[tuple[str, bytes]
         if not await buf.fill(padded):
             raise broken(f"stream ended inside a member of {size} bytes (truncated shard)", at)
         data = buf.take(size)
-        buf.take(padded - size)
+        buf.skip(padded - size)
         if kind == b"L":
             long_name = data.rstrip(b"\x00").decode("utf-8", "surrogateescape")
         elif kind == b"x":
