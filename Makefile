@@ -7,7 +7,7 @@ AZURITE := .azurite/.installed
 TORCH   ?= torch==2.13.0
 
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads ranks
-BENCHES += mix parquet cache cloud_gcs cloud_azure containers
+BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams
 
 .PHONY: setup test test-stress test-containers lint demo bench bench-quick chart soak clean
 
