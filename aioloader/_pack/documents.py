@@ -24,6 +24,9 @@ import torch
 
 __all__ = ["Run", "run_of"]
 
+_FIRST = np.zeros(1, dtype=np.int64)  # the starts of a run of one document
+_FIRST.setflags(write=False)
+
 
 class Run:
     """Tokens of whole documents, in stream order: `tokens` (1-D, EOS included) and `starts`
@@ -41,19 +44,25 @@ def run_of(item: Any, *, key: str | None, eos: int | None, dtype: np.dtype[Any],
     if table is not None:
         return _from_table(table, key, eos, dtype, where)
     if isinstance(item, list | tuple):
-        docs = [_document(x, key, f"{where}, its element {i}") for i, x in enumerate(item)]
+        docs = [_document(x, key, where, i) for i, x in enumerate(item)]
     else:
         docs = [_document(item, key, where)]
     return _from_documents(docs, eos, dtype)
 
 
 def _from_documents(docs: list[np.ndarray], eos: int | None, dtype: np.dtype[Any]) -> Run:
+    if len(docs) == 1:  # the common item, in plain ints: a few numpy calls cost more than the copy
+        doc = docs[0]
+        if eos is None:
+            return Run(doc.astype(dtype, copy=False), _FIRST)
+        tokens = np.empty(len(doc) + 1, dtype=dtype)
+        tokens[:-1] = doc
+        tokens[-1] = eos
+        return Run(tokens, _FIRST)
     lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
     extra = 0 if eos is None else 1
     ends = np.cumsum(lengths + extra)
     starts = ends - lengths - extra
-    if len(docs) == 1 and eos is None:
-        return Run(docs[0].astype(dtype, copy=False), starts)
     tokens = np.empty(int(ends[-1]) if len(docs) else 0, dtype=dtype)
     for doc, start in zip(docs, starts.tolist(), strict=True):  # per document, never per token
         tokens[start : start + len(doc)] = doc
@@ -104,43 +113,57 @@ def _from_table(
     return Run(tokens, starts)
 
 
-def _document(item: Any, key: str | None, where: str) -> np.ndarray:
-    """One document as a 1-D integer numpy array (a view where it can be)."""
-    named = where
-    if isinstance(item, Mapping):
-        if key is None:
-            raise TypeError(
-                f"key: {where} is a dict (fields {sorted(map(str, item))}); name its token "
-                "field with pack(..., key=...)"
-            )
-        if key not in item:
-            raise KeyError(
-                f"key: {where} has no field {key!r} (its fields: {sorted(map(str, item))})"
-            )
-        item, named = item[key], f"{where}, sample key {key!r}"
-    if isinstance(item, torch.Tensor):
+def _document(item: Any, key: str | None, where: str, element: int | None = None) -> np.ndarray:
+    """One document as a 1-D integer numpy array (a view where it can be). `where` and `element`
+    (its place in a list item) name it in errors."""
+    field = None
+    if type(item) is dict or isinstance(item, Mapping):
+        if key is None or key not in item:
+            fields = sorted(map(str, item))
+            name = _named(where, element, None)
+            if key is None:
+                raise TypeError(
+                    f"key: {name} is a dict (fields {fields}); name its token field with "
+                    "pack(..., key=...)"
+                )
+            raise KeyError(f"key: {name} has no field {key!r} (its fields: {fields})")
+        item, field = item[key], key
+    if type(item) is np.ndarray:
+        array = item
+    elif isinstance(item, torch.Tensor):
         if item.device.type != "cpu":
-            raise ValueError(f"{named}: a document must be on the CPU, got one on {item.device}")
+            raise ValueError(
+                f"{_named(where, element, field)}: a document must be on the CPU, got one on "
+                f"{item.device}"
+            )
         array = item.detach().numpy()
     elif isinstance(item, np.ndarray):
         array = item
     else:
         raise TypeError(
-            f"{named}: expected a document as a 1-D integer numpy array or tensor, got "
-            f"{type(item).__name__}"
+            f"{_named(where, element, field)}: expected a document as a 1-D integer numpy array "
+            f"or tensor, got {type(item).__name__}"
         )
-    if array.ndim != 1:
-        hint = (
-            " (a loader over documents takes batch_size=None, or collate=None)"
-            if array.ndim == 2
-            else ""
-        )
-        raise ValueError(
-            f"{named}: expected a 1-D array of token ids, got shape {tuple(array.shape)}{hint}"
-        )
-    if array.dtype.kind not in "iu":
-        raise TypeError(f"{named}: expected integer token ids, got dtype {array.dtype}")
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        _refuse(array, _named(where, element, field))
     return array
+
+
+def _refuse(array: np.ndarray, name: str) -> None:
+    if array.ndim != 1:
+        hint = " (a loader over documents takes batch_size=None, or collate=None)"
+        raise ValueError(
+            f"{name}: expected a 1-D array of token ids, got shape {tuple(array.shape)}"
+            + (hint if array.ndim == 2 else "")
+        )
+    raise TypeError(f"{name}: expected integer token ids, got dtype {array.dtype}")
+
+
+def _named(where: str, element: int | None, field: str | None) -> str:
+    """The document's name in errors (made only for one)."""
+    if element is not None:
+        where = f"{where}, its element {element}"
+    return where if field is None else f"{where}, sample key {field!r}"
 
 
 def _columnar(item: Any) -> Any:
