@@ -14,7 +14,7 @@ both back, and the next iteration goes on with the batch after the saved one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -25,6 +25,7 @@ from .._resume.state import STATE_VERSION, check_config
 from .._util.validate import check_int
 from .documents import run_of
 from .packer import Packer
+from .state import held_of, place_of, share_held
 
 __all__ = ["Packed", "pack"]
 
@@ -171,22 +172,35 @@ class Packed:
             "epoch": epoch, "loader": self.loader.state_dict(), **held,
         }  # fmt: skip
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continue from `state`: the next iteration goes on with the batch after the saved one.
 
-        Raises StateError naming the field when `state` does not fit this packer.
+        Given every rank's state (a list), this rank's own is used; on another world size, the
+        loader's elastic resume shares out the documents no rank was delivered and the tokens the
+        old ranks held are shared out too (see `state.py`): each token is delivered once.
+
+        Raises StateError naming the field when a state does not fit this packer.
         """
-        check_config(state, type(self).__name__, self._config())
-        tokens, starts = _ints(state, "tokens"), _ints(state, "starts")
-        if starts and (min(starts) < 0 or max(starts) >= len(tokens)):
-            raise StateError("starts: a document starts outside the tokens held", field="starts")
-        epoch = state.get("epoch")
-        if type(epoch) is not int or epoch < 0:
-            raise StateError(f"epoch: expected an int >= 0, got {epoch!r}", field="epoch")
-        if not isinstance(state.get("loader"), Mapping):
-            raise StateError("loader: expected the loader's state", field="loader")
-        self.loader.load_state_dict(state["loader"])
-        self._resume, self._epoch, self._running = (epoch, tokens, starts), epoch, None
+        states = [state] if isinstance(state, Mapping) else list(state)
+        if not states:
+            raise StateError("state: no state given", field="state")
+        for s in states:
+            check_config(s, type(self).__name__, self._config())
+        here = place_of({"loader": self.loader.state_dict()})
+        own = [s for s in states if place_of(s) == here]
+        if len(own) == 1:
+            held, loader_state = held_of(own[0]), own[0]["loader"]
+        elif not own and len(states) > 1:
+            held = share_held(states, *here)
+            loader_state = [s["loader"] for s in states]
+        else:
+            raise StateError(
+                f"states: {len(own)} of them are this rank's ({here[0]} of {here[1]}); pass this "
+                "rank's own state, or every rank's to resume on another world size",
+                field="states",
+            )
+        self.loader.load_state_dict(loader_state)
+        self._resume, self._epoch, self._running = held, held[0], None
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -213,13 +227,6 @@ class Packed:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-def _ints(state: Mapping[str, Any], name: str) -> list[int]:
-    value = state.get(name)
-    if not isinstance(value, list) or not all(type(v) is int for v in value):
-        raise StateError(f"{name}: expected a list of ints", field=name)
-    return value
 
 
 def pack(
