@@ -96,9 +96,11 @@ def _from_table(
         )
     if column.null_count:
         raise ValueError(f"key: column {key!r} of {where} has {column.null_count} null rows")
-    offsets = column.offsets.to_numpy().astype(np.int64, copy=False)
-    values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
-    offsets = offsets - offsets[0]
+    if column.values.null_count:
+        raise ValueError(f"key: column {key!r} of {where} has null token ids")
+    offsets = _numpy(column.offsets).astype(np.int64)
+    values = _numpy(column.values)[offsets[0] : offsets[-1]]
+    offsets -= offsets[0]
     n = len(offsets) - 1
     if eos is None:
         return Run(values.astype(dtype, copy=False), offsets[:-1])
@@ -111,6 +113,14 @@ def _from_table(
     tokens[keep] = values
     tokens[ends] = eos
     return Run(tokens, starts)
+
+
+def _numpy(array: Any) -> np.ndarray:
+    """A pyarrow integer array without nulls as a numpy view of its buffer (`to_numpy()` would
+    import pandas where it is installed: seconds before a first batch)."""
+    data = array.buffers()[1]
+    whole = np.frombuffer(data, dtype=np.dtype(str(array.type)))
+    return whole[array.offset : array.offset + len(array)]
 
 
 def _document(item: Any, key: str | None, where: str, element: int | None = None) -> np.ndarray:

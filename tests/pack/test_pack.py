@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,7 +66,7 @@ def reference(
 
 def items_of(docs: list[list[int]], how: str, dtype: str) -> list[Any]:
     """The documents as a loader would yield them: one by one (arrays, tensors, dicts), in lists,
-    or as pyarrow RecordBatches of a few rows."""
+    or as pyarrow RecordBatches of a few rows (slices of one) or Tables of a few such chunks."""
     arrays = [np.asarray(d, dtype=dtype) for d in docs]
     if how == "arrays":
         return arrays
@@ -73,12 +77,11 @@ def items_of(docs: list[list[int]], how: str, dtype: str) -> list[Any]:
     if how == "lists":
         return [arrays[i : i + 3] for i in range(0, len(arrays), 3)]
     kind = pa.list_(pa.from_numpy_dtype(np.dtype(dtype)))
-    return [
-        pa.record_batch(
-            {"tokens": pa.array(docs[i : i + 4], kind), "n": list(range(len(docs[i : i + 4])))}
-        )
-        for i in range(0, len(docs), 4)
-    ]
+    whole = pa.record_batch({"tokens": pa.array(docs, kind), "n": list(range(len(docs)))})
+    pieces = [whole.slice(i, 4) for i in range(0, len(docs), 4)]  # slices: offsets not from 0
+    if how == "record_batches":
+        return pieces
+    return [pa.Table.from_batches(pieces[i : i + 3]) for i in range(0, len(pieces), 3)]  # chunked
 
 
 def plain(batch: Any) -> dict[str, list[list[int]]]:
@@ -99,14 +102,14 @@ documents = st.lists(st.lists(st.integers(0, 500), max_size=30), max_size=40)
     targets=st.booleans(),
     boundaries=st.booleans(),
     drop_last=st.booleans(),
-    how=st.sampled_from(["arrays", "tensors", "dicts", "lists", "record_batches"]),
+    how=st.sampled_from(["arrays", "tensors", "dicts", "lists", "record_batches", "tables"]),
     dtype=st.sampled_from(["int32", "int64", "uint16"]),
 )
 def test_batches_equal_the_plain_python_packer(
     docs: list[list[int]], seq_len: int, batch_size: int, eos: int | None, targets: bool,
     boundaries: bool, drop_last: bool, how: str, dtype: str,
 ) -> None:  # fmt: skip
-    key = "tokens" if how in ("dicts", "record_batches") else None
+    key = "tokens" if how in ("dicts", "record_batches", "tables") else None
     loader = Loader(items_of(docs, how, dtype), same, batch_size=None, collate=None)
     with pack(loader, seq_len, batch_size=batch_size, eos=eos, key=key, targets=targets,
               boundaries=boundaries, drop_last=drop_last) as packed:  # fmt: skip
@@ -281,3 +284,24 @@ def test_a_state_that_does_not_fit_is_refused() -> None:
             with pytest.raises(StateError) as caught:
                 packed.load_state_dict({**state, name: bad})
             assert caught.value.field == name
+
+
+def test_a_record_batch_is_read_without_importing_pandas(tmp_path: Path) -> None:
+    # pyarrow's `to_numpy()` imports pandas where it is installed: seconds before a first batch
+    if importlib.util.find_spec("pandas") is None:
+        pytest.skip("pandas is not installed here: nothing could import it")
+    path = tmp_path / "batch.arrow"
+    batch = pa.record_batch({"tokens": pa.array([[1, 2], [3]])})
+    with pa.ipc.new_file(path, batch.schema) as writer:  # read back without pa.array's checks
+        writer.write_batch(batch)
+    code = (
+        "import sys, numpy as np, pyarrow as pa\n"
+        "from aioloader._pack.documents import run_of\n"
+        f"batch = pa.ipc.open_file({str(path)!r}).get_batch(0)\n"
+        "before = 'pandas' in sys.modules\n"
+        "run = run_of(batch, key='tokens', eos=0, dtype=np.dtype('int64'), where='x')\n"
+        "assert run.tokens.tolist() == [1, 2, 0, 3, 0]\n"
+        "print(before, 'pandas' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False False"
