@@ -8,7 +8,7 @@ fresh interpreter and reports:
 
 - M tokens/s over the epoch (or `--batches`), from making the loader to the last batch;
 - CPU s per M tokens (this process and its threads, user + system; worker processes included
-  where a contender has them);
+  where a contender has them), and CPU µs per document (documents counted by their EOS);
 - first batch (s): from making the loader to the first batch;
 - restore (s): a fresh loader, `load_state_dict` of the state saved after batch `--resume-at`,
   to its first batch;
@@ -165,7 +165,7 @@ def measure(contender: Any, limit: int | None, resume_at: int) -> dict[str, Any]
     cpu0, t0 = cpu_s(), time.perf_counter()
     packed = contender.make()
     first = None
-    tokens = count = 0
+    tokens = count = docs = 0
     expected: list[str] = []
     state: Any = None
     try:
@@ -176,6 +176,7 @@ def measure(contender: Any, limit: int | None, resume_at: int) -> dict[str, Any]
                     raise SystemExit(f"rows of {batch.shape[1]} tokens, not {SEQ_LEN}")
             count += 1
             tokens += batch.size
+            docs += int(np.count_nonzero(batch == EOS))  # every document's end
             if resume_at <= count - 1 < resume_at + CHECKED:
                 expected.append(digest(batch))
             if count == resume_at:
@@ -188,6 +189,7 @@ def measure(contender: Any, limit: int | None, resume_at: int) -> dict[str, Any]
     restore, exact = resume(contender, state, expected)
     return {
         "m_tokens_per_s": round(tokens / wall / 1e6, 2), "cpu_s_per_m_tokens": round(cpu / tokens * 1e6, 4),
+        "cpu_us_per_doc": round(cpu / max(docs, 1) * 1e6, 1),
         "first_batch_s": round(first or 0.0, 3), "restore_s": round(restore, 3), "exact_resume": exact,
         "batches": count, "m_tokens": round(tokens / 1e6, 2), "wall_s": round(wall, 2),
     }  # fmt: skip
@@ -281,8 +283,8 @@ def main() -> None:
     size = warm(files)
     print(f"corpus: {args.docs} documents in {sum(map(len, files.values()))} files, "
           f"{size / 1e6:.0f} MB, in {folder} ({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-    print(f"{'contender':<18} {'M tok/s':>8} {'CPU s/M':>8} {'first s':>8} {'restore s':>9} "
-          f"{'exact':>6} {'batches':>8}")  # fmt: skip
+    print(f"{'contender':<18} {'M tok/s':>8} {'CPU s/M':>8} {'CPU us/doc':>10} {'first s':>8} "
+          f"{'restore s':>9} {'exact':>6} {'batches':>8}")  # fmt: skip
     summary: dict[str, Any] = {"workload": "tokens", "docs": args.docs, "batches": args.batches}
     for name in [c.strip() for c in args.contenders.split(",") if c.strip()]:
         result = run_child(name, args, folder)
@@ -291,8 +293,9 @@ def main() -> None:
             print(f"{name:<18} skipped: {result}")
             continue
         print(f"{name:<18} {result['m_tokens_per_s']:>8.2f} {result['cpu_s_per_m_tokens']:>8.4f} "
-              f"{result['first_batch_s']:>8.3f} {result['restore_s']:>9.3f} "
-              f"{result['exact_resume']!s:>6} {result['batches']:>8}")  # fmt: skip
+              f"{result['cpu_us_per_doc']:>10.1f} {result['first_batch_s']:>8.3f} "
+              f"{result['restore_s']:>9.3f} {result['exact_resume']!s:>6} "
+              f"{result['batches']:>8}")  # fmt: skip
     ours, per_doc = summary.get("aioloader"), summary.get("aioloader-per-doc")
     if isinstance(ours, dict) and isinstance(per_doc, dict):
         summary["columnar_speedup"] = round(ours["m_tokens_per_s"] / per_doc["m_tokens_per_s"], 2)
