@@ -38,6 +38,13 @@ class Packed:
     Iterate with `for` or `async for` (one epoch of the loader per iteration); `set_epoch(e)`
     picks the next; `state_dict()` / `load_state_dict()` resume it exactly; `close()` (or the end
     of a `with` block) closes the loader.
+
+    Example:
+        >>> rows = sources.parquet(paths, ["tokens"], rows_per_sample=256)  # doctest: +SKIP
+        >>> packed = pack(Loader(rows, batch_size=None), 2048, batch_size=8, eos=2,
+        ...               key="tokens", targets=True)  # doctest: +SKIP
+        >>> for batch in packed:  # doctest: +SKIP
+        ...     inputs, targets = batch[:, :-1], batch[:, 1:]  # [8, 2048] each
     """
 
     def __init__(
@@ -281,8 +288,8 @@ def pack(
 
     Example:
         >>> docs = [np.arange(5), np.arange(3)]
-        >>> with pack(Loader(docs, batch_size=None, collate=None), 4, batch_size=2,
-        ...           eos=99) as packed:  # doctest: +SKIP
+        >>> loader = Loader(range(2), docs.__getitem__, batch_size=None)  # doctest: +SKIP
+        >>> with pack(loader, 4, batch_size=2, eos=99) as packed:  # doctest: +SKIP
         ...     [b.tolist() for b in packed]
         [[[0, 1, 2, 3], [4, 99, 0, 1]]]
     """
