@@ -305,3 +305,16 @@ def test_a_record_batch_is_read_without_importing_pandas(tmp_path: Path) -> None
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False False"
+
+
+def test_a_bad_document_mid_epoch_ends_the_epoch_and_the_next_runs_again() -> None:
+    docs = [np.arange(40) for _ in range(30)]
+    docs[17] = np.arange(40.0)  # not token ids
+    loader = Loader(docs, same, batch_size=None, collate=None, prefetch=1)
+    with pack(loader, 16, batch_size=2, eos=0) as packed:
+        for _ in range(2):
+            got = []
+            with pytest.raises(TypeError, match="item 17 of this pass over epoch"):
+                got.extend(packed)
+            assert len(got) == 17 * 41 // 32  # the batches before it came out whole
+            assert not loader._epochs.live
