@@ -28,6 +28,8 @@ from ._observe.diagnose import Diagnosis as Diagnosis
 from ._observe.stats import LoaderStats as LoaderStats
 from ._observe.stats import StageStats as StageStats
 from ._observe.trace import Trace as Trace
+from ._pack.packed import Packed as Packed
+from ._pack.packed import pack as pack
 from ._pipeline.collate import BufferPool as BufferPool
 from ._pipeline.collate import default_collate as default_collate
 from ._util.rng import sample_generator as sample_generator
@@ -55,6 +57,7 @@ __all__ = [
     "Mix",
     "MixKey",
     "MixedLoaders",
+    "Packed",
     "ProcessExecutor",
     "SampleError",
     "StageStats",
@@ -64,6 +67,7 @@ __all__ = [
     "WorkerTimeout",
     "default_collate",
     "mix",
+    "pack",
     "sample_generator",
     "sample_np_generator",
     "sample_seed",

@@ -3,7 +3,8 @@
 Lists the .parquet objects under an S3 prefix and reads only their "tokens" column (a list of token
 ids per document; the other columns' bytes are never fetched) with `sources.parquet`: row groups in
 a new order every epoch, documents mixed by a shuffle buffer. The documents are joined, each followed
-by an end-of-document token, and cut into rows of `--seq-len + 1` tokens; `--batch` rows make one
+by an end-of-document token, and cut into rows of `--seq-len + 1` tokens by `aioloader.pack`
+(`targets=True`: each row starts at the last token of the one before); `--batch` rows make one
 (inputs, targets) pair of shape [batch, seq-len]. Credentials come from the usual AWS chain.
 `--write-demo` first writes three small files under the prefix, so the example runs against any S3
 endpoint you can write to (a local SeaweedFS or MinIO too).
@@ -20,35 +21,16 @@ import argparse
 import io
 import os
 import sys
-from collections.abc import Iterable, Iterator
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from aioloader import Loader
+from aioloader import Loader, pack
 from aioloader.sources import parquet, s3
 
 EOD = 0  # the end-of-document token
 FILES, DOCS_PER_FILE, VOCAB = 3, 200, 1000
-
-
-def pack(docs: Iterable[dict[str, Any]], seq_len: int, batch: int) -> Iterator[torch.Tensor]:
-    """Documents' tokens, each followed by EOD, as [batch, seq_len + 1] tensors (the tail that does
-    not fill a batch is left out)."""
-    need = batch * (seq_len + 1)
-    pending: list[np.ndarray] = []
-    held = 0
-    for doc in docs:
-        tokens = doc["tokens"]
-        pending += [tokens, np.array([EOD], dtype=tokens.dtype)]
-        held += len(tokens) + 1
-        while held >= need:
-            flat = np.concatenate(pending)
-            yield torch.from_numpy(flat[:need].astype(np.int64)).view(batch, seq_len + 1)
-            pending, held = [flat[need:]], len(flat) - need
 
 
 def demo_files() -> dict[str, bytes]:
@@ -101,10 +83,12 @@ def main() -> int:
                    s3_options={"endpoint_url": args.endpoint_url})  # fmt: skip
     print(docs)
     # one document per sample; the loader reads row groups ahead and hands documents over in order
-    with Loader(docs, batch_size=None, collate=None) as loader:
+    loader = Loader(docs, batch_size=None, collate=None)
+    with pack(loader, args.seq_len, batch_size=args.batch, eos=EOD, key="tokens", targets=True,
+              drop_last=True) as packed:  # fmt: skip
         for epoch in range(2):
             batches = 0
-            for rows in pack(loader, args.seq_len, args.batch):
+            for rows in packed:
                 inputs, targets = rows[:, :-1], rows[:, 1:]  # a model would train on these
                 assert inputs.shape == targets.shape == (args.batch, args.seq_len)
                 batches += 1

@@ -117,3 +117,18 @@ def test_streams_reads_every_sample_once_and_its_cached_epoch_without_a_request(
     assert summary["best_peer"] == "webdataset w4 cache_dir"
     assert summary["ratios"]["samples_per_s"] > 0
     assert summary["ratios"]["cached"] > 0
+
+
+def test_tokens_runs_aioloaders_two_contenders_and_resumes_exactly(tmp_path: Path) -> None:
+    # The quick set, aioloader only (the peers are optional): the corpus is written, both read it.
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "tokens.py"), "--quick", "--batches", "120",
+         "--contenders", "aioloader,aioloader-per-doc", "--folder", str(tmp_path)], 180
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "tokens"
+    for name in ("aioloader", "aioloader-per-doc"):
+        assert summary[name]["exact_resume"] is True
+        assert summary[name]["batches"] == 120
+        assert summary[name]["m_tokens_per_s"] > 0
+    assert summary["columnar_speedup"] > 0

@@ -115,3 +115,14 @@ def test_parquet_text_packs_token_batches_from_s3(seaweed: SeaweedServer) -> Non
     # first row groups are read early (all 12 at most here: no third epoch comes to use them)
     assert int(counts[0][2]) == 12
     assert 2 * 12 <= int(counts[1][2]) <= 3 * 12
+
+
+def test_pretraining_learns_and_resumes_from_a_checkpoint_exactly(tmp_path: Path) -> None:
+    out = run_example("pretraining.py", "--steps", "48", "--folder", str(tmp_path))
+    assert "corpora: 4 Parquet files" in out
+    assert "step 24: restarted from the checkpoint" in out
+    assert "the batches after the restart are the uninterrupted run's: yes" in out
+    first, last = (
+        float(x) for x in re.findall(r"loss: ([\d.]+) over the first 6 steps, ([\d.]+)", out)[0]
+    )
+    assert last < first

@@ -36,6 +36,7 @@ LAYERS = (
     "_pipeline",  # the stages, in the order data flows
     "_resume",  # exact resume: reads the order stage's plan
     "_torch",  # the DataLoader's parts: whole-batch workers, samplers as plans
+    "_pack",  # token documents packed into fixed-length rows, around a built loader
     "aioloader",  # the front door: Loader (its parts, epochs), DataLoader, the CLI, the package's face
 )
 

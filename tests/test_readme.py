@@ -110,3 +110,13 @@ def test_parquet_table_matches_the_signature() -> None:
         k: (v, actual.get(k, "no such argument")) for k, v in stated.items() if actual.get(k) != v
     }
     assert not wrong, f"the guide says (stated, actual): {wrong}"
+
+
+def test_pack_table_matches_the_signature() -> None:
+    stated = stated_defaults("### Packing token documents")
+    actual = signature_defaults(aioloader.pack)["pack"]
+    assert {"key", "targets", "boundaries", "drop_last"} <= stated.keys()
+    wrong = {
+        k: (v, actual.get(k, "no such argument")) for k, v in stated.items() if actual.get(k) != v
+    }
+    assert not wrong, f"the guide says (stated, actual): {wrong}"

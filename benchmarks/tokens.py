@@ -1,0 +1,307 @@
+"""Language-model data: Parquet tokens mixed 0.7 / 0.3, packed into [8, 2048] rows with EOS, resumed.
+
+The workload (issue 33): 90,000 tokenized documents (~53 M tokens) in local Parquet files, a
+`tokens` list<int32> column and three columns not to be read (`id`, `url`, `raw`: ~1 KB a row);
+two sources ("web", 70% of the documents, and "code", 30%) mixed 0.7 / 0.3; greedy packing into
+rows of 2,048 tokens with EOS after each document; batches of [8, 2048]. Each contender runs in a
+fresh interpreter and reports:
+
+- M tokens/s over the epoch (or `--batches`), from making the loader to the last batch;
+- CPU s per M tokens (this process and its threads, user + system; worker processes included
+  where a contender has them), and CPU µs per document (documents counted by their EOS);
+- first batch (s): from making the loader to the first batch;
+- restore (s): a fresh loader, `load_state_dict` of the state saved after batch `--resume-at`,
+  to its first batch;
+- exact resume: the 20 batches after the resume equal those of the uninterrupted run.
+
+Contenders:
+- "aioloader": `sources.parquet(..., rows_per_sample=256)` in `aioloader.mix`, `aioloader.pack`:
+  the columnar fast path (a RecordBatch of 256 documents per sample; the mix draws per record
+  batch, so the proportions hold per 256 documents, not per document);
+- "aioloader-per-doc": one document per sample (the mix draws per document);
+- peers, only when installed (`pip install 'aioloader[bench]'`), else skipped with the reason:
+  see `_tokens_peers.py` (LitData, Grain, HF datasets + torchdata's StatefulDataLoader).
+
+The corpus is written once into `--folder` (default: a folder in the temp directory, kept for the
+next run), then flushed and read once, so every contender finds it in the page cache. Figures are
+the machine's of the moment: compare contenders of the same run.
+
+Usage: python benchmarks/tokens.py [--quick] [--docs N] [--batches N] [--contenders a,b,...]
+The last line printed is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SEQ_LEN, BATCH, EOS = 2048, 8, 0
+WEIGHTS = {"web": 0.7, "code": 0.3}
+ROWS_PER_FILE, ROW_GROUP = 10_000, 1_000
+CHECKED = 20  # batches compared after the resume
+OURS = ("aioloader", "aioloader-per-doc")
+IMPORTS = {
+    "litdata": ["litdata"], "grain": ["grain", "grain.experimental"],
+    "hf": ["datasets", "torchdata.stateful_dataloader"],
+}  # fmt: skip
+
+
+# -- the corpus -------------------------------------------------------------------------------------
+
+
+def write_corpus(folder: Path, docs: int) -> dict[str, list[str]]:
+    """The two sources' files (written once; a folder that has them is used as it is)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    done = folder / "done.json"
+    if done.exists():
+        return {k: [str(folder / p) for p in v] for k, v in json.loads(done.read_text()).items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(33)
+    names: dict[str, list[str]] = {}
+    first = 0
+    for source, share in WEIGHTS.items():
+        n = round(docs * share)
+        names[source] = []
+        for part, start in enumerate(range(0, n, ROWS_PER_FILE)):
+            rows = min(ROWS_PER_FILE, n - start)
+            lengths = rng.integers(20, 1160, rows)  # 590 tokens a document on average
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            values = rng.integers(1, 50_000, int(offsets[-1]), dtype=np.int32)
+            ids = np.arange(first, first + rows)
+            table = pa.table({
+                "id": ids,
+                "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+                "url": pa.array([f"https://example.org/{source}/{i}" for i in ids]),
+                "raw": pa.array([rng.bytes(int(k)) for k in rng.integers(600, 1400, rows)]),
+            })  # fmt: skip
+            name = f"{source}-{part:03d}.parquet"
+            pq.write_table(table, folder / name, row_group_size=ROW_GROUP)
+            names[source].append(name)
+            first += rows
+    done.write_text(json.dumps(names))
+    return {k: [str(folder / p) for p in v] for k, v in names.items()}
+
+
+def warm(files: dict[str, list[str]]) -> int:
+    """Flush the files to disk and read each once, so that every contender finds them in the
+    page cache (the first one after writing them waited seconds on the writeback); their bytes."""
+    os.sync()
+    size = 0
+    for paths in files.values():
+        for path in paths:
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    size += len(chunk)
+    return size
+
+
+# -- aioloader --------------------------------------------------------------------------------------
+
+
+def aioloader_packed(files: dict[str, list[str]], rows_per_sample: int | None) -> Any:
+    from aioloader import Loader, mix, pack, sources
+
+    parts = {
+        name: sources.parquet(paths, ["tokens"], rows_per_sample=rows_per_sample, seed=i)
+        for i, (name, paths) in enumerate(files.items())
+    }
+    loader = Loader(mix(parts, WEIGHTS, seed=1), batch_size=None, collate=None)
+    return pack(loader, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens")
+
+
+class Ours:
+    """A contender's three steps, for aioloader: make, iterate, save and load state."""
+
+    def __init__(self, files: dict[str, list[str]], rows_per_sample: int | None) -> None:
+        self.files, self.rows_per_sample = files, rows_per_sample
+
+    def make(self) -> Any:
+        return aioloader_packed(self.files, self.rows_per_sample)
+
+    def batches(self, packed: Any) -> Iterator[np.ndarray]:
+        for batch in packed:
+            yield batch.numpy()
+
+    def state(self, packed: Any) -> Any:
+        return json.loads(json.dumps(packed.state_dict()))
+
+    def load(self, packed: Any, state: Any) -> None:
+        packed.load_state_dict(state)
+
+    def close(self, packed: Any) -> None:
+        packed.close()
+
+
+# -- one contender, in this process ------------------------------------------------------------------
+
+
+def cpu_s() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def digest(batch: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(batch).tobytes(), digest_size=8).hexdigest()
+
+
+def measure(contender: Any, limit: int | None, resume_at: int) -> dict[str, Any]:
+    """Throughput over the epoch (or `limit` batches), then the resume at `resume_at`."""
+    cpu0, t0 = cpu_s(), time.perf_counter()
+    packed = contender.make()
+    first = None
+    tokens = count = docs = 0
+    expected: list[str] = []
+    state: Any = None
+    try:
+        for batch in contender.batches(packed):
+            if first is None:
+                first = time.perf_counter() - t0
+                if batch.shape[1] != SEQ_LEN:
+                    raise SystemExit(f"rows of {batch.shape[1]} tokens, not {SEQ_LEN}")
+            count += 1
+            tokens += batch.size
+            docs += int(np.count_nonzero(batch == EOS))  # every document's end
+            if resume_at <= count - 1 < resume_at + CHECKED:
+                expected.append(digest(batch))
+            if count == resume_at:
+                state = contender.state(packed)
+            if limit is not None and count >= limit:
+                break
+        wall, cpu = time.perf_counter() - t0, cpu_s() - cpu0
+    finally:
+        contender.close(packed)
+    restore, exact = resume(contender, state, expected)
+    return {
+        "m_tokens_per_s": round(tokens / wall / 1e6, 2), "cpu_s_per_m_tokens": round(cpu / tokens * 1e6, 4),
+        "cpu_us_per_doc": round(cpu / max(docs, 1) * 1e6, 1),
+        "first_batch_s": round(first or 0.0, 3), "restore_s": round(restore, 3), "exact_resume": exact,
+        "batches": count, "m_tokens": round(tokens / 1e6, 2), "wall_s": round(wall, 2),
+    }  # fmt: skip
+
+
+def resume(contender: Any, state: Any, expected: list[str]) -> tuple[float, bool | None]:
+    """(seconds from a fresh loader to its first batch after loading `state`, whether the batches
+    then are the uninterrupted run's)."""
+    if state is None:
+        return 0.0, None
+    t0 = time.perf_counter()
+    packed = contender.make()
+    contender.load(packed, state)
+    got: list[str] = []
+    restore = 0.0
+    try:
+        for batch in contender.batches(packed):
+            if not got:
+                restore = time.perf_counter() - t0
+            got.append(digest(batch))
+            if len(got) == len(expected):
+                break
+    finally:
+        contender.close(packed)
+    return restore, got == expected
+
+
+def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int) -> None:
+    files = write_corpus(folder, docs)
+    # imported before the clock starts: what a process imports once (pyarrow's Parquet reader
+    # too, which aioloader and Grain import when a source is made)
+    for module in ["pyarrow.parquet", *IMPORTS.get(name, ["aioloader"])]:
+        importlib.import_module(module)
+    if name in OURS:
+        contender: Any = Ours(files, 256 if name == "aioloader" else None)
+    else:
+        from _tokens_peers import peer  # benchmarks/ is on sys.path: this script's folder
+
+        contender = peer(name, files, folder, SEQ_LEN, BATCH, EOS, WEIGHTS)
+    result = measure(contender, limit, resume_at)
+    print(json.dumps({**result, **getattr(contender, "extra", {})}))
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+
+def run_child(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any] | str:
+    """One contender in a fresh interpreter: its figures, or why it did not run."""
+    if name not in OURS:
+        from _tokens_peers import missing
+
+        reason = missing(name)
+        if reason:
+            return reason
+    cmd = [sys.executable, __file__, "--child", name, "--folder", str(folder), "--docs",
+           str(args.docs), "--resume-at", str(args.resume_at)]  # fmt: skip
+    if args.batches:
+        cmd += ["--batches", str(args.batches)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # local files only
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, check=False, timeout=args.timeout, env=env
+    )
+    if done.returncode != 0:
+        return f"failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="12,000 documents, 200 batches (< 60 s with aioloader's two; peers add their own)",
+    )  # fmt: skip
+    parser.add_argument("--docs", type=int, default=90_000)
+    parser.add_argument("--batches", type=int, default=None, help="stop after N (default: epoch)")
+    parser.add_argument("--resume-at", type=int, default=100)
+    parser.add_argument("--folder", type=Path, default=None)
+    parser.add_argument("--contenders", default="aioloader,aioloader-per-doc,litdata,grain,hf")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.docs, args.batches = 12_000, args.batches or 200
+    folder = args.folder or Path(tempfile.gettempdir()) / f"aioloader-bench-tokens-{args.docs}"
+    if args.child:
+        child(args.child, folder, args.docs, args.batches, args.resume_at)
+        return
+    t0 = time.perf_counter()
+    files = write_corpus(folder, args.docs)
+    size = warm(files)
+    print(f"corpus: {args.docs} documents in {sum(map(len, files.values()))} files, "
+          f"{size / 1e6:.0f} MB, in {folder} ({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    print(f"{'contender':<18} {'M tok/s':>8} {'CPU s/M':>8} {'CPU us/doc':>10} {'first s':>8} "
+          f"{'restore s':>9} {'exact':>6} {'batches':>8}")  # fmt: skip
+    summary: dict[str, Any] = {"workload": "tokens", "docs": args.docs, "batches": args.batches}
+    for name in [c.strip() for c in args.contenders.split(",") if c.strip()]:
+        result = run_child(name, args, folder)
+        summary[name] = result
+        if isinstance(result, str):
+            print(f"{name:<18} skipped: {result}")
+            continue
+        print(f"{name:<18} {result['m_tokens_per_s']:>8.2f} {result['cpu_s_per_m_tokens']:>8.4f} "
+              f"{result['cpu_us_per_doc']:>10.1f} {result['first_batch_s']:>8.3f} "
+              f"{result['restore_s']:>9.3f} {result['exact_resume']!s:>6} "
+              f"{result['batches']:>8}")  # fmt: skip
+    ours, per_doc = summary.get("aioloader"), summary.get("aioloader-per-doc")
+    if isinstance(ours, dict) and isinstance(per_doc, dict):
+        summary["columnar_speedup"] = round(ours["m_tokens_per_s"] / per_doc["m_tokens_per_s"], 2)
+        print(f"columnar fast path / one document per sample: {summary['columnar_speedup']:.2f}x")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
