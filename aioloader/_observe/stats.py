@@ -2,9 +2,12 @@
 
 The pipeline calls `Recorder.start(stage)` / `Recorder.stop(...)` around each fetch, decode, collate
 and transfer, all on the event loop's thread, so the counters need no lock. The consumer's waits are
-added from the consumer's thread with single float additions. Cost: two `perf_counter()` calls and a
-few additions per stage per sample (about 1 µs; `benchmarks/stats_overhead.py` measures it, and
-`Loader(stats=False)` swaps in a `NullRecorder` that does none of it).
+added from the consumer's thread alone (`waited`). `snapshot` runs on any thread: it reads numbers
+(a read may be one call behind) and copies the latencies with `deque.copy`, which holds the deque's
+own lock on a free-threaded build (iterating the deque there while the loop appends to it raises).
+Cost: two `perf_counter()` calls and a few additions per stage per sample (about 1 µs;
+`benchmarks/stats_overhead.py` measures it, and `Loader(stats=False)` swaps in a `NullRecorder` that
+does none of it).
 
 Occupancy without a clock of its own: `area`, the integral of calls in flight over time, is the sum of
 the calls' durations; `full`, the time with `cap` or more in flight, is timed from the call that
@@ -169,6 +172,10 @@ class StageCounters:
         self.changed = now  # when `busy` last changed
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
+    def sorted_latencies(self) -> list[float]:
+        """The latencies kept, sorted; from any thread (see the module docstring)."""
+        return sorted(self.latencies.copy())
+
     def enter(self, now: float) -> None:
         if self.busy > self.cap > 0:
             self.queued += (now - self.changed) * (self.busy - self.cap)
@@ -254,7 +261,8 @@ class Recorder:
             self.skipped.append((key, reason))
 
     def waited(self, t0: float, t1: float) -> None:
-        """The consumer waited from t0 to t1 (perf_counter) for its next batch."""
+        """The consumer waited from t0 to t1 (perf_counter) for its next batch (on the consumer's
+        thread: it alone writes `consumer_wait` and `first_wait`)."""
         if self.first_wait is None:
             self.first_wait, self.first_wait_s = t0, t1 - t0
         self.consumer_wait += t1 - t0
@@ -271,7 +279,7 @@ class Recorder:
             s.cap = limits.get(name) or 0  # a single store: safe beside the loop's thread
             since = s.full_since
             full = s.full + (now - since if since >= 0 else 0.0)
-            lat = sorted(s.latencies)
+            lat = s.sorted_latencies()
             ended = s.items + s.errors
             queued = min(s.queued, s.area) / ended if ended else None
             out[name] = StageStats(
