@@ -31,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "BUSY_TO_GROW", "GROW_AFTER_S", "IDLE_TO_GROW", "SLOW_CALL_S", "LazyThreadPool", "cores_idle",
-    "default_workers", "idle_ticks", "runnable_clock",
+    "default_workers", "gil_enabled", "idle_ticks", "runnable_clock",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -99,6 +100,13 @@ def cores_idle(ticks: int | None, ticks_now: int | None, seconds: float) -> floa
 def default_workers() -> int:
     """The default size of a decode pool (threads or processes): the cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def gil_enabled() -> bool:
+    """Whether the GIL is on in this interpreter now: False on a free-threaded build (3.13t and
+    later) unless an extension module turned it back on; True on every other build."""
+    probe = getattr(sys, "_is_gil_enabled", None)
+    return True if probe is None else bool(probe())
 
 
 class _Call:
