@@ -64,6 +64,13 @@ def test_a_crew_that_grows_keeps_its_books_while_its_threads_end_calls(
         nonlocal grown
         asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
         for round_ in range(40):
+            # quick calls end many times per growth check (and keep the crew from growing), then
+            # calls that block make it grow
+            quick = range(round_ * 256, round_ * 256 + 256)
+            got = await asyncio.wait_for(
+                asyncio.gather(*(pool.run(abs, -i) for i in quick)), HANG_S
+            )
+            assert got == list(quick)
             keys = range(round_ * 64, round_ * 64 + 64)
             got = await asyncio.wait_for(
                 asyncio.gather(*(pool.run(_blocks_now_and_then, i) for i in keys)), HANG_S
