@@ -23,11 +23,17 @@ import numpy as np
 import pytest
 
 from aioloader import Loader
-from aioloader._util.threads import LazyThreadPool
+from aioloader._util.threads import LazyThreadPool, gil_enabled
 
 SWITCH_S = 1e-6  # switch threads this often (the default is 5 ms)
 HANG_S = 10.0  # a call that has not ended after this long never will: the test fails at once
-CALLS = 8000  # calls made while another thread closes their pool again and again
+GROW_CHECK_S = 2e-5  # how often a crew with calls queued checks whether to grow (5 ms by default)
+# crews grown from one thread to `size`, each after a burst of quick calls; the growth check's race is
+# one that only a free-threaded build can lose (with the GIL, copying a deque is one step)
+ROUNDS = 6 if gil_enabled() else 24
+# calls made while another thread closes their pool again and again: the GIL build meets the window
+# less often (a thread runs only when the other one is switched out)
+CALLS = 6000 if gil_enabled() else 3000
 
 
 @pytest.fixture
@@ -55,37 +61,36 @@ def _blocks_now_and_then(i: int) -> int:
 def test_a_crew_that_grows_keeps_its_books_while_its_threads_end_calls(
     size: int, fine_switching: None
 ) -> None:
-    # grow_after small: the growth check runs on the loop many times while threads end calls
-    pool = LazyThreadPool(size, f"t-race{size}", grow_after=0.0002)
+    # grow_after tiny: the growth check runs on the loop again and again while threads end calls
+    pool = LazyThreadPool(size, f"t-race{size}", grow_after=GROW_CHECK_S)
     errors: list[dict[str, Any]] = []
-    grown = 0
+    grown = []
 
     async def main() -> None:
-        nonlocal grown
         asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
-        for round_ in range(40):
-            # quick calls end many times per growth check (and keep the crew from growing), then
-            # calls that block make it grow
-            quick = range(round_ * 256, round_ * 256 + 256)
+        for round_ in range(ROUNDS):
+            # a burst of quick calls: each check finds them queued (it looks again) and short (the
+            # crew keeps one thread), while that thread ends one after another
+            quick = range(round_ * 2048, round_ * 2048 + 2048)
             got = await asyncio.wait_for(
                 asyncio.gather(*(pool.run(abs, -i) for i in quick)), HANG_S
             )
             assert got == list(quick)
+            # then calls that block: the crew grows, its new threads ending calls too
             keys = range(round_ * 64, round_ * 64 + 64)
             got = await asyncio.wait_for(
                 asyncio.gather(*(pool.run(_blocks_now_and_then, i) for i in keys)), HANG_S
             )
             assert got == list(keys)
-            grown = max(grown, pool.threads)
-            if round_ % 8 == 7:
-                pool.close()  # a new crew starts with one thread and grows again
+            grown.append(pool.threads)
+            pool.close()  # the next round's crew starts with one thread
 
     try:
         asyncio.run(main())
     finally:
         pool.close()
     assert errors == []
-    assert grown == size  # the growth check ran, and decided, while calls ended
+    assert max(grown) == size  # the growth check ran, and decided, while calls ended
 
 
 def _fetch(i: int) -> int:
