@@ -84,7 +84,8 @@ test-ft: ft-env
 	$(FTPY) -W error -c '$(FTCHECK)'
 	$(FTPY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-# W5: decode through the thread executor, 1 vs 2 threads, in the free-threaded venv.
+# W5: a decode that holds the GIL, in threads on the free-threaded venv, against processes and torch's
+# DataLoader(num_workers=2) on the GIL build (.venv).
 bench-ft: ft-env
 	$(FTPY) -W error -c '$(FTCHECK)'
 	$(FTPY) benchmarks/ft_threads.py

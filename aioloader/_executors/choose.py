@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 import pickle
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from .._util.threads import default_workers
+from .._util.threads import default_workers, gil_enabled
 from .base import Executor, InlineExecutor, ThreadExecutor
 from .process.executor import ProcessExecutor
 
@@ -36,8 +35,7 @@ def auto_executor(decode: Callable[[Any], Any] | None = None) -> str:
     and the "aioloader" logger says why. A decoder that releases the GIL (numpy, Pillow, most codecs)
     does well in threads either way: name executor="thread" for it; executor="inline" runs a cheap
     decode on the event loop itself."""
-    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
-    if not gil:
+    if not gil_enabled():
         return "thread"
     if decode is not None:
         try:

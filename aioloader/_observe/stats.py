@@ -2,9 +2,11 @@
 
 The pipeline calls `Recorder.start(stage)` / `Recorder.stop(...)` around each fetch, decode, collate
 and transfer, all on the event loop's thread, so the counters need no lock. The consumer's waits are
-added from the consumer's thread with single float additions. Cost: two `perf_counter()` calls and a
-few additions per stage per sample (about 1 µs; `benchmarks/stats_overhead.py` measures it, and
-`Loader(stats=False)` swaps in a `NullRecorder` that does none of it).
+added from the consumer's thread alone (`waited`). `snapshot` runs on any thread: it reads numbers
+(a read may be one call behind) and copies the latencies (`LatencyWindow`).
+Cost: two `perf_counter()` calls and a few additions per stage per sample (about 1 µs;
+`benchmarks/stats_overhead.py` measures it, and `Loader(stats=False)` swaps in a `NullRecorder` that
+does none of it).
 
 Occupancy without a clock of its own: `area`, the integral of calls in flight over time, is the sum of
 the calls' durations; `full`, the time with `cap` or more in flight, is timed from the call that
@@ -20,12 +22,12 @@ them), so its own read counters (`shard_*` in its `stats()`) stand for the fetch
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "STAGES",
+    "LatencyWindow",
     "LoaderStats",
     "NullRecorder",
     "Recorder",
@@ -138,6 +140,37 @@ class LoaderStats:
         return format_table(self)
 
 
+class LatencyWindow:
+    """The last `size` latencies: added by one thread (`append`), read by any (`sorted`).
+
+    A list overwritten in place, not a deque: a list is copied under its own lock on a free-threaded
+    build, where copying or iterating a deque that another thread appends to raises "deque mutated
+    during iteration" (`deque.copy` too, measured on 3.13t).
+    """
+
+    __slots__ = ("_items", "_next", "_size")
+
+    def __init__(self, size: int = _LATENCY_WINDOW) -> None:
+        self._items: list[float] = []
+        self._size = size
+        self._next = 0  # where the next latency goes, once the window is full
+
+    def append(self, latency: float) -> None:
+        items = self._items
+        if len(items) < self._size:
+            items.append(latency)
+            return
+        items[self._next] = latency
+        self._next = (self._next + 1) % self._size
+
+    def sorted(self) -> list[float]:
+        """The latencies kept, sorted (a copy)."""
+        return sorted(self._items.copy())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class StageCounters:
     """One stage's running counters (a `Recorder` keeps one per stage; a shard reader its own)."""
 
@@ -167,7 +200,7 @@ class StageCounters:
         self.last = now  # when the last call ended
         self.queued = 0.0  # the integral of the calls beyond `cap`, up to `changed`
         self.changed = now  # when `busy` last changed
-        self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self.latencies = LatencyWindow()
 
     def enter(self, now: float) -> None:
         if self.busy > self.cap > 0:
@@ -254,7 +287,8 @@ class Recorder:
             self.skipped.append((key, reason))
 
     def waited(self, t0: float, t1: float) -> None:
-        """The consumer waited from t0 to t1 (perf_counter) for its next batch."""
+        """The consumer waited from t0 to t1 (perf_counter) for its next batch (on the consumer's
+        thread: it alone writes `consumer_wait` and `first_wait`)."""
         if self.first_wait is None:
             self.first_wait, self.first_wait_s = t0, t1 - t0
         self.consumer_wait += t1 - t0
@@ -271,7 +305,7 @@ class Recorder:
             s.cap = limits.get(name) or 0  # a single store: safe beside the loop's thread
             since = s.full_since
             full = s.full + (now - since if since >= 0 else 0.0)
-            lat = sorted(s.latencies)
+            lat = s.latencies.sorted()
             ended = s.items + s.errors
             queued = min(s.queued, s.area) / ended if ended else None
             out[name] = StageStats(

@@ -51,19 +51,26 @@ def env_trace_path() -> Path | None:
 
 
 class Tracer:
-    """Collects spans from the event loop's thread and the consumer's thread (appends are atomic)."""
+    """Collects spans from the event loop's thread and the consumer's thread."""
 
     def __init__(self, max_spans: int = MAX_SPANS) -> None:
         self.t0 = time.perf_counter()
         self.spans: list[_Span] = []
         self.dropped = 0
         self._max = max_spans
+        self._lock = threading.Lock()  # guards `spans` and `dropped` (two threads add to them)
 
     def span(self, stage: str, t0: float, t1: float, key: Any) -> None:
-        if len(self.spans) < self._max:
-            self.spans.append((stage, t0, t1, key))
-        else:
-            self.dropped += 1
+        with self._lock:
+            if len(self.spans) < self._max:
+                self.spans.append((stage, t0, t1, key))
+            else:
+                self.dropped += 1
+
+    def recorded(self) -> list[_Span]:
+        """A copy of the spans recorded so far."""
+        with self._lock:
+            return list(self.spans)
 
 
 def _tracks(spans: list[_Span]) -> list[int]:
@@ -92,7 +99,7 @@ def _args(stage: str, key: Any) -> dict[str, Any]:
 def chrome_events(tracer: Tracer) -> list[dict[str, Any]]:
     """The tracer's spans as Trace Event Format events ("X" spans, "M" names), times in µs."""
     events: list[dict[str, Any]] = []
-    spans = sorted(tracer.spans, key=lambda s: (s[1], s[2]))
+    spans = sorted(tracer.recorded(), key=lambda s: (s[1], s[2]))
     names = list(_TRACKS) + sorted({s[0] for s in spans} - set(_TRACKS))
     for pid, stage in enumerate(names, start=1):
         mine = [s for s in spans if s[0] == stage]

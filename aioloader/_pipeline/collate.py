@@ -324,16 +324,21 @@ class SlotBuffers(Buffers, Protocol):
 # Batch tensors that `StackAsRead` filled row by row, by address: the default collate returns one as it
 # is when its batch is exactly its rows, in order (never a tensor of the user's own whose rows they are).
 _STACKED: dict[int, weakref.ref[torch.Tensor]] = {}
+# guards `forget`'s look-then-delete against a `_remember` on another thread; reentrant: the garbage
+# collector may run a `forget` on a thread that holds it
+_STACKED_LOCK = threading.RLock()
 
 
 def _remember(batch: torch.Tensor) -> None:
     ptr = batch.data_ptr()
 
     def forget(ref: weakref.ref[torch.Tensor]) -> None:  # not a later batch's at the same address
-        if _STACKED.get(ptr) is ref:
-            del _STACKED[ptr]
+        with _STACKED_LOCK:
+            if _STACKED.get(ptr) is ref:
+                del _STACKED[ptr]
 
-    _STACKED[ptr] = weakref.ref(batch, forget)
+    with _STACKED_LOCK:
+        _STACKED[ptr] = weakref.ref(batch, forget)
 
 
 def _address(x: Any) -> int:

@@ -200,7 +200,7 @@ class DeviceStage:
         copied without staging; "slabs", "slab_bytes", "slabs_allocated", "slabs_reused" and
         "slab_waits" (stagings that waited for a copy because every slab was still being read).
         """
-        pool = self._pool
+        pool = self._pool  # changed under `_lock` only; read here without it: numbers and a copy
         counts = self._counts.snapshot()
         with self._counts_lock:
             registered = self._pinning["registered"] > 0 and self._pinning["staged"] == 0

@@ -13,7 +13,8 @@ where each request holds a thread).
 `Climber` lets as many decode at once as raise throughput (a decoder that holds the GIL gains nothing
 from a second thread, and keeps one). Process pools are sized once, to the cores.
 
-Every change is logged on the "aioloader" logger at INFO; `loader.stats().concurrency` and
+Both are owned by the thread of the event loop that runs the epochs (no lock: nothing else changes
+them). Every change is logged on the "aioloader" logger at INFO; `loader.stats().concurrency` and
 `stats().stages["decode"].limit` show the values in force.
 """
 

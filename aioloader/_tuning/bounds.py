@@ -1,4 +1,9 @@
-"""The bounds an epoch keeps: fetches in flight (a limit that may change), bytes held, skips allowed."""
+"""The bounds an epoch keeps: fetches in flight (a limit that may change), bytes held, skips allowed.
+
+Every object here is owned by the thread of the event loop that runs the loader's epochs: only that
+thread changes them (their `asyncio.Event`s are that loop's), so they take no lock; `stats()` on
+another thread only reads numbers from them.
+"""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "BUSY_TO_GROW", "GROW_AFTER_S", "IDLE_TO_GROW", "SLOW_CALL_S", "LazyThreadPool", "cores_idle",
-    "default_workers", "idle_ticks", "runnable_clock",
+    "default_workers", "gil_enabled", "idle_ticks", "runnable_clock",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -101,6 +102,13 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def gil_enabled() -> bool:
+    """Whether the GIL is on in this interpreter now: False on a free-threaded build (3.13t and
+    later) unless an extension module turned it back on; True on every other build."""
+    probe = getattr(sys, "_is_gil_enabled", None)
+    return True if probe is None else bool(probe())
+
+
 class _Call:
     __slots__ = ("args", "fn", "future", "loop")
 
@@ -140,9 +148,12 @@ class _Crew:
         self.closed = False
         self.timer: asyncio.AbstractEventLoop | None = None  # the loop whose `_grow` is due
 
-    def submit(self, call: _Call) -> None:
+    def submit(self, call: _Call) -> bool:
+        """Queue `call`; False when this crew was closed meanwhile (the caller takes a new one)."""
         pool = self.pool
         with self.lock:
+            if self.closed:  # `close` ran between the pool handing out this crew and now
+                return False
             self.calls.append(call)
             self.wake.notify()
             unserved = len(self.calls) - (len(self.threads) - self.busy)
@@ -154,6 +165,7 @@ class _Crew:
                 and self.timer is not call.loop
             ):
                 self._arm(call.loop)
+        return True
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -212,6 +224,8 @@ class _Crew:
             thread.start()
 
     def _serve(self, index: int) -> None:
+        # `since[index]` and `spent[index]` are written by this thread alone (`_busy` reads them
+        # racily); `calls`, `busy` and `recent` only under the lock (`_grow` iterates `recent`)
         since, spent = self.since, self.spent
         if self.pool.initializer is not None:
             try:
@@ -227,6 +241,7 @@ class _Crew:
                     return
                 call = self.calls.popleft()
                 self.busy += 1
+            took: float | None = None  # how long the call took (None: it never ran)
             if not call.future.cancelled():
                 result, error = None, None
                 began = since[index] = time.monotonic()
@@ -239,13 +254,14 @@ class _Crew:
                 spent[index] += took
                 if self.pool.spare_cores:  # the time it was blocked, not the time it computed
                     took -= runnable_clock() - cpu
-                self.recent.append(took)
                 since[index] = 0.0
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed
                     call.loop.call_soon_threadsafe(_settle, call.future, result, error)
                 del result, error  # hold nothing while idle
             del call
             with self.lock:
+                if took is not None:
+                    self.recent.append(took)
                 self.busy -= 1
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -311,12 +327,14 @@ class LazyThreadPool:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in the pool and await its result."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        with self._lock:
-            if self._crew is None or self._crew.closed:
-                self._crew = _Crew(self)
-            crew = self._crew
-        crew.submit(_Call(fn, args, future))
-        return await future
+        call = _Call(fn, args, future)
+        while True:
+            with self._lock:
+                if self._crew is None or self._crew.closed:
+                    self._crew = _Crew(self)
+                crew = self._crew
+            if crew.submit(call):  # else `close` came in between: a call after it starts anew
+                return await future
 
     def close(self, timeout: float = 2.0) -> None:
         """Cancel queued calls and join the threads, waiting at most `timeout` seconds. Idempotent."""

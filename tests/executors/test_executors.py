@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
+import sysconfig
 from typing import Any
 
 import pytest
 
 import aioloader
+from aioloader._executors import choose
 from aioloader._executors.base import (
     Executor,
     InlineExecutor,
@@ -16,8 +20,9 @@ from aioloader._executors.base import (
     workers_of,
     writes_rows,
 )
-from aioloader._executors.choose import EXECUTORS, REGISTRY, make_executor
+from aioloader._executors.choose import EXECUTORS, REGISTRY, auto_executor, make_executor
 from aioloader._executors.process.executor import ProcessExecutor
+from aioloader._util.threads import gil_enabled
 
 
 def test_executor_is_public() -> None:
@@ -39,6 +44,45 @@ def test_every_name_is_in_the_registry() -> None:
 def test_an_unknown_name_says_which_exist() -> None:
     with pytest.raises(ValueError, match="inline"):
         make_executor("gpu", None)
+
+
+def _double(x: int) -> int:
+    return 2 * x
+
+
+def test_the_gil_probe_tells_this_interpreter_as_it_is() -> None:
+    free_threaded = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+    assert gil_enabled() is (sys._is_gil_enabled() if free_threaded else True)
+
+
+@pytest.mark.parametrize("gil", [True, False])
+def test_auto_picks_threads_where_the_gil_is_off_and_processes_where_it_is_on(
+    gil: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(choose, "gil_enabled", lambda: gil)
+    offset = 1
+    with caplog.at_level(logging.INFO, logger="aioloader"):
+        # a decode that pickles runs in processes only with the GIL on
+        assert auto_executor(_double) == ("process" if gil else "thread")
+        assert auto_executor() == ("process" if gil else "thread")
+        # one that does not pickle runs in threads either way; only the GIL build says why
+        assert auto_executor(lambda x: x + offset) == "thread"
+    assert any("cannot be sent" in r.getMessage() for r in caplog.records) is gil
+    executor = make_executor("auto", 2)
+    try:
+        assert type(executor) is (ProcessExecutor if gil else ThreadExecutor)
+        assert workers_of(executor) == 2
+    finally:
+        executor.close()
+
+
+def test_a_loader_with_executor_auto_decodes_in_threads_where_the_gil_is_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(choose, "gil_enabled", lambda: False)
+    with aioloader.Loader(range(6), _double, decode=_double, workers=2, batch_size=3) as loader:
+        assert type(loader._stages.decoder) is ThreadExecutor
+        assert [b.tolist() for b in loader] == [[0, 4, 8], [12, 16, 20]]
 
 
 class Minimal:

@@ -236,12 +236,14 @@ class Arena:
     @property
     def mapped_bytes(self) -> int:
         """Bytes of all live slabs."""
-        return sum(s.size for s in self._slabs.values())
+        with self._lock:  # `stats()` reads it from any thread while the pool's thread adds slabs
+            return sum(s.size for s in self._slabs.values())
 
     @property
     def batch_slabs(self) -> int:
         """Live slabs of one slot (whole batches)."""
-        return sum(s.whole for s in self._slabs.values())
+        with self._lock:  # as `mapped_bytes`
+            return sum(s.whole for s in self._slabs.values())
 
     def slab_fd(self, slab_id: int) -> tuple[int, int, bool]:
         """(file descriptor, size, whether it is one slot: a batch) of a live slab, for a worker."""

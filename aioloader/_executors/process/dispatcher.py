@@ -58,6 +58,7 @@ class Pool:
         self.cfg = config
         self.closed = False
         self._lock = threading.Lock()
+        # appended to under the lock by any thread, emptied by the pool's thread alone
         self._inbox: collections.deque[Task] = collections.deque()
         self._cancels: collections.deque[Task] = collections.deque()
         self._fns: list[tuple[Callable[[Any], Any], tuple[int, bool]]] = []
@@ -70,7 +71,7 @@ class Pool:
         sender = self._sender = Sender(state, outcomes, workers, slots)
         reader = self._reader = Reader(state, outcomes, workers, slots)
         self._faults = Faults(state, outcomes, workers, reader, sender)
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # taken under the lock: `next` is not atomic without the GIL
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -107,7 +108,7 @@ class Pool:
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> Task:
         self.start()
-        task = Task(next(self._ids), self._register(fn), seed, *encode_arg(arg), loop=loop)
+        task = Task(-1, self._register(fn), seed, *encode_arg(arg), loop=loop)
         task.row = into
         if worker is not None:
             check_int("worker", worker, minimum=0)
@@ -119,6 +120,7 @@ class Pool:
                 raise LoaderClosedError("the process executor was closed")
             if self._state.failure is not None:
                 raise self._state.failure()
+            task.id = next(self._ids)  # ids follow the inbox's order
             self._inbox.append(task)
             self._wake.poke_locked()
         return task

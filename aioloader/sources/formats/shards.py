@@ -229,7 +229,7 @@ class ReadMeter:
     def stats(self) -> dict[str, float | None]:
         """The counters as `TarShards.stats()` gives them (`shard_*`; seconds, bytes, samples)."""
         s, now = self.stage, time.perf_counter()
-        lat = sorted(s.latencies)
+        lat = s.latencies.sorted()  # stats() runs on any thread
         at = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]) if lat else (lambda q: None)
         return {
             "shard_readers": s.cap, "shard_reading": s.busy, "shard_samples": s.items,
