@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import io
 import json
 import os
@@ -37,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
+from _pss import PeakPss
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -206,38 +205,15 @@ def time_epochs(loader: Any, epochs: int) -> dict[str, Any]:
 # -- the orchestrator ---------------------------------------------------------------------------------
 
 
-def tree_pss(root: psutil.Process) -> int:
-    total = 0
-    for proc in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            total += proc.memory_full_info().pss
-    return total
-
-
 def measure(name: str, n: int, epochs: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--run", name, "--images", str(n), "--epochs", str(epochs)]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    root = psutil.Process(child.pid)
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.wait(PSS_PERIOD_S):
-            try:
-                peak = max(peak, tree_pss(root))
-            except psutil.NoSuchProcess:
-                return
-
-    sampler = threading.Thread(target=sample, name="pss-sampler")
-    sampler.start()
-    out, _ = child.communicate()
-    done.set()
-    sampler.join()
+    with PeakPss(child.pid, PSS_PERIOD_S) as pss:
+        out, _ = child.communicate()
     if child.returncode != 0:
         raise RuntimeError(f"{name} failed with exit code {child.returncode}")
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result["peak_pss_mb"] = peak / 2**20
+    result["peak_pss_mb"] = pss.peak / 2**20
     return result
 
 

@@ -24,24 +24,22 @@ best-vs-best ratios, main-process CPU per batch of both, pipe bytes per batch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 from PIL import Image
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import make_images, tree_pss
+from _pss import PeakPss
+from decode import make_images
 
 N_ITEMS = 20_000
 IO_WAIT_S = 0.003125
@@ -187,25 +185,12 @@ def measure_one(library: str, workload: str, workers: int, warmup: int, n: int) 
     cmd = [sys.executable, __file__, "--run", workload, library, str(workers)]
     cmd += ["--warmup", str(warmup), "--measure", str(n)]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    root = psutil.Process(child.pid)
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.wait(PSS_PERIOD_S):
-            with contextlib.suppress(psutil.Error):
-                peak = max(peak, tree_pss(root))
-
-    sampler = threading.Thread(target=sample, name="pss-sampler")
-    sampler.start()
-    out, _ = child.communicate()
-    done.set()
-    sampler.join()
+    with PeakPss(child.pid, PSS_PERIOD_S) as pss:
+        out, _ = child.communicate()
     if child.returncode != 0:
         raise RuntimeError(f"{library} {workload} N={workers} failed ({child.returncode})")
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result["peak_pss_mb"] = peak / 2**20
+    result["peak_pss_mb"] = pss.peak / 2**20
     return result
 
 

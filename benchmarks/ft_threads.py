@@ -37,13 +37,13 @@ import os
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
+from _pss import PeakPss
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH = 32
@@ -194,14 +194,6 @@ def interpreters(args: argparse.Namespace) -> dict[str, str | None]:
     }
 
 
-def tree_pss(root: psutil.Process) -> int:
-    total = 0
-    for proc in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            total += proc.memory_full_info().pss
-    return total
-
-
 def measure(python: str, mode: str, n: int, epochs: int) -> dict[str, Any]:
     cmd = [python, __file__, "--run", mode, "--samples", str(n), "--epochs", str(epochs)]
     # this checkout's aioloader first (a venv's editable install may point at another one)
@@ -209,27 +201,12 @@ def measure(python: str, mode: str, n: int, epochs: int) -> dict[str, Any]:
     child = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path}
     )
-    root = psutil.Process(child.pid)
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.wait(PSS_PERIOD_S):
-            try:
-                peak = max(peak, tree_pss(root))
-            except psutil.NoSuchProcess:
-                return
-
-    sampler = threading.Thread(target=sample, name="pss-sampler")
-    sampler.start()
-    out, _ = child.communicate()
-    done.set()
-    sampler.join()
+    with PeakPss(child.pid, PSS_PERIOD_S) as pss:
+        out, _ = child.communicate()
     if child.returncode != 0:
         raise RuntimeError(f"{mode} failed with exit code {child.returncode}")
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result["peak_pss_mb"] = peak / 2**20
+    result["peak_pss_mb"] = pss.peak / 2**20
     result["added_pss_mb"] = result["peak_pss_mb"] - result["base_pss_mb"]
     return result
 

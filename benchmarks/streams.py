@@ -63,7 +63,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -73,6 +72,7 @@ from typing import Any
 
 import psutil
 from _delayproxy import Proxy, read_counts
+from _pss import PeakPss
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 SAMPLES, SHARDS, BATCH, BUFFER, DELAY_MS = 4000, 64, 64, 1000, 20
@@ -254,35 +254,12 @@ def child(spec: dict[str, Any]) -> None:
 # -- the orchestrator ---------------------------------------------------------------------------------
 
 
-def tree_pss(root: psutil.Process) -> int:
-    total = 0
-    for proc in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            total += proc.memory_full_info().pss
-    return total
-
-
 def measure(spec: dict[str, Any], python: str) -> dict[str, Any] | str:
     """Run one contender in its own process (of `python`); its result, or why it was skipped."""
     cmd = [python, __file__, "--child", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    root, peak, done = psutil.Process(proc.pid), 0, threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.wait(PSS_PERIOD_S):
-            try:
-                peak = max(peak, tree_pss(root))
-            except psutil.NoSuchProcess:
-                return
-
-    sampler = threading.Thread(target=sample, name="pss-sampler")
-    sampler.start()
-    try:
+    with PeakPss(proc.pid, PSS_PERIOD_S) as pss:
         out, err = proc.communicate(timeout=600)
-    finally:
-        done.set()
-        sampler.join()
     if proc.returncode != 0:
         errors = [line for line in err.splitlines() if "Error" in line or "error" in line]
         return f"failed: {(errors or [f'exit code {proc.returncode}'])[-1].strip()[:300]}"
@@ -292,7 +269,7 @@ def measure(spec: dict[str, Any], python: str) -> dict[str, Any] | str:
     result = {
         "name": spec["name"], "samples_per_s": best["samples"] / best["seconds"],
         "first_batch_s": net[0]["first_batch_s"], "cpu_s": best["cpu_s"],
-        "peak_pss_mb": peak / 2**20, "requests": best["requests"], "mb": best["bytes"] / 1e6,
+        "peak_pss_mb": pss.peak / 2**20, "requests": best["requests"], "mb": best["bytes"] / 1e6,
         "once": all(e["once"] for e in epochs), "peer": spec["kind"] in PEERS,
         "reference": spec.get("reference", False),
     }  # fmt: skip

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..._util.loops import run_to_end
 from ..._util.ranges import Ranges
 from ..._util.validate import check_int
 from .options import ShardOptions
@@ -50,8 +50,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = ["Parquet", "ParquetError", "RowRef", "RowsRef", "parquet"]
-
-T = TypeVar("T")
 
 
 class RowRef:
@@ -142,7 +140,7 @@ class Parquet:
         self._store_options = self.options.stores()
         self._remotes: dict[str, Any] = {}
         self._stores = [store_for(u, self._remotes, self._options_of) for u in self.urls]
-        self.metas: list[FileMeta] = _run(self._footers())
+        self.metas: list[FileMeta] = run_to_end(self._footers(), "aioloader-parquet-footers")
         self._index_row_groups()
         self._epoch = 0
         self._live: dict[int, RowGroup] = {}
@@ -491,29 +489,6 @@ def _columns_arg(columns: Sequence[str] | None) -> tuple[str, ...] | None:
     if not columns:
         raise ValueError("columns: an empty list selects nothing; pass None for all columns")
     return tuple(columns)
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` to its end from sync code, also when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    out: list[T] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            out.append(asyncio.run(coro))
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name="aioloader-parquet-footers")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return out[0]
 
 
 def parquet(
