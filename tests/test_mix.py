@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.fakes import Boom
+from support.fakes import Boom, cancel_after_first
 from support.faultproxy import Origin
 from torch.utils.data import DistributedSampler
 
@@ -507,17 +507,7 @@ async def test_cancelling_the_consumer_leaves_nothing_running(
     before = asyncio.all_tasks()
     m = mix([SlowStream("s", 10_000), Squares("q", 100)], [1, 1], stop="cycle")
     loader = Loader(m, batch_size=4, collate=None, use_caller_loop=True)
-    started = asyncio.Event()
-
-    async def consume() -> None:
-        async for _ in loader:
-            started.set()
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(started.wait(), 10)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_after_first(loader)
     await loader.aclose()
     assert await caller_tasks_left(before) == set()
     assert live_reads(m) == 0

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.fakes import cancel_after_first
 
 from aioloader import Loader, Packed, StateError, pack
 
@@ -190,17 +191,7 @@ async def test_cancelling_the_consumer_leaves_nothing_running(
     docs = [np.arange(50) for _ in range(10_000)]
     loader = Loader(docs, same, batch_size=None, collate=None, use_caller_loop=True)
     packed = pack(loader, 32, batch_size=2, eos=0)
-    started = asyncio.Event()
-
-    async def consume() -> None:
-        async for _ in packed:
-            started.set()
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(started.wait(), 10)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_after_first(packed)
     await packed.aclose()
     assert await caller_tasks_left(before) == set()
 

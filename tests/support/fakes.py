@@ -284,3 +284,22 @@ def consume(loader: Loader[Any], mode: str, step: Callable[[Any], None] = lambda
     error = asyncio.run(main())
     if error is not None:
         raise error
+
+
+async def cancel_after_first(batches: Any, deadline_s: float = 10.0) -> None:
+    """Iterate `batches` (`async for`) in a task, cancel the task once the first item has come,
+    and check that it ends with CancelledError (what a training loop's cancellation does)."""
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in batches:
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), deadline_s)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return
+    raise AssertionError("the cancelled consumer ended without CancelledError")
