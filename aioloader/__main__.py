@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
 def manifest(args: argparse.Namespace) -> int:
     from . import sources
 
-    makers = {"s3": sources.s3, "gs": sources.gcs, "az": sources.azure}
+    makers: dict[str, Callable[..., sources.S3 | sources.GCS | sources.Azure]] = {
+        "s3": sources.s3, "gs": sources.gcs, "az": sources.azure,
+    }  # fmt: skip
     scheme = args.url.partition("://")[0]
     if scheme not in makers:
         print(f"aioloader: url must start with s3://, gs:// or az://, got {args.url!r}")

@@ -10,7 +10,7 @@ the whole source (AIMD, see `_tuning/aimd.py`); `stats()["concurrency_limit"]` s
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -19,7 +19,7 @@ from ..._tuning.aimd import Aimd
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
-from ..transport.remote import RemoteOptions
+from ..transport.remote import Remote, RemoteOptions
 from .azureauth import (
     AzureSigner,
     Found,
@@ -28,7 +28,7 @@ from .azureauth import (
     parse_az_url,
     parse_listing,
 )
-from .listing import Listed, Page
+from .listing import Listing, Page
 from .manifest import Manifest
 
 __all__ = ["Azure", "azure"]
@@ -38,7 +38,7 @@ MAX_PAGE = 5000  # List Blobs answers at most this many names per page
 THROTTLE_CODES = frozenset({"ServerBusy", "OperationTimedOut"})
 
 
-class Azure(Listed):
+class Azure(Remote):
     """The blobs under an Azure Blob Storage prefix, as a source. See `azure()` for the arguments.
 
     `keys()` lists every blob now (sorted, blocking); `iter_keys()` streams the listing page by page
@@ -51,8 +51,6 @@ class Azure(Listed):
         >>> src.url("train/0001.jpg")
         'https://acct.blob.core.windows.net/data/train/0001.jpg'
     """
-
-    _kind = "azure"
 
     def __init__(
         self,
@@ -96,7 +94,7 @@ class Azure(Listed):
         self.account = found.account
         self.base = f"{endpoint}/{quote(self.container, safe='')}/"
         self._sas = f"?{found.sas}" if found.sas else ""
-        self._listed(keys, stream_keys, manifest)
+        self.listing = Listing(self, self.where, self.prefix, "azure", keys, stream_keys, manifest)
         self.page_size = min(page_size, MAX_PAGE)
         self._options: dict[str, Any] = {
             **shared.transport_options(),
@@ -130,7 +128,8 @@ class Azure(Listed):
         """The account, container and blob name: one cached copy whatever the endpoint."""
         return f"az://{self.account or ''}/{self.container}/{key}"
 
-    async def _page(self, transport: Transport, token: str | None) -> Page:
+    async def list_page(self, transport: Transport, token: str | None) -> Page:
+        """One page of the listing (`Pages`)."""
         query = list_query(self.prefix, self.page_size, token)
         sas = "&" + self._sas[1:] if self._sas else ""
         body = await transport.get(f"{self.base[:-1]}?{query}{sas}", key=self.where)
@@ -141,8 +140,40 @@ class Azure(Listed):
             raise FetchError(f"bad List Blobs answer for {where}: {exc}", key=where) from None
         return Page(page.objects, page.etags, page.next_marker)
 
-    def _list_transport(self) -> Transport:
+    def list_transport(self) -> Transport:
+        """A transport for listing on a thread of its own (`Pages`)."""
         return Transport(limit=4, **self._options)
+
+    # the listing (`listing.py`): the keys under the prefix, their sizes and ETags
+
+    @property
+    def stream_keys(self) -> bool:
+        """Whether `keys()` streams the listing."""
+        return self.listing.stream_keys
+
+    def keys(self) -> list[str] | AsyncIterable[str]:
+        """Every key under the prefix, sorted (or the keys given); see `Listing.keys`."""
+        return self.listing.keys()
+
+    def iter_keys(self) -> AsyncIterator[str]:
+        """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
+        return self.listing.iter_keys()
+
+    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
+        """(key, size) of each object under the prefix, in key order, one page at a time."""
+        return self.listing.iter_objects()
+
+    def manifest(self) -> Manifest:
+        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
+        return self.listing.manifest()
+
+    def size(self, key: str) -> int | None:
+        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self.listing.size(key)
+
+    def etag(self, key: str) -> str | None:
+        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self.listing.etag(key)
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -21,11 +21,12 @@ from ..._tuning.aimd import Aimd
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
-from ..transport.remote import RemoteOptions
+from ..transport.remote import Remote, RemoteOptions
 from ..transport.responses import Failure
+from . import listobjects
 from .gcsauth import Bearer, Found, Tokens, find_credentials, parse_gs_url
-from .listing import Listed, Page
-from .listobjects import Listing, list_query, parse_listing
+from .listing import Listing, Page
+from .listobjects import list_query, parse_listing
 from .manifest import Manifest
 
 __all__ = ["GCS", "gcs"]
@@ -34,7 +35,7 @@ ENDPOINT = "https://storage.googleapis.com"
 _FIELDS = "items(name,size,etag),nextPageToken"
 
 
-class GCS(Listed):
+class GCS(Remote):
     """The objects under a GCS prefix, as a source. See `gcs()` for the arguments.
 
     `keys()` lists every object now (sorted, blocking); `iter_keys()` streams the listing page by
@@ -47,8 +48,6 @@ class GCS(Listed):
         >>> src.url("train/0001.jpg")
         'https://storage.googleapis.com/storage/v1/b/my-bucket/o/train%2F0001.jpg?alt=media'
     """
-
-    _kind = "gcs"
 
     def __init__(
         self,
@@ -72,7 +71,7 @@ class GCS(Listed):
         shared = RemoteOptions.of(remote, options, "gcs")
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_gs_url(url)
-        self._listed(keys, stream_keys, manifest)
+        self.listing = Listing(self, self.where, self.prefix, "gcs", keys, stream_keys, manifest)
         self.endpoint, emulator = _endpoint(endpoint_url)
         self.credentials: Found = find_credentials(
             token=token, credentials_file=credentials_file, hmac_key=hmac,
@@ -123,7 +122,8 @@ class GCS(Listed):
     def where(self) -> str:
         return f"gs://{self.bucket}/{self.prefix}"
 
-    async def _page(self, transport: Transport, token: str | None) -> Page:
+    async def list_page(self, transport: Transport, token: str | None) -> Page:
+        """One page of the listing (`Pages`)."""
         body = await transport.get(self._list_url(token), key=self.where)
         try:
             page = parse_listing(bytes(body)) if self.xml else parse_json_listing(bytes(body))
@@ -132,8 +132,44 @@ class GCS(Listed):
             raise FetchError(f"bad listing answer for {where}: {exc!r}", key=where) from None
         return Page(page.objects, page.etags, page.next_token)
 
-    def _list_transport(self) -> Transport:
+    def list_transport(self) -> Transport:
+        """A transport for listing on a thread of its own (`Pages`)."""
         return self._transport(4)
+
+    # the listing (`listing.py`): the keys under the prefix, their sizes and ETags
+
+    @property
+    def stream_keys(self) -> bool:
+        """Whether `keys()` streams the listing."""
+        return self.listing.stream_keys
+
+    def keys(self) -> list[str] | AsyncIterable[str]:
+        """Every key under the prefix, sorted (or the keys given); see `Listing.keys`."""
+        return self.listing.keys()
+
+    def iter_keys(self) -> AsyncIterator[str]:
+        """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
+        return self.listing.iter_keys()
+
+    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
+        """(key, size) of each object under the prefix, in key order, one page at a time."""
+        return self.listing.iter_objects()
+
+    def manifest(self) -> Manifest:
+        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
+        return self.listing.manifest()
+
+    def size(self, key: str) -> int | None:
+        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self.listing.size(key)
+
+    def etag(self, key: str) -> str | None:
+        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self.listing.etag(key)
+
+    def cache_name(self, key: str) -> str:
+        """The store, its bucket and the key; see `Listing.cache_name`."""
+        return self.listing.cache_name(key)
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters, the cache's (`cache_dir`) and the
@@ -142,13 +178,13 @@ class GCS(Listed):
         return {**super().stats(), **self.limiter.stats(), **refreshes}
 
 
-def parse_json_listing(body: bytes) -> Listing:
+def parse_json_listing(body: bytes) -> listobjects.Listing:
     """One page of a JSON API object listing: (name, size) pairs and the next page's token."""
     answer = json.loads(body)
     items = answer.get("items", [])
     objects = [(str(item["name"]), int(item["size"])) for item in items]
     etags = {str(item["name"]): str(item["etag"]) for item in items if item.get("etag")}
-    return Listing(objects, answer.get("nextPageToken") or None, etags)
+    return listobjects.Listing(objects, answer.get("nextPageToken") or None, etags)
 
 
 def _endpoint(endpoint_url: str | None) -> tuple[str, bool]:

@@ -1,8 +1,9 @@
 """What the object stores share (S3, GCS, Azure): a prefix listed page by page, sorted, with sizes.
 
-A store's source gives `_page` (one page of its listing answer: the (key, size) pairs, their ETags
-and the next page's token) and `_list_transport` (a small transport for listing off the loader's
-loop); the keys, the streamed listing, `size(key)` and `etag(key)` are these.
+Each store owns a `Listing` of its prefix and gives it the `Pages` protocol: `list_page` (one page of
+its listing answer: the (key, size) pairs, their ETags and the next page's token) and
+`list_transport` (a small transport for listing off the loader's loop). The keys, the streamed
+listing, `size(key)` and `etag(key)` are the listing's; the store's methods of those names ask it.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ import asyncio
 import os
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ..._exceptions import FetchError
 from ..transport.client import Transport
-from ..transport.remote import Remote
 from .manifest import Manifest, share_listing
 
-__all__ = ["Listed", "Page"]
+__all__ = ["Listing", "Page", "Pages"]
 
 
 class Page(NamedTuple):
@@ -29,24 +29,45 @@ class Page(NamedTuple):
     next_token: str | None  # None: the last page
 
 
-class Listed(Remote):
-    """A remote source over the objects under one prefix of a bucket (or container)."""
+class Pages(Protocol):
+    """What a store gives the listing it owns: its answers, page by page, and transports to ask on."""
 
-    stream_keys: bool
-    prefix: str
-    _given: list[str] | None
-    _kind = "remote"  # names the listing thread ("aioloader-s3-list")
+    transport: Transport  # the store's own, on the loader's loop (`iter_objects`)
 
-    def _listed(
+    async def list_page(self, transport: Transport, token: str | None) -> Page:
+        """The page of the listing that `token` names (None: the first), asked over `transport`."""
+        ...
+
+    def list_transport(self) -> Transport:
+        """A transport of its own for `keys()`, which lists on a thread with its own loop."""
+        ...
+
+
+class Listing:
+    """The objects under one prefix of a bucket (or container): a part each store owns.
+
+    It holds the keys given (or a manifest's), and the sizes and ETags the listings found.
+    """
+
+    def __init__(
         self,
+        pages: Pages,
+        where: str,
+        prefix: str,
+        kind: str,
         keys: Sequence[str] | None,
         stream_keys: bool,
         manifest: str | os.PathLike[str] | Manifest | None = None,
     ) -> None:
-        """Set up the listing state (called by the constructor, after `where` is known): the keys
-        given, if any, or those of `manifest` (a `Manifest` or its file), with their sizes and ETags."""
+        """`where`: the prefix's URL ("s3://bucket/prefix"), for errors; `kind` names the listing
+        thread ("aioloader-s3-list"). The keys given, if any, or those of `manifest` (a `Manifest`
+        or its file), with their sizes and ETags, are read instead of listing."""
         if manifest is not None and keys is not None:
             raise ValueError("keys and manifest: give one of them, not both")
+        self._pages = pages
+        self.where = where
+        self.prefix = prefix
+        self._kind = kind
         self._given = None if keys is None else list(keys)
         self.stream_keys = stream_keys
         self._sizes: dict[str, int] = {}  # from the listings (`size`)
@@ -66,19 +87,6 @@ class Listed(Remote):
         self._sizes.update(zip(manifest.keys, manifest.sizes.tolist(), strict=True))
         self._etags.update((k, e) for k, e in zip(manifest.keys, manifest.etags, strict=True) if e)
 
-    @property
-    def where(self) -> str:
-        """The prefix's URL ("s3://bucket/prefix"), for errors."""
-        raise NotImplementedError
-
-    async def _page(self, transport: Transport, token: str | None) -> Page:
-        """The page of the listing that `token` names (None: the first)."""
-        raise NotImplementedError
-
-    def _list_transport(self) -> Transport:
-        """A transport of its own for `keys()`, which lists on a thread with its own loop."""
-        raise NotImplementedError
-
     def cache_name(self, key: str) -> str:
         """What names object `key` in the cache: the store, its bucket and the key
         ("s3://bucket/key"), not the endpoint's URL, so that processes that reach one store by
@@ -87,13 +95,13 @@ class Listed(Remote):
 
     def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
         """(key, size) of each object under the prefix, in key order, one page at a time."""
-        return self._objects(self.transport)
+        return self._objects(self._pages.transport)
 
     async def _objects(self, transport: Transport) -> AsyncIterator[tuple[str, int]]:
         token: str | None = None
         last = ""
         while True:
-            page = await self._page(transport, token)
+            page = await self._pages.list_page(transport, token)
             self._etags.update(page.etags)
             for key, size in sorted(page.objects, key=lambda o: o[0].encode()):
                 if key.endswith("/") and size == 0:
@@ -126,7 +134,7 @@ class Listed(Remote):
         if self._given is not None:
             return list(self._given)
         if self.stream_keys:
-            return _Listing(self)
+            return _Streamed(self)
         return self._list_now()
 
     def _list_now(self) -> list[str]:
@@ -147,7 +155,7 @@ class Listed(Remote):
         errors: list[BaseException] = []
 
         async def collect() -> None:
-            transport = self._list_transport()
+            transport = self._pages.list_transport()
             try:
                 found.extend([key async for key, _ in self._objects(transport)])
             finally:
@@ -175,10 +183,10 @@ class Listed(Remote):
         return self._etags.get(key)
 
 
-class _Listing:
+class _Streamed:
     """Re-iterable streamed listing: each `async for` lists the prefix again."""
 
-    def __init__(self, source: Listed) -> None:
+    def __init__(self, source: Listing) -> None:
         self._source = source
 
     def __aiter__(self) -> AsyncIterator[str]:

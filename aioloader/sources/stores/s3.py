@@ -8,7 +8,7 @@ than having every request retry at full concurrency; `stats()["concurrency_limit
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -19,8 +19,8 @@ from ..._tuning.aimd import Aimd
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
-from ..transport.remote import RemoteOptions
-from .listing import Listed, Page
+from ..transport.remote import Remote, RemoteOptions
+from .listing import Listing, Page
 from .listobjects import list_query, parse_listing
 from .manifest import Manifest
 from .s3auth import AwsConfig, Signer, bucket_base, parse_s3_url
@@ -28,7 +28,7 @@ from .s3auth import AwsConfig, Signer, bucket_base, parse_s3_url
 __all__ = ["S3", "s3"]
 
 
-class S3(Listed):
+class S3(Remote):
     """The objects under an S3 prefix, as a source. See `s3()` for the arguments.
 
     `keys()` lists every object now (sorted, blocking); `iter_keys()` streams the listing page by page
@@ -41,8 +41,6 @@ class S3(Listed):
         >>> src.url("train/0001.jpg")
         'https://my-bucket.s3.eu-west-1.amazonaws.com/train/0001.jpg'
     """
-
-    _kind = "s3"
 
     def __init__(
         self,
@@ -68,7 +66,7 @@ class S3(Listed):
         concurrency = shared.concurrency
         check_int("page_size", page_size, minimum=1)
         self.bucket, self.prefix = parse_s3_url(url)
-        self._listed(keys, stream_keys, manifest)
+        self.listing = Listing(self, self.where, self.prefix, "s3", keys, stream_keys, manifest)
         config = AwsConfig(profile)
         self.signer = Signer(credentials, region=region, anonymous=anonymous, config=config)
         endpoint_from = "endpoint_url"
@@ -100,7 +98,8 @@ class S3(Listed):
     def where(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
 
-    async def _page(self, transport: Transport, token: str | None) -> Page:
+    async def list_page(self, transport: Transport, token: str | None) -> Page:
+        """One page of the listing (`Pages`)."""
         query = list_query(self.prefix, self.page_size, token)
         body = await transport.get(f"{self.base}?{query}", key=self.where)
         try:
@@ -110,8 +109,44 @@ class S3(Listed):
             raise FetchError(f"bad ListObjectsV2 answer for {where}: {exc}", key=where) from None
         return Page(page.objects, page.etags, page.next_token)
 
-    def _list_transport(self) -> Transport:
+    def list_transport(self) -> Transport:
+        """A transport for listing on a thread of its own (`Pages`)."""
         return Transport(limit=4, **self._options)
+
+    # the listing (`listing.py`): the keys under the prefix, their sizes and ETags
+
+    @property
+    def stream_keys(self) -> bool:
+        """Whether `keys()` streams the listing."""
+        return self.listing.stream_keys
+
+    def keys(self) -> list[str] | AsyncIterable[str]:
+        """Every key under the prefix, sorted (or the keys given); see `Listing.keys`."""
+        return self.listing.keys()
+
+    def iter_keys(self) -> AsyncIterator[str]:
+        """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
+        return self.listing.iter_keys()
+
+    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
+        """(key, size) of each object under the prefix, in key order, one page at a time."""
+        return self.listing.iter_objects()
+
+    def manifest(self) -> Manifest:
+        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
+        return self.listing.manifest()
+
+    def size(self, key: str) -> int | None:
+        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self.listing.size(key)
+
+    def etag(self, key: str) -> str | None:
+        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self.listing.etag(key)
+
+    def cache_name(self, key: str) -> str:
+        """The store, its bucket and the key; see `Listing.cache_name`."""
+        return self.listing.cache_name(key)
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
