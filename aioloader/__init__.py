@@ -20,10 +20,10 @@ from ._executors.base import Executor as Executor
 from ._executors.process.executor import ProcessExecutor as ProcessExecutor
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
-from ._mix import mix as mix
-from ._mixloaders import MixedLoaders as MixedLoaders
-from ._mixsource import Mix as Mix
-from ._mixsource import MixKey as MixKey
+from ._mix.loaders import MixedLoaders as MixedLoaders
+from ._mix.mix import mix as mix
+from ._mix.source import Mix as Mix
+from ._mix.source import MixKey as MixKey
 from ._observe.diagnose import Diagnosis as Diagnosis
 from ._observe.stats import LoaderStats as LoaderStats
 from ._observe.stats import StageStats as StageStats

@@ -1,10 +1,12 @@
 """The package's imports follow the flow of data: no circle between modules, no import against the table.
 
 Every module of `aioloader/` is read (not imported) and each of its imports resolved to a module. A
-module belongs to a *layer*: its folder (`_pipeline`, `_executors/process`, `sources/stores`, ...),
-or, for the files directly in `aioloader/`, the front door (`aioloader`) and the errors (`_exceptions`);
-in `sources/`, the protocol (`sources/protocol.py`) is a layer of its own, below the rooms. `LAYERS` lists
-them from the ground up; a module may import its own layer and any layer below it, never one above.
+module belongs to a *layer*: its folder (`_pipeline`, `_executors/process`, `sources/stores`, `_mix`,
+...), or, for the files directly in `aioloader/`, the errors (`_exceptions`), the loader (`LOADER`:
+`Loader`, its parts, arguments and epochs) or else the front door (`aioloader`: the package's face,
+`DataLoader`, the CLI); in `sources/`, the protocol (`sources/protocol.py`) is a layer of its own, below
+the rooms. `LAYERS` lists them from the ground up; a module may import its own layer and any layer
+below it, never one above.
 Imports under `if TYPE_CHECKING:` name types only and never run, so they are left out.
 """
 
@@ -37,8 +39,12 @@ LAYERS = (
     "_resume",  # exact resume: reads the order stage's plan
     "_torch",  # the DataLoader's parts: whole-batch workers, samplers as plans
     "_pack",  # token documents packed into fixed-length rows, around a built loader
-    "aioloader",  # the front door: Loader (its parts, epochs), DataLoader, the CLI, the package's face
+    "loader",  # `Loader`: its parts, its arguments, its epochs (the files named in `LOADER`)
+    "_mix",  # sources, or built loaders, mixed in proportion
+    "aioloader",  # the front door: the package's face, DataLoader (its parts in `_torch`), the CLI
 )
+# The files directly in `aioloader/` that make the loader's layer.
+LOADER = {"_arguments", "_parts", "_epochs", "_loader"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -49,6 +55,8 @@ def module_name(path: Path, root: Path) -> str:
 def layer_of(module: str) -> str:
     """The layer of a module: the longest entry of `LAYERS` its folder path starts with."""
     parts = module.split(".")[1:]
+    if len(parts) == 1 and parts[0] in LOADER:
+        return "loader"
     for depth in range(len(parts), 0, -1):
         candidate = ".".join(parts[:depth])
         if candidate in LAYERS:
@@ -160,6 +168,17 @@ def test_every_folder_has_a_layer() -> None:
     assert folders <= set(LAYERS)
 
 
+def test_the_loader_mix_and_torch_parts_are_layers_below_the_front_door() -> None:
+    assert layer_of("aioloader._loader") == layer_of("aioloader._epochs") == "loader"
+    assert layer_of("aioloader._mix.source") == "_mix"
+    assert layer_of("aioloader._torch.workers") == "_torch"
+    assert layer_of("aioloader.dataloader") == layer_of("aioloader.__main__") == "aioloader"
+    graph = import_graph(PACKAGE)
+    assert {m for m in graph if layer_of(m) == "loader"} == {f"aioloader.{n}" for n in LOADER}
+    front = LAYERS.index("aioloader")
+    assert LAYERS.index("_torch") < LAYERS.index("loader") < LAYERS.index("_mix") < front
+
+
 def write(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = root / "aioloader" / name
@@ -187,6 +206,15 @@ def write(root: Path, files: dict[str, str]) -> Path:
              "sources/formats/a.py": "from ..stores.b import c\nfrom ..cache import d\n",
              "sources/stores/__init__.py": "", "sources/stores/b.py": "",
              "sources/cache/__init__.py": "", "sources/cache/d.py": ""},
+            None,
+        ),
+        (
+            {"_loader.py": "from ._mix import a\n", "_mix/__init__.py": "", "_mix/a.py": ""},
+            "against",
+        ),
+        (
+            {"_mix/__init__.py": "", "_mix/a.py": "from .._loader import L\nfrom .. import _parts\n",
+             "_loader.py": "", "_parts.py": "", "dataloader.py": "from ._mix import a\n"},
             None,
         ),
         (

@@ -1,6 +1,6 @@
 """The mix as a source: its keys (`MixKey`s, one epoch per iteration of `keys()`) and its fetch.
 
-See `_mix.py` for the rule a mix follows; `_mixparts.py` for how each input gives its keys.
+See `mix.py` for the rule a mix follows; `parts.py` for how each input gives its keys.
 
 Across ranks, every rank draws the same sources at the same positions and each source gives every
 rank as many keys (its share, padded), so every rank's epoch ends at the same position: equal steps.
@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from ._exceptions import FetchError, InvalidKeyError, StateError
-from ._mixchoice import Choices
-from ._mixparts import END, Indexed, Part, Pass, make_part
-from ._util.ranges import Ranges
-from ._util.threads import LazyThreadPool
-from ._util.validate import check_int
-from .sources.protocol import HasStats
+from .._exceptions import FetchError, InvalidKeyError, StateError
+from .._util.ranges import Ranges
+from .._util.threads import LazyThreadPool
+from .._util.validate import check_int
+from ..sources.protocol import HasStats
+from .choices import Choices
+from .parts import END, Indexed, Part, Pass, make_part
 
 __all__ = ["Mix", "MixEpochs", "MixKey", "label"]
 

@@ -1,5 +1,6 @@
-"""aioloader.mix across ranks: equal steps, and exact resume onto fewer and more ranks, for a mix of two
-key lists and of tar shards with a key list (ranks simulated in one process by rank / world_size)."""
+"""aioloader.mix across ranks: each source shared among them as the order stage deals keys, equal steps,
+and exact resume onto fewer and more ranks, for a mix of two key lists and of tar shards with a key
+list (ranks simulated in one process by rank / world_size)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.mixes import Squares, Stream, batches, stream_keys
 from support.shardfiles import SIZES, write_shards
 
 from aioloader import Loader, MixKey, StateError, mix, sources
+from aioloader._pipeline.order import shard
 
 A = [f"a{i}" for i in range(61)]
 B = [f"b{i}" for i in range(37)]
@@ -37,6 +40,39 @@ def make(kind: str, shards: list[str], stop: str, rank: int, world: int) -> Load
     both = mix(inputs, [2, 1], seed=4, stop=stop)
     return Loader(both, batch_size=4, collate=list, decode=label, decode_with_key=True,
                   rank=rank, world_size=world)  # fmt: skip
+
+
+def test_ranks_share_each_source_and_take_equal_steps() -> None:
+    seen: list[tuple[str, int]] = []
+    steps = []
+    for rank in (0, 1):
+        m = mix([Squares("a", 9), Squares("b", 40)], [1, 1], seed=1, stop="all_exhausted")
+        with Loader(m, batch_size=2, collate=None, rank=rank, world_size=2) as loader:
+            got = batches(loader)
+        steps.append(len(got))
+        seen += [s for b in got for s in b if s[0] == "b"]
+    assert steps[0] == steps[1]
+    assert sorted(i for _, i in seen) == [i * i for i in range(40)]  # each "b" sample once
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_ranks_share_is_dealt_as_the_order_stage_deals_keys(shuffle: bool) -> None:
+    for world in (2, 3, 7):
+        for rank in range(world):
+            m = mix([list(range(103))], [1], shuffle=shuffle, stop="first_exhausted")
+            m.bind(rank=rank, world_size=world)
+            unshared = mix([list(range(103))], [1], shuffle=shuffle, stop="first_exhausted")
+            order = [k.key for k in stream_keys(unshared, 5)]
+            assert [k.key for k in stream_keys(m, 5)] == shard(order, rank, world, False)
+
+
+def test_a_stream_without_a_share_of_its_own_cannot_span_ranks() -> None:
+    m = mix([Stream("s", 5), Squares("b", 4)], [1, 1])
+    with pytest.raises(ValueError, match=r"sources\[0\]: a Stream cannot be shared among 2 ranks"):
+        Loader(m, rank=0, world_size=2)
+
+
+# -- many ranks, and resumes on another world size ----------------------------------------------------
 
 
 def universe(kind: str) -> set[tuple[int, int, str]]:

@@ -1,7 +1,7 @@
 """Mixing already-built loaders: their items (batches, or samples when unbatched) interleaved whole.
 
 `mix([loader_a, loader_b], weights)` gives a `MixedLoaders`. Its epoch `e` follows the rule of
-`_mix.py`: position `p` draws loader `i` from (seed, e, p); every loader starts its epoch `e` with
+`mix.py`: position `p` draws loader `i` from (seed, e, p); every loader starts its epoch `e` with
 the mix's and keeps its own; one that runs out ends the epoch (`"first_exhausted"`) or starts its
 next epoch (`"all_exhausted"`, `"cycle"`). Every loader runs its own pipeline on its own thread, so
 all of them prefetch at once (with `for` or `async for`). `state_dict()` holds the mix's epoch and
@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from ._exceptions import StateError
-from ._loader import Loader
-from ._mixchoice import Choices
-from ._resume.state import STATE_VERSION, check_config
-from ._util.validate import check_int
+from .._exceptions import StateError
+from .._loader import Loader
+from .._resume.state import STATE_VERSION, check_config
+from .._util.validate import check_int
+from .choices import Choices
 
 __all__ = ["MixedLoaders"]
 

@@ -4,7 +4,7 @@ What a mix operates on: samples, before batching. `mix(sources, weights)` is its
 `Loader` over it fetches from every source at once (`concurrency` in flight, in the mix's order),
 decodes and batches, so each batch holds the sources in proportion, and the loader's
 `state_dict()` resumes it exactly. (Already-built loaders mix too, whole items at a time:
-`_mixloaders.py`.)
+`loaders.py`.)
 
 The rule, for epoch `e` of the mix:
 
@@ -28,11 +28,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._loader import Loader
-from ._mixchoice import check_stop, check_weights
-from ._mixloaders import MixedLoaders
-from ._mixsource import Mix, label
-from ._util.validate import check_int
+from .._loader import Loader
+from .._util.validate import check_int
+from .choices import check_stop, check_weights
+from .loaders import MixedLoaders
+from .source import Mix, label
 
 __all__ = ["mix"]
 

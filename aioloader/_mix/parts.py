@@ -29,15 +29,15 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from ._arguments import is_map_style
-from ._exceptions import FetchError
-from ._pipeline.ordered import OrdersItself
-from ._resume.state import keys_digest
-from ._util.loops import is_async_callable
-from ._util.ranges import Ranges
-from ._util.threads import LazyThreadPool
-from .sources.formats.parquet_order import remaining
-from .sources.protocol import Bindable, HasSetEpoch, HasSize, SharesItsStream, Source
+from .._arguments import is_map_style
+from .._exceptions import FetchError
+from .._pipeline.ordered import OrdersItself
+from .._resume.state import keys_digest
+from .._util.loops import is_async_callable
+from .._util.ranges import Ranges
+from .._util.threads import LazyThreadPool
+from ..sources.formats.parquet_order import remaining
+from ..sources.protocol import Bindable, HasSetEpoch, HasSize, SharesItsStream, Source
 
 __all__ = ["END", "READ_AHEAD", "Indexed", "Part", "Pass", "Streamed", "make_part"]
 

@@ -1,0 +1,76 @@
+"""aioloader.mix over built loaders (`MixedLoaders`): items mixed whole in proportion, its stop modes,
+exact resume, `async for`."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from support.mixes import Squares
+
+from aioloader import Loader, MixedLoaders, StateError, mix
+
+
+def two_loaders(stop: str = "all_exhausted") -> MixedLoaders:
+    a = Loader(Squares("a", 24), batch_size=3, collate=None, shuffle=True, seed=1)
+    b = Loader(Squares("b", 60), batch_size=3, collate=None, shuffle=True, seed=2)
+    return mix([a, b], [1, 3], seed=6, stop=stop)
+
+
+def test_loaders_mix_in_proportion_and_resume_exactly() -> None:
+    with two_loaders("cycle") as both:
+        whole = [batch for _, batch in zip(range(400), both, strict=False)]
+    shares = Counter(b[0][0] for b in whole)
+    assert abs(shares["b"] / 400 - 0.75) < 0.09  # 4 sd at n = 400
+    with two_loaders("cycle") as both:
+        head = [batch for _, batch in zip(range(150), both, strict=False)]
+        state = both.state_dict()
+    with two_loaders("cycle") as both:
+        both.load_state_dict(state)
+        middle = [batch for _, batch in zip(range(100), both, strict=False)]
+        state = both.state_dict()
+    with two_loaders("cycle") as both:
+        both.load_state_dict(state)
+        tail = [batch for _, batch in zip(range(150), both, strict=False)]
+    assert head + middle + tail == whole
+
+
+def test_loaders_mixed_stop_when_the_first_runs_out() -> None:
+    with two_loaders("first_exhausted") as both:
+        got = list(both)
+    draws = mix([[0], [1]], [1, 3], seed=6).draws(0, 200)
+    left = {0: 8, 1: 20}  # batches per epoch of each loader
+    end = 0
+    while left[draws[end]]:  # the first draw that finds its loader empty ends the epoch
+        left[draws[end]] -= 1
+        end += 1
+    assert [0 if b[0][0] == "a" else 1 for b in got] == draws[:end]
+
+
+def test_a_state_of_other_loaders_weights_is_refused() -> None:
+    with two_loaders() as both:
+        state = both.state_dict()
+    a, b = (Loader(Squares(n, 4), batch_size=2) for n in "ab")
+    with mix([a, b], [1, 1], seed=6, stop="all_exhausted") as other:
+        with pytest.raises(StateError) as info:
+            other.load_state_dict(state)
+        assert info.value.field == "weights"
+
+
+@pytest.mark.asyncio
+async def test_loaders_mixed_with_async_for_give_the_same_items() -> None:
+    with two_loaders("all_exhausted") as both:
+        expected = list(both)
+    with two_loaders("all_exhausted") as both:
+        got = [batch async for batch in both]
+        assert got == expected
+        both.set_epoch(0)
+        head = []
+        async for batch in both:
+            head.append(batch)
+            if len(head) == 5:
+                break
+        state = both.state_dict()
+    with two_loaders("all_exhausted") as both:
+        both.load_state_dict(state)
+        assert head + list(both) == expected
