@@ -28,7 +28,7 @@ from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._parts import Describer, EpochHooks
 from ._pipeline.epoch import Epoch
 from ._pipeline.feed import BatchStage, Feed
-from ._pipeline.handover import STOP_TIMEOUT_S, LoopThread
+from ._pipeline.loop_thread import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
 from ._pipeline.stages import END, SKIPPED, BatchFailed, Stages
 from ._resume.resume import Ledger

@@ -37,7 +37,7 @@ from ._parts import KeyPlanState, LoaderDescriber, Parts, Read
 from ._pipeline.collate import DEFAULT_COLLATE, make_collate
 from ._pipeline.fetch import Fetcher
 from ._pipeline.order import KeyOrder, KeyPlan
-from ._pipeline.ordered import OrdersItself, OwnPlan, StreamPlan
+from ._pipeline.own_order import OrdersItself, OwnPlan, StreamPlan
 from ._pipeline.stages import Stages
 from ._pipeline.transfer import make_device_stage
 from ._resume.resume import Ledger

@@ -1,7 +1,7 @@
 """Lifecycle: close/aclose, context managers, and the ways an iteration can end early.
 
 After each way out (break, an error in the consumer, KeyboardInterrupt, garbage collection; a real
-SIGINT and interpreter exit are in pipeline/test_handover.py) the epoch's fetches are cancelled and
+SIGINT and interpreter exit are in pipeline/test_loop_thread.py) the epoch's fetches are cancelled and
 its tasks end within the 2 s the loader promises; its threads live on until the loader is closed,
 then stop within 2 s too (the autouse fixture in conftest.py checks that last part after every test).
 """

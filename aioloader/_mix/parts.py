@@ -31,7 +31,7 @@ from torch.utils.data import Sampler
 
 from .._arguments import is_map_style
 from .._exceptions import FetchError
-from .._pipeline.ordered import OrdersItself
+from .._pipeline.own_order import OrdersItself
 from .._resume.state import keys_digest
 from .._util.loops import is_async_callable
 from .._util.ranges import Ranges

@@ -62,8 +62,8 @@ _STORAGE_REFS_WHEN_FREE = 3
 
 
 class Buffers(Protocol):
-    """Where the default collate takes its batch tensors from: a `BufferPool`, or a `process/carve.Carver`
-    (the output slot of a process worker's task)."""
+    """Where the default collate takes its batch tensors from: a `BufferPool`, or a
+    `process/slot_carver.Carver` (the output slot of a process worker's task)."""
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 

@@ -9,7 +9,7 @@ The unit of work is torch's: a whole batch. Batch i goes to worker i % N (`Round
 its samples (`ReadSamples`: in up to `threads_per_worker` threads when the reads block, in the
 sampler's order whatever the completion order), runs the collate_fn itself, and answers with one
 small message: the default collate stacks straight into the task's output slot
-(`_executors/process/carve.py`), and the arrays of what a user collate_fn returns are copied there,
+(`_executors/process/slot_carver.py`), and the arrays of what a user collate_fn returns are copied there,
 so the parent only maps views.
 """
 
@@ -32,7 +32,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 
 from .._exceptions import WorkerDied
-from .._executors.process import carve as _carve
+from .._executors.process import slot_carver
 from .._executors.process.executor import ProcessExecutor
 from .._pipeline.collate import StackAsRead, make_collate
 from .._util.threads import (
@@ -131,9 +131,9 @@ def check_threads(threads_per_worker: int | str, workers: int) -> tuple[int, boo
 
 def collate_here(collate: Callable[[Any], Any] | None, samples: Any) -> Any:
     """`collate(samples)` in a worker; None is the default collate, which stacks each batch tensor
-    straight into the task's output slot (`carve.current`) when it has one."""
+    straight into the task's output slot (`slot_carver.current`) when it has one."""
     if collate is None:
-        collate = make_collate(_carve.current.get())
+        collate = make_collate(slot_carver.current.get())
     return collate(samples)
 
 
@@ -180,7 +180,7 @@ class ReadSamples:
     def _collector(self, size: int) -> list[Any] | StackAsRead:
         """Where a batch's samples go as they are read, in order: with the default collate and an
         output slot, each is stacked into the batch (`StackAsRead`), else kept in a list."""
-        carver = _carve.current.get()
+        carver = slot_carver.current.get()
         if self.collate is None and carver is not None:
             return StackAsRead(carver, size)
         return []

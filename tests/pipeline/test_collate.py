@@ -510,7 +510,7 @@ class Slot:
     patient asks; counts what it hands out."""
 
     def __init__(self, grant_after: int = 0, nbytes: int = 1 << 20) -> None:
-        from aioloader._executors.process.carve import Carver
+        from aioloader._executors.process.slot_carver import Carver
 
         self.carver = Carver(None, self._ask)
         self.grant_after, self.asks, self.nbytes = grant_after, [], nbytes

@@ -23,7 +23,7 @@ import pytest
 import torch
 from support.fakecuda import FakeBackend, FakeStream, Op
 
-from aioloader._pipeline.handover import LoopThread
+from aioloader._pipeline.loop_thread import LoopThread
 from aioloader._pipeline.stages import END
 from aioloader._pipeline.transfer import (
     CudaBackend,

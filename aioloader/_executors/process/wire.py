@@ -65,7 +65,7 @@ import torch
 from ..._exceptions import DecodeError
 from ..._util.bytearrays import Bytearrays
 from .arena import Arena, Slot
-from .carve import Carver, align
+from .slot_carver import Carver, align
 
 __all__ = [
     "RemoteTraceback",
@@ -136,7 +136,9 @@ class _Packer(pickle.Pickler):
         kind, nbytes = found
         if kind == "t" and self.carver is not None:
             pid = _carved(self.carver, obj)
-            if pid is not None:  # made in the slot already (`process/carve`): named, not copied
+            if (
+                pid is not None
+            ):  # made in the slot already (`process/slot_carver`): named, not copied
                 self.used = True
                 return pid
         offset = align(self.needed)

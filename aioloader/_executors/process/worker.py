@@ -40,8 +40,8 @@ import torch
 
 from ..._util.bytearrays import give_back_freed_memory
 from ..._util.rng import call_seeded
-from . import carve as _carve
-from .carve import Carver
+from . import slot_carver
+from .slot_carver import Carver
 from .wire import (
     CANCEL,
     DONE,
@@ -236,11 +236,11 @@ class _Worker:
                     out, functools.partial(self._ask, task_id) if ask else None,
                     functools.partial(self._ask, task_id, False) if grow else None,
                 )  # fmt: skip
-            token = _carve.current.set(carver)
+            token = slot_carver.current.set(carver)
             try:
                 result = call_seeded(fn, arg, seed)
             finally:
-                _carve.current.reset(token)
+                slot_carver.current.reset(token)
             del arg
             if carver is not None:
                 carver.ready()  # a result not carved (a user's collate) travels in the slot too

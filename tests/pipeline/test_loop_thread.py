@@ -37,7 +37,7 @@ def main_thread_waits_for_aioloader() -> bool:
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     if frame is None:
         return False
-    if frame.f_code.co_name == "run" and frame.f_code.co_filename.endswith("handover.py"):
+    if frame.f_code.co_name == "run" and frame.f_code.co_filename.endswith("loop_thread.py"):
         return True
     if frame.f_code.co_name not in {"wait", "acquire"}:
         return False
@@ -249,7 +249,7 @@ def test_interpreter_exits_promptly_with_a_live_loader(body: str) -> None:
 
 
 def test_a_result_ready_on_the_loop_is_handed_over_without_running_the_coroutine() -> None:
-    from aioloader._pipeline.handover import LoopThread
+    from aioloader._pipeline.loop_thread import LoopThread
 
     ran: list[str] = []
     tasks: list[int] = []

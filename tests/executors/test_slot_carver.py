@@ -1,11 +1,11 @@
-"""Batches made in a worker's output slot (`process/carve`), and how `wire.pack` names what is there."""
+"""Batches made in a worker's output slot (`process/slot_carver`), and how `wire.pack` names what is there."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from aioloader._executors.process.carve import ALIGN, Carver
+from aioloader._executors.process.slot_carver import ALIGN, Carver
 from aioloader._executors.process.wire import Unpacker, measure, pack
 
 
