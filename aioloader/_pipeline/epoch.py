@@ -206,7 +206,7 @@ class Epoch:
         A `get()` waiting now, or called later, raises `LoaderClosedError` instead of waiting forever.
         """
         self._task.cancel()
-        self._out.put_nowait((-1, None, 0, 0, LoaderClosedError("the loader was closed")))
+        self._out.put_nowait(Item(-1, None, 0, 0, LoaderClosedError("the loader was closed")))
 
     async def _run(self) -> None:
         try:
@@ -217,13 +217,13 @@ class Epoch:
                 if rest.subgroup(lambda e: not isinstance(e, Exception)) is not None:
                     raise
                 # a bug, or an error raised while iterating the keys: hand it to the consumer
-                self._out.put_nowait((-1, None, 0, 0, _note(rest.exceptions[0], "order", [])))
+                self._out.put_nowait(Item(-1, None, 0, 0, _note(rest.exceptions[0], "order", [])))
             return
         except (KeyboardInterrupt, SystemExit) as exc:
             # TaskGroup raises these bare; escaping this task they would stop the event loop itself
-            self._out.put_nowait((-1, None, 0, 0, _note(exc, "order", [])))
+            self._out.put_nowait(Item(-1, None, 0, 0, _note(exc, "order", [])))
             return
-        self._out.put_nowait((-1, END, 0, 0, None))
+        self._out.put_nowait(Item(-1, END, 0, 0, None))
 
     async def _launch(self) -> None:
         async with asyncio.TaskGroup() as tasks:
@@ -426,5 +426,5 @@ class Epoch:
     def _deliver(self, group: Group, batch: Any, error: BaseException | None, size: int) -> None:
         if error is None:
             self._rec.ready += 1
-        if self._order.deliver((group.index, batch, len(group.items), size, error)):
+        if self._order.deliver(Item(group.index, batch, len(group.items), size, error)):
             raise _Failed

@@ -5,11 +5,19 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["AsCompleted", "InOrder", "Item", "Reorder", "reorder"]
 
-Item = tuple[int, Any, int, int, BaseException | None]  # group index, batch, samples, bytes, error
+
+class Item(NamedTuple):
+    """A made group on its way to the consumer: its batch, or the error that took its place."""
+
+    group: int  # the group's index in its epoch; -1: the end, or an error of the whole epoch
+    batch: Any  # the batch, `END`, `SKIPPED`, or None beside an error
+    samples: int  # the samples it holds a place for (released when the consumer takes it)
+    held_bytes: int  # the bytes of the budget it holds (likewise)
+    error: BaseException | None
 
 
 class Reorder:
@@ -49,15 +57,14 @@ class InOrder(Reorder):
         self._ready: dict[int, Item] = {}
 
     def deliver(self, item: Item) -> bool:
-        index, error = item[0], item[4]
-        if error is not None and self.ends and self.failed is None:
-            self.failed = index
-        self._ready[index] = item
+        if item.error is not None and self.ends and self.failed is None:
+            self.failed = item.group
+        self._ready[item.group] = item
         while self.launched and self.launched[0] in self._ready:
             ready = self._ready.pop(self.launched.popleft())
             self.moved()  # another batch is the oldest now
             self.out.put_nowait(ready)
-            if ready[4] is not None and self.ends:
+            if ready.error is not None and self.ends:
                 return True
         return False
 
@@ -70,9 +77,9 @@ class AsCompleted(Reorder):
 
     def deliver(self, item: Item) -> bool:
         self.out.put_nowait(item)
-        self.launched.remove(item[0])
+        self.launched.remove(item.group)
         self.moved()  # another batch may be the oldest now
-        return item[4] is not None and self.ends
+        return item.error is not None and self.ends
 
 
 def reorder(

@@ -8,11 +8,11 @@ from aioloader._pipeline.reorder import AsCompleted, InOrder, Item, reorder
 
 
 def drain(out: asyncio.Queue[Item]) -> list[int]:
-    return [out.get_nowait()[0] for _ in range(out.qsize())]
+    return [out.get_nowait().group for _ in range(out.qsize())]
 
 
 def item(index: int, error: BaseException | None = None) -> Item:
-    return (index, f"batch {index}", 1, 0, error)
+    return Item(index, f"batch {index}", 1, 0, error)
 
 
 def launched(order: InOrder | AsCompleted, n: int) -> None:
