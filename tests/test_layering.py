@@ -4,8 +4,8 @@ Every module of `aioloader/` is read (not imported) and each of its imports reso
 module belongs to a *layer*: its folder (`_pipeline`, `_executors/process`, `sources/stores`, `_mix`,
 ...), or, for the files directly in `aioloader/`, the errors (`_exceptions`), the loader (`LOADER`:
 `Loader`, its parts, arguments and epochs) or else the front door (`aioloader`: the package's face,
-`DataLoader`, the CLI); in `sources/`, the protocol (`sources/protocol.py`) is a layer of its own, below
-the rooms. `LAYERS` lists them from the ground up; a module may import its own layer and any layer
+`DataLoader`, the CLI); in `sources/`, the protocol (`sources/protocol.py`) is a layer of its own, just
+above `_util`. `LAYERS` lists them from the ground up; a module may import its own layer and any layer
 below it, never one above.
 Imports under `if TYPE_CHECKING:` name types only and never run, so they are left out.
 """
@@ -24,12 +24,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "aioloader"
 LAYERS = (
     "_exceptions",  # the errors everything raises
     "_util",  # thread pools, bytearrays, seeds, ranges, checks, event loops
+    # what a source is, and the optional hooks (of sources, executors, a mix's inputs) the loader
+    # looks for: contracts only, which every layer above may check
+    "sources.protocol",
     "_observe",  # stats, traces, diagnosis, progress: read by every stage, reading none
     "_executors.process",  # worker processes and their arena: know nothing of the pipeline
     "_executors",  # the executor contract, inline and threads, the choice among them
     "_tuning",  # bounds and the controllers that move them (they build executors)
     # where samples come from (they share the tuning's AIMD controller), room by room:
-    "sources.protocol",  # what a source is, and the optional hooks the loader looks for
     "sources.cache",  # the disk cache of remote objects and shards: files, index, eviction
     "sources.transport",  # GETs with retries, the fast engine, signing, redaction; `Remote`
     "sources.stores",  # where objects live: files, fsspec, http, S3, GCS, Azure

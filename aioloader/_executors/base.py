@@ -12,15 +12,17 @@ pays where the decoder releases the GIL (numpy, torch, Pillow, most codecs) or t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, TypeGuard, TypeVar
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import torch
 
 from .._util.rng import call_seeded
 from .._util.threads import LazyThreadPool
+from ..sources.protocol import HasStats
 
 __all__ = [
     "Executor",
+    "HasWorkers",
     "InlineExecutor",
     "KeyedDecode",
     "RowWriter",
@@ -62,10 +64,10 @@ class Executor(Protocol):
 
     Required: `run` and `close`. Optional, each read where the loader needs it:
 
-    - `workers: int`: calls that run at once (the decode stage's limit in `stats()`, the repr,
-      `diagnose()`); without it, one. Read with `workers_of`.
-    - `stats() -> dict[str, int]`: counters shown as `stats().extra["decode_pool"]`. Read with
-      `stats_of`.
+    - `workers: int` (`HasWorkers`): calls that run at once (the decode stage's limit in `stats()`,
+      the repr, `diagnose()`); without it, one. Read with `workers_of`.
+    - `stats() -> dict[str, int]` (`sources.protocol.HasStats`): counters shown as
+      `stats().extra["decode_pool"]`. Read with `stats_of`.
     - writing batch rows in place: `batch_buffer(shape, dtype)` and `run(..., into=row)`, as
       `RowWriter` declares. With one, the default collate's batches are made by the workers.
       Checked with `writes_rows`.
@@ -78,6 +80,13 @@ class Executor(Protocol):
     def close(self) -> None:
         """Release threads or processes; idempotent."""
         ...
+
+
+@runtime_checkable
+class HasWorkers(Protocol):
+    """An executor that says how many calls it runs at once."""
+
+    workers: int | None
 
 
 class BatchRows(Protocol):
@@ -102,14 +111,12 @@ class RowWriter(Executor, Protocol):
 
 def workers_of(executor: Executor, default: int | None = 1) -> int | None:
     """How many calls `executor` runs at once (its `workers`), else `default`."""
-    workers: int | None = getattr(executor, "workers", default)
-    return workers
+    return executor.workers if isinstance(executor, HasWorkers) else default
 
 
 def stats_of(executor: Executor) -> dict[str, Any] | None:
     """`executor.stats()` where it keeps counters, else None."""
-    stats = getattr(executor, "stats", None)
-    return stats() if callable(stats) else None
+    return dict(executor.stats()) if isinstance(executor, HasStats) else None
 
 
 def writes_rows(executor: Executor) -> TypeGuard[RowWriter]:

@@ -42,6 +42,7 @@ from .._util.bytearrays import landing, task_output
 from .._util.loops import is_async_callable
 from .._util.threads import LazyThreadPool, default_workers
 from .._util.validate import check_int
+from ..sources.protocol import HasAclose, HasSetEpoch
 from .base import KeyedDecode
 from .process.executor import ProcessExecutor
 
@@ -93,9 +94,8 @@ class FetchDecode:
 
     async def aclose(self) -> None:
         """Close the source's connections (a worker calls this as it stops). Idempotent."""
-        aclose = getattr(self.source, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        if isinstance(self.source, HasAclose):
+            await self.source.aclose()
 
     def __repr__(self) -> str:
         return f"FetchDecode({self.fetch!r}, {self.decode!r})"
@@ -144,7 +144,7 @@ def in_workers(
             'fetch_in_workers=True needs executor="process" or a ProcessExecutor, '
             f"got executor={executor!r}"
         )
-    if callable(getattr(source, "set_epoch", None)):
+    if isinstance(source, HasSetEpoch):
         raise ValueError(
             f"fetch_in_workers=True cannot be used with {source!r}: it keeps per-epoch state "
             "(set_epoch) that copies in the workers would not see"

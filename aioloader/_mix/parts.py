@@ -37,7 +37,14 @@ from .._util.loops import is_async_callable
 from .._util.ranges import Ranges
 from .._util.threads import LazyThreadPool
 from ..sources.formats.parquet_order import remaining
-from ..sources.protocol import Bindable, HasSetEpoch, HasSize, SharesItsStream, Source
+from ..sources.protocol import (
+    Bindable,
+    HasAclose,
+    HasSetEpoch,
+    HasSize,
+    SharesItsStream,
+    Source,
+)
 
 __all__ = ["END", "READ_AHEAD", "Indexed", "Part", "Pass", "Streamed", "make_part"]
 
@@ -109,6 +116,9 @@ class Part:
     def size(self, key: Any) -> int | None:
         """The bytes `fetch(key)` will give, where the part's source knows them (else None)."""
         return None if self.sizer is None else self.sizer(key)
+
+    async def aclose(self) -> None:
+        """Stop the passes that read ahead, if any (idempotent)."""
 
 
 class _IndexedPass(Pass):
@@ -245,6 +255,10 @@ class Streamed(Part):
     def digest(self) -> str:
         return f"stream:{type(self._owner).__name__}"
 
+    async def aclose(self) -> None:
+        for open_pass in list(self.passes):
+            await open_pass.aclose()
+
     def epoch_size(self) -> int | None:
         owner = self._owner
         return owner.epoch_size() if isinstance(owner, SharesItsStream) else None
@@ -286,9 +300,8 @@ class Streamed(Part):
                 async for key in stream:
                     yield [key]
             finally:
-                close = getattr(stream, "aclose", None)
-                if close is not None:
-                    await close()
+                if isinstance(stream, HasAclose):
+                    await stream.aclose()
             return
         it = iter(keys)
         while True:

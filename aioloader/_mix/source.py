@@ -22,7 +22,7 @@ from .._exceptions import FetchError, InvalidKeyError, StateError
 from .._util.ranges import Ranges
 from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
-from ..sources.protocol import HasStats
+from ..sources.protocol import HasAclose, HasStats
 from .choices import Choices
 from .parts import END, Indexed, Part, Pass, make_part
 
@@ -225,12 +225,10 @@ class Mix:
     async def aclose(self) -> None:
         """Stop every read ahead, close the sources that can be closed and the fetch threads."""
         for part in self.parts:
-            for open_pass in list(getattr(part, "passes", ())):
-                await open_pass.aclose()
+            await part.aclose()
         for source in self._sources:
-            close = getattr(source, "aclose", None)
-            if close is not None:
-                await close()
+            if isinstance(source, HasAclose):
+                await source.aclose()
         self._threads.close()
 
     # -- the mix -----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 from .._exceptions import StateError
 from .._resume.state import STATE_VERSION, check_config
 from .._util.validate import check_int
+from ..sources.protocol import HasAclose
 from .documents import run_of
 from .packer import Packer
 from .state import held_of, place_of, share_held
@@ -151,9 +152,8 @@ class Packed:
             if last is not None:
                 yield last
         finally:
-            close = getattr(items, "aclose", None)
-            if close is not None:
-                await close()
+            if isinstance(items, HasAclose):
+                await items.aclose()
 
     # -- state --------------------------------------------------------------------------------------
 
@@ -217,9 +217,8 @@ class Packed:
 
     async def aclose(self) -> None:
         """Close the loader from async code (idempotent)."""
-        close = getattr(self.loader, "aclose", None)
-        if close is not None:
-            await close()
+        if isinstance(self.loader, HasAclose):
+            await self.loader.aclose()
         else:
             self.loader.close()
 

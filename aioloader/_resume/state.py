@@ -28,6 +28,7 @@ from typing import Any
 
 from .._exceptions import StateError
 from .._util.ranges import Ranges
+from ..sources.protocol import HasDigest
 
 __all__ = ["STATE_VERSION", "Progress", "Resume", "check_config", "keys_digest", "pick_own"]
 
@@ -56,8 +57,8 @@ class Resume:
 def keys_digest(keys: Any) -> str:
     """A short fingerprint of a key sequence: its length and a spread of its keys."""
     if not isinstance(keys, Sequence):
-        digest = getattr(keys, "digest", None)  # what such keys say of themselves (a mix)
-        return f"unsized:{type(keys).__name__}" + (f":{digest()}" if callable(digest) else "")
+        said = f":{keys.digest()}" if isinstance(keys, HasDigest) else ""  # a mix's keys
+        return f"unsized:{type(keys).__name__}{said}"
     n = len(keys)
     picks = sorted(
         {(i * max(n - 1, 0)) // max(_DIGEST_SAMPLES - 1, 1) for i in range(_DIGEST_SAMPLES)}

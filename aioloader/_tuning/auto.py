@@ -30,6 +30,7 @@ from .._executors.choose import make_executor
 from .._observe.stats import NullRecorder, Recorder
 from .._util.threads import default_workers
 from .._util.validate import check_int
+from ..sources.protocol import HasStats
 from .aimd import Slots
 from .bounds import Tuner
 from .climber import Climber
@@ -186,9 +187,9 @@ def resolve_decoder(
 
 def _source_throttles(source: object) -> Callable[[], int] | None:
     """A running count of the source's throttled and retried requests, if it reports them."""
-    stats = getattr(source, "stats", None)
-    if not callable(stats):
+    if not isinstance(source, HasStats):
         return None
+    stats = source.stats
 
     def count() -> int:
         s = stats()

@@ -1,9 +1,10 @@
 """What a source is: something that lists keys and fetches the raw bytes of one key; and the hooks
-a source may have besides, which the loader looks for.
+a source (or its keys, an executor, a mix's input) may have besides, which the loader looks for.
 
 Each optional hook is a `Protocol` of its own, checked with `isinstance(obj, Hook)`: the object has
 the attribute (for a method: one that is not None). A source implements a hook by having the
-method; it need not name these classes.
+method; it need not name these classes. These are contracts only (they import nothing of the
+loader's), so every layer of the package may check them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from .._util.ranges import Ranges
 
 __all__ = [
     "Bindable",
+    "HasAclose",
+    "HasDigest",
     "HasEtag",
     "HasSetEpoch",
     "HasSize",
@@ -89,9 +92,26 @@ class HasEtag(Protocol):
 
 @runtime_checkable
 class HasStats(Protocol):
-    """Reports counters (`Source` says which ones the loader reads)."""
+    """Reports counters: a source (`Source` says which ones the loader reads), or an executor (shown
+    as `loader.stats().extra["decode_pool"]`)."""
 
     def stats(self) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class HasAclose(Protocol):
+    """Holds something to release (connections, a read ahead): `aclose()`, idempotent. Every
+    `Source` has it; a mix's other inputs (lists, datasets, iterables) and the streams they give may."""
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class HasDigest(Protocol):
+    """Keys without a length that say what they are (a mix's keys: its configuration), so that a
+    saved state can check that it resumes the same keys."""
+
+    def digest(self) -> str: ...
 
 
 @runtime_checkable

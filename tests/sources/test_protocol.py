@@ -11,9 +11,18 @@ import pytest
 
 import aioloader.sources
 from aioloader import Loader
+from aioloader._executors.base import (
+    HasWorkers,
+    InlineExecutor,
+    ThreadExecutor,
+    stats_of,
+    workers_of,
+)
 from aioloader.sources import files, http, s3, tar_shards
 from aioloader.sources.protocol import (
     Bindable,
+    HasAclose,
+    HasDigest,
     HasEtag,
     HasSetEpoch,
     HasSize,
@@ -136,3 +145,21 @@ def test_size_is_what_a_byte_budget_reserves(tmp_path: Path) -> None:
     assert isinstance(src, HasSize)
     assert src.size("a.bin") == 3
     assert asyncio.run(src.fetch("a.bin")) == b"abc"
+
+
+def test_the_hooks_of_a_sources_keys_an_executor_and_a_mixs_inputs() -> None:
+    """What the loader checks besides a source's hooks: keys that say their digest (a mix's), an
+    executor's `workers` and `stats()`, and an `aclose()` on what a mix holds."""
+    both = aioloader.mix([[1, 2], Plain()], [1, 1])
+    assert isinstance(both.keys(), HasDigest)
+    assert not isinstance([1, 2], HasDigest)
+    assert isinstance(Plain(), HasAclose)
+    assert not isinstance([1, 2], HasAclose)
+    threads, inline = ThreadExecutor(2), InlineExecutor()
+    try:
+        assert isinstance(threads, HasWorkers)
+        assert (workers_of(threads), workers_of(inline)) == (2, 1)
+        assert isinstance(threads, HasStats) == (stats_of(threads) is not None)
+        assert not isinstance(inline, HasWorkers | HasStats)
+    finally:
+        threads.close()

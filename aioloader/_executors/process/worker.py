@@ -40,6 +40,7 @@ import torch
 
 from ..._util.bytearrays import give_back_freed_memory
 from ..._util.rng import call_seeded
+from ...sources.protocol import HasAclose
 from . import slot_carver
 from .slot_carver import Carver
 from .wire import (
@@ -267,8 +268,8 @@ class _Worker:
     def close(self) -> None:
         """The parent hung up: close what the async callables hold (their `aclose()`), if any."""
         if self.worker_loop is not None:
-            closers = [getattr(self.fns[i], "aclose", None) for i in self.async_fns]
-            self.worker_loop.close([aclose for aclose in closers if callable(aclose)])
+            fns: list[object] = [self.fns[i] for i in self.async_fns]
+            self.worker_loop.close([fn.aclose for fn in fns if isinstance(fn, HasAclose)])
 
     def async_loop(self) -> WorkerLoop:
         if self.worker_loop is None:
