@@ -114,14 +114,16 @@ class Packed:
             self._running = None
         return None if self.drop_last else last
 
+    # `_batches` (for `for`) and `_abatches` (for `async for`) differ only in how they draw the
+    # loader's items and close its iterator; what they do with each is `_run` and `_end`.
+
     def _batches(self, epoch: int) -> Iterator[Any]:
         packer, n = self._packer, 0
         items = iter(self.loader)
         try:
             while True:
                 while packer.ready():  # (a resumed epoch may hold more than a batch at first)
-                    box = [packer.take()]
-                    yield box.pop()  # not held here while the consumer has it
+                    yield packer.take()  # not bound here: not held while the consumer has it
                 item = next(items, _END)
                 if item is _END:
                     break
@@ -141,8 +143,7 @@ class Packed:
         try:
             while True:
                 while packer.ready():
-                    box = [packer.take()]
-                    yield box.pop()
+                    yield packer.take()
                 item = await anext(items, _END)
                 if item is _END:
                     break

@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,30 @@ async def test_async_for_gives_the_same_batches() -> None:
     async with make() as packed:
         got = [b.tolist() async for b in packed]
     assert got == want
+
+
+def test_a_batch_the_consumer_drops_is_freed_before_it_asks_for_the_next() -> None:
+    docs = [np.arange(n) for n in range(1, 40)]
+    with pack(
+        Loader(docs, same, batch_size=None, collate=None), 16, batch_size=3, eos=99
+    ) as packed:
+        batches = iter(packed)
+        for _ in range(3):
+            freed = weakref.ref(next(batches))
+            assert freed() is None  # not held by the packer while the consumer has it
+
+
+@pytest.mark.asyncio
+async def test_a_batch_dropped_in_async_for_is_freed_before_the_next_is_asked_for() -> None:
+    docs = [np.arange(n) for n in range(1, 40)]
+    async with pack(
+        Loader(docs, same, batch_size=None, collate=None), 16, batch_size=3, eos=99
+    ) as packed:
+        batches = aiter(packed)
+        for _ in range(3):
+            freed = weakref.ref(await anext(batches))
+            assert freed() is None
+        await batches.aclose()  # type: ignore[attr-defined]
 
 
 # -- early break and cleanup ---------------------------------------------------------------------

@@ -244,5 +244,10 @@ class Pool:
         self._state.ready.set()
 
     def _wait_timeout(self) -> float | None:
-        deadlines = [*self._faults.deadlines(), *self._slots.deadlines(), *self._sender.deadlines()]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        now, keeps_from = time.monotonic(), self._state.keeps_from()
+        deadlines = [
+            *self._faults.deadlines(),
+            *self._slots.deadlines(now, keeps_from),
+            *self._sender.deadlines(now, keeps_from),
+        ]
+        return max(0.0, min(deadlines) - now) if deadlines else None

@@ -182,12 +182,13 @@ class Sender:
         self._state.counts["async_tasks"] += task.is_async
         return True
 
-    def deadlines(self) -> list[float]:
+    def deadlines(self, now: float, keeps_from: float) -> list[float]:
         """When a task that waits to be sent (`_send_waits`) is to be looked at again, if no slot
-        is freed and no result comes before: when the consumer is taken to keep what it holds."""
+        is freed and no result comes before: when the consumer is taken to keep what it holds
+        (`keeps_from`: `PoolState.keeps_from()` at `now`)."""
         deadlines: list[float] = []
         if self._send_waits and self._pending:
             self._send_waits = False
-            if self._state.keeps_from() > time.monotonic():
-                deadlines.append(self._state.keeps_from())
+            if keeps_from > now:
+                deadlines.append(keeps_from)
         return deadlines

@@ -181,11 +181,12 @@ class Slots:
             for x in self._workers.handles for t, task in x.inflight.items()
         )  # fmt: skip
 
-    def deadlines(self) -> list[float]:
-        """When `answer_wants` has something to do, if no slot is freed and no result comes."""
+    def deadlines(self, now: float, keeps_from: float) -> list[float]:
+        """When `answer_wants` has something to do, if no slot is freed and no result comes
+        (`keeps_from`: `PoolState.keeps_from()` at `now`)."""
         deadlines: list[float] = []
         if self.wants and not self.consumer_keeps:
             deadlines += [since + SLOT_WAIT_S for _, _, since in self.wants]
-        elif self.wants and self._state.keeps_from() > time.monotonic():
-            deadlines.append(self._state.keeps_from())  # else: a slot freed, or a result
+        elif self.wants and keeps_from > now:
+            deadlines.append(keeps_from)  # else: a slot freed, or a result
         return deadlines
