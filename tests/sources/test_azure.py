@@ -9,12 +9,13 @@ import time
 import zlib
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from support.azurite import ACCOUNT, KEY, AzuriteServer
 from support.faultproxy import Fault, FaultProxy
-from support.stores import FAST, PREFIXES, objects
+from support.stores import FAST, PREFIXES, clear_store_setup, write_objects
 
 from aioloader import FetchError, Loader
 from aioloader.sources import azure
@@ -29,27 +30,18 @@ from aioloader.sources.stores.azureauth import (
 )
 
 PREFIX = PREFIXES["azure"]
-AZURE_VARIABLES = [
-    "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY",
-    "AZURE_STORAGE_SAS_TOKEN",
-]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
-def no_azure_setup(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test sees no Azure variables but the ones it sets itself."""
-    for name in AZURE_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+def no_azure_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each test sees no store variables and no ~/.aws or gcloud files but the ones it writes."""
+    clear_store_setup(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def stored(azurite: AzuriteServer) -> dict[str, bytes]:
     """Blobs under PREFIX written with the official SDK (odd names included), one outside it."""
-    bodies = objects("azure")  # the shared suite's objects (test_stores.py), under the same prefix
-    for name, body in bodies.items():
-        azurite.put(name, body)
-    azurite.put("elsewhere/x.bin", b"not listed")
-    return bodies
+    return write_objects("azure", azurite)  # the shared suite's (test_stores.py)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from support.faultproxy import Fault, FaultProxy
 from support.gcsserver import AuthGate, GcsServer, TokenServer
-from support.stores import FAST, PREFIXES, objects
+from support.stores import FAST, PREFIXES, clear_store_setup, write_objects
 
 from aioloader import FetchError, InvalidKeyError, Loader
 from aioloader.sources import gcs
@@ -24,25 +24,18 @@ from aioloader.sources.stores.gcsauth import GOOG4, REFRESH_MARGIN_S
 from aioloader.sources.transport.sigv4 import V4Names, sign_v4
 
 PREFIX = PREFIXES["gcs"]
-GOOGLE_VARIABLES = ["STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GCE_METADATA_HOST"]
 
 
 @pytest.fixture(autouse=True)
 def no_google_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Each test sees no Google variables and no gcloud files but the ones it writes itself."""
-    for name in GOOGLE_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    """Each test sees no store variables and no ~/.aws or gcloud files but the ones it writes."""
+    clear_store_setup(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def stored(gcs_server: GcsServer) -> dict[str, bytes]:
     """Objects under PREFIX (odd names included) plus one outside it, written by the official SDK."""
-    bodies = objects("gcs")  # the shared suite's objects (test_stores.py), under the same prefix
-    for name, body in bodies.items():
-        gcs_server.put(name, body)
-    gcs_server.put("elsewhere/x.bin", b"not listed")
-    return bodies
+    return write_objects("gcs", gcs_server)  # the shared suite's (test_stores.py)
 
 
 def source(server: GcsServer, **options: Any) -> GCS:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from support.s3server import DOMAIN, SeaweedServer
-from support.stores import FAST, PREFIXES, objects
+from support.stores import FAST, PREFIXES, clear_store_setup, write_objects
 
 from aioloader import FetchError, Loader
 from aioloader._tuning.aimd import Aimd
@@ -19,31 +19,16 @@ from aioloader.sources.stores.s3auth import bucket_base
 PREFIX = PREFIXES["s3"]
 
 
-AWS_VARIABLES = [
-    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_REGION",
-    "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-]  # fmt: skip
-
-
 @pytest.fixture(autouse=True)
 def no_aws_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Each test sees no AWS variables and no ~/.aws files but the ones it writes itself."""
-    for name in AWS_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "absent-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "absent-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    """Each test sees no store variables and no ~/.aws or gcloud files but the ones it writes."""
+    clear_store_setup(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def stored(seaweed: SeaweedServer) -> dict[str, bytes]:
     """Objects under PREFIX (odd names included) plus one outside it, written once per module."""
-    bodies = objects("s3")  # the shared suite's objects (test_stores.py), under the same prefix
-    for name, body in bodies.items():
-        seaweed.put(name, body)
-    seaweed.put("elsewhere/x.bin", b"not listed")
-    return bodies
+    return write_objects("s3", seaweed)  # the shared suite's (test_stores.py)
 
 
 def source(server: SeaweedServer, **options: object) -> S3:

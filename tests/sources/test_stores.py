@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 from support.faultproxy import Fault, FaultProxy
-from support.stores import FAST, SERVER_FIXTURES, STORE_VARIABLES, Store, make_store, objects
+from support.stores import (
+    FAST,
+    SERVER_FIXTURES,
+    Store,
+    clear_store_setup,
+    make_store,
+    write_objects,
+)
 
 from aioloader import FetchError, InvalidKeyError, Loader
 from aioloader.sources import tar_shards
@@ -27,12 +34,7 @@ ENGINES = ["aiohttp", "fast"]
 @pytest.fixture(autouse=True)
 def no_store_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Each test sees no store variables and no ~/.aws or gcloud files."""
-    for name in STORE_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "absent-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "absent-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    clear_store_setup(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module", params=STORES)
@@ -44,11 +46,7 @@ def store(request: pytest.FixtureRequest) -> Store:
 @pytest.fixture(scope="module")
 def stored(store: Store) -> dict[str, bytes]:
     """Objects under the store's prefix (odd names included) plus one outside it."""
-    bodies = objects(store.name)
-    for name, body in bodies.items():
-        store.put(name, body)
-    store.put("elsewhere/x.bin", b"not listed")
-    return bodies
+    return write_objects(store.name, store.server)
 
 
 @pytest.fixture

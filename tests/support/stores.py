@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from aioloader.sources import azure, gcs, s3
 from support.azurite import ACCOUNT, KEY, AzuriteServer
@@ -55,6 +58,25 @@ def objects(name: str) -> dict[str, bytes]:
         size = lambda i: 2048 + 97 * i  # noqa: E731
     names = [f"{prefix}{i:04d}.bin" for i in range(count)] + [prefix + n for n in odd]
     return {key: rng.randbytes(size(i)) for i, key in enumerate(names)}
+
+
+def clear_store_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What a test's autouse fixture calls: no store variables, no ~/.aws or gcloud files."""
+    for name in STORE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "absent-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "absent-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+
+
+def write_objects(name: str, server: Any) -> dict[str, bytes]:
+    """Write `objects(name)` to the store's server, and one object outside its prefix; return them."""
+    bodies = objects(name)
+    for key, body in bodies.items():
+        server.put(key, body)
+    server.put("elsewhere/x.bin", b"not listed")
+    return bodies
 
 
 @dataclass
