@@ -27,7 +27,7 @@ def no_aws_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def stored(seaweed: SeaweedServer) -> dict[str, bytes]:
-    """Objects under PREFIX (odd names included) plus one outside it, written once per module."""
+    """Objects under PREFIX (odd names included) plus one outside it, written once per session."""
     return write_objects("s3", seaweed)  # the shared suite's (test_stores.py)
 
 

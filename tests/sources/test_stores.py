@@ -92,11 +92,8 @@ def test_loader_reads_every_object(engine: str, store: Store, stored: dict[str, 
     assert src.transport._session is None  # closed with the loader
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_streamed_listing_feeds_the_loader(
-    engine: str, store: Store, stored: dict[str, bytes]
-) -> None:
-    src = store.source(page_size=5, stream_keys=True, engine=engine)
+def test_streamed_listing_feeds_the_loader(store: Store, stored: dict[str, bytes]) -> None:
+    src = store.source(page_size=5, stream_keys=True, engine="fast")
     per_epoch = pages(len(stored), 5) + len(stored)  # page by page, then the GETs
     with Loader(src, concurrency=8, collate=None) as loader:
         first = [bytes(x) for x in loader]
@@ -145,6 +142,7 @@ def test_throttling_shrinks_the_whole_sources_concurrency(
         return Fault(kinds[total % len(kinds)]) if total <= 16 else None
 
     store_proxy.plan = plan
+    store_proxy.hold = 16  # the burst answered together: no retry is among the first 16 requests
     keys = [k for k in sorted(stored) if "/0" in k]  # simple names: the proxy keeps their quoting
     src = store.source(keys, endpoint=store_proxy.url, concurrency=16, engine=engine, **FAST)
     # no byte budget, so that the first 16 requests go out at once (with one, the first goes

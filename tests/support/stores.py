@@ -70,13 +70,19 @@ def clear_store_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
 
 
+_WRITTEN: dict[tuple[str, Any], dict[str, bytes]] = {}
+
+
 def write_objects(name: str, server: Any) -> dict[str, bytes]:
-    """Write `objects(name)` to the store's server, and one object outside its prefix; return them."""
-    bodies = objects(name)
-    for key, body in bodies.items():
-        server.put(key, body)
-    server.put("elsewhere/x.bin", b"not listed")
-    return bodies
+    """Write `objects(name)` to the store's server, and one object outside its prefix, once per
+    server (the store's own test file and the shared suite read the same ones); return them."""
+    if (name, server) not in _WRITTEN:
+        bodies = objects(name)
+        for key, body in bodies.items():
+            server.put(key, body)
+        server.put("elsewhere/x.bin", b"not listed")
+        _WRITTEN[name, server] = bodies
+    return _WRITTEN[name, server]
 
 
 @dataclass
