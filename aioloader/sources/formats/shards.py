@@ -177,10 +177,14 @@ async def _remote(
         if pos == 0:
             keep_version(resp.headers, version)
         try:
-            while chunk := await resp.content.readany():
+            while True:  # a chunk as it came (readany joins those waiting: a copy of each byte)
+                chunk, end_of_chunk = await resp.content.readchunk()
+                if not chunk:
+                    if end_of_chunk:  # an HTTP chunk's end: the body goes on
+                        continue
+                    return
                 pos += len(chunk)
                 yield chunk
-            return
         except (
             aiohttp.ClientPayloadError,
             aiohttp.ClientConnectionError,
@@ -211,20 +215,20 @@ class ReadMeter:
         self.stage.enter(now)
         return now
 
-    def stop(self, t0: float, item: Any = None) -> None:
-        """The read begun at `t0` ended: with `item` read, or (None) without one."""
+    def stop(self, t0: float, size: int | None = None) -> None:
+        """The read begun at `t0` ended: with an item of `size` bytes read, or (None) without one."""
         now = time.perf_counter()
         s = self.stage
         s.leave(now, t0)
-        if item is not None:
+        if size is not None:
             s.items += 1
-            s.bytes += nbytes(item)
+            s.bytes += size
             s.latencies.append(now - t0)
 
-    def count(self, item: Any) -> None:
-        """`item` was read, untimed (by a reader read ahead)."""
+    def count(self, size: int) -> None:
+        """An item of `size` bytes was read, untimed (by a reader read ahead)."""
         self.stage.items += 1
-        self.stage.bytes += nbytes(item)
+        self.stage.bytes += size
 
     def stats(self) -> dict[str, float | None]:
         """The counters as `TarShards.stats()` gives them (`shard_*`; seconds, bytes, samples)."""
@@ -291,7 +295,8 @@ class _Room:
 
 class _Reader:
     """Runs one stream ahead into a bounded queue, on its own task: `_READ_AHEAD` items at most,
-    and, while it is `ahead` (the merge does not take from it yet), what `room` allows."""
+    and, while it is `ahead` (the merge does not take from it yet), what `room` allows. Each item
+    is sized once (`nbytes`), as it is read, and queued with its size."""
 
     def __init__(
         self,
@@ -300,7 +305,7 @@ class _Reader:
         room: _Room | None = None,
         ahead: bool = False,
     ) -> None:
-        self.queue: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
+        self.queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue(_READ_AHEAD)
         self.meter = meter
         self.room = room or _Room(None)
         self.ahead = ahead
@@ -308,32 +313,35 @@ class _Reader:
 
     async def _run(self, stream: AsyncGenerator[Any, None]) -> None:
         try:
-            while (item := await self._read(stream)) is not _END:
-                await self.room.admit(self, nbytes(item))
-                await self.queue.put(item)
+            while (read := await self._read(stream))[0] is not _END:
+                await self.room.admit(self, read[1])
+                await self.queue.put(read)
         except Exception as exc:
-            await self.queue.put(exc)
+            await self.queue.put((exc, 0))
             return
         finally:
             await stream.aclose()
-        await self.queue.put(_END)
+        await self.queue.put((_END, 0))
 
-    async def _read(self, stream: AsyncGenerator[Any, None]) -> Any:
-        """The stream's next item (`_END` after its last), timed by the meter; read ahead, it is
-        counted but not timed (the merge's `parallel` readers set the stage's pace)."""
+    async def _read(self, stream: AsyncGenerator[Any, None]) -> tuple[Any, int]:
+        """The stream's next item and its bytes (`_END` after its last), timed by the meter; read
+        ahead, it is counted but not timed (the merge's `parallel` readers set the stage's pace)."""
         meter = self.meter
         if meter is None or self.ahead:
             item = await anext(stream, _END)
+            size = 0 if item is _END else nbytes(item)
             if meter is not None and item is not _END:
-                meter.count(item)
-            return item
+                meter.count(size)
+            return item, size
         t0 = meter.start()
-        item = None
+        read: int | None = None
         try:
             item = await anext(stream, _END)
-            return item
+            if item is not _END:
+                read = nbytes(item)
+            return item, read or 0
         finally:
-            meter.stop(t0, None if item is _END else item)
+            meter.stop(t0, read)
 
     def take_turns(self) -> None:
         """The merge takes from this reader now: it reads on without waiting for room."""
@@ -341,20 +349,18 @@ class _Reader:
         self.room.wake()
 
     async def get(self) -> Any:
-        item = await self.queue.get()
+        item, size = await self.queue.get()
         if isinstance(item, Exception):
             raise item
         if item is not _END:
-            self.room.free(nbytes(item))
+            self.room.free(size)
         return item
 
     async def aclose(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
         while not self.queue.empty():  # what it held is dropped: its bytes are no longer held
-            item = self.queue.get_nowait()
-            if not isinstance(item, Exception) and item is not _END:
-                self.room.free(nbytes(item))
+            self.room.free(self.queue.get_nowait()[1])
 
 
 async def interleave(

@@ -7,6 +7,8 @@ blocks, or a header that fails its checksum, raises `FetchError` naming the shar
 
 from __future__ import annotations
 
+import collections
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from ..._exceptions import FetchError
@@ -17,45 +19,68 @@ __all__ = ["BLOCK", "tar_members"]
 BLOCK = 512
 _REGULAR = (b"0", b"\x00", b"7")
 _PADDING_MAX = 1 << 20  # bytes read past the end-of-archive blocks at most
+_ZEROS = bytes(BLOCK)
 
 
 class _Buffer:
-    """Bytes pulled from `chunks` on demand; `offset` is the archive offset of the first unread byte."""
+    """Bytes pulled from `chunks` on demand, kept as the chunks they came in (views, not copied);
+    `offset` is the archive offset of the first unread byte."""
 
     def __init__(self, chunks: AsyncIterator[bytes | bytearray | memoryview]) -> None:
         self._chunks = chunks
-        self._buf = bytearray()
-        self._pos = 0
+        self._parts: collections.deque[memoryview] = collections.deque()  # the first: partly read
+        self._held = 0  # unread bytes in `_parts`
         self.offset = 0
         self.eof = False
 
     async def fill(self, n: int) -> bool:
         """Make `n` bytes available; False if the stream ends first."""
-        while len(self._buf) - self._pos < n:
+        while self._held < n:
             if self.eof:
                 return False
             chunk = await anext(self._chunks, None)
             if chunk is None:
                 self.eof = True
-                continue
-            if self._pos:
-                del self._buf[: self._pos]
-                self._pos = 0
-            self._buf += chunk
+            elif len(chunk):  # a recycled buffer is not reused while a view of it lives
+                self._parts.append(chunk if isinstance(chunk, memoryview) else memoryview(chunk))
+                self._held += len(chunk)
         return True
 
     def take(self, n: int) -> bytes:
-        with memoryview(self._buf) as view:  # one copy, out of the buffer (a slice would be two)
-            out = bytes(view[self._pos : self._pos + n])
+        """The next `n` bytes (available), copied once out of the chunks they span."""
+        parts = self._parts
+        if not n:
+            return b""
+        if len(parts[0]) >= n:
+            out = bytes(parts[0][:n])
+        else:
+            pieces, want = [], n
+            while want > len(parts[0]):
+                want -= len(parts[0])
+                pieces.append(parts.popleft())
+            pieces.append(parts[0][:want])
+            out = b"".join(pieces)
+            self._held -= n - want
+            self.offset += n - want
+            n = want
         self.skip(n)
         return out
 
     def skip(self, n: int) -> None:
-        self._pos += n
+        """Pass over the next `n` bytes (available)."""
+        self._held -= n
         self.offset += n
+        parts = self._parts
+        while n:
+            first = parts[0]
+            if n < len(first):
+                parts[0] = first[n:]
+                return
+            n -= len(first)
+            parts.popleft()
 
     def available(self) -> int:
-        return len(self._buf) - self._pos
+        return self._held
 
 
 def _number(field: bytes) -> int:
@@ -71,8 +96,14 @@ def _checksum_ok(header: bytes) -> bool:
         stored = _number(header[148:156])
     except ValueError:
         return False
-    unsigned = sum(header[:148]) + 8 * 0x20 + sum(header[156:])
-    return stored == unsigned
+    return stored == _byte_sum(header) - sum(header[148:156]) + 8 * 0x20
+
+
+def _byte_sum(block: bytes) -> int:
+    """The sum of a header block's 512 bytes, in C: Adler-32's first sum is 1 + the bytes' sum modulo
+    65521, exact over 256 bytes (at most 65,280)."""
+    with memoryview(block) as view:
+        return (zlib.adler32(view[:256]) & 0xFFFF) + (zlib.adler32(view[256:]) & 0xFFFF) - 2
 
 
 def _pax(data: bytes) -> dict[str, str]:
@@ -125,7 +156,7 @@ async def _members(buf: _Buffer, shard: str) -> AsyncGenerator[tuple[str, bytes]
                 f"stream ended without the end-of-archive blocks ({buf.available()} left)", at
             )
         header = buf.take(BLOCK)
-        if header == bytes(BLOCK):
+        if header == _ZEROS:
             return  # end of archive (the second zero block and any padding are not needed)
         if not _checksum_ok(header):
             raise broken("bad header checksum (corrupt or not a tar file)", at)
