@@ -20,6 +20,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -30,7 +31,8 @@ import aiohttp
 
 from ..._exceptions import FetchError
 from ..._observe.stats import StageCounters, nbytes
-from ..cache.disk import Cache
+from ..cache.disk import Cache, ReadFile
+from ..cache.handles import Held
 from ..stores.files import Opening
 from ..transport.client import Transport, keep_version
 from ..transport.redact import redact_url
@@ -129,24 +131,33 @@ def cached_name(shard: str, remotes: dict[str, Any], options: StoreOptions) -> s
 
 
 async def open_shard(
-    shard: str, remotes: dict[str, Any], options: StoreOptions, cache: Cache | None = None
-) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
+    shard: str, remotes: dict[str, Any], options: StoreOptions, cache: Cache | None = None,
+    read_file: ReadFile | None = None,
+) -> AsyncGenerator[Any, None]:  # fmt: skip
     """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket);
-    a remote shard is read from `cache` when it holds it, else kept there as it streams."""
+    a remote shard is read from `cache` when it holds it, else kept there as it streams. With
+    `read_file`, a file on this machine (a local shard, a cached copy) is read by it instead
+    (`read_file(run, fd, size)`, `run` a thread for its blocking calls), and what it yields is
+    yielded."""
     scheme, sep, _ = shard.partition("://")
     reach = SCHEMES.get(scheme) if sep else None
     if reach is not None:
         src, url, name = reach(shard, remotes, options)
-        stream: AsyncGenerator[bytes | bytearray | memoryview, None]
+        stream: AsyncGenerator[Any, None]
         if cache is None:
             stream = _remote(src.transport, url, shard)
         else:
             stream = cache.stream(
-                name, redact_url(url), lambda version: _remote(src.transport, url, shard, version)
-            )
+                name, redact_url(url), lambda version: _remote(src.transport, url, shard, version),
+                read_file,
+            )  # fmt: skip
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 yield chunk
+    elif read_file is not None:
+        async with contextlib.aclosing(_local_file(shard, read_file)) as items:
+            async for item in items:
+                yield item
     else:
         path = Path(shard.removeprefix("file://"))
         opening = Opening()  # a read given up on (the epoch ended) leaves no open file behind
@@ -165,6 +176,30 @@ async def open_shard(
             raise FetchError(
                 f"tar shard {shard}: {exc.strerror or exc}", key=redact_url(shard)
             ) from exc
+
+
+async def _local_file(shard: str, read_file: ReadFile) -> AsyncGenerator[Any, None]:
+    """What `read_file` makes of the local file `shard` (its descriptor is closed once no thread
+    uses it any more, however the read ends)."""
+    held = Held()
+    try:
+        fd, size = await held.run(_open_held, held, Path(shard.removeprefix("file://")))
+        async with contextlib.aclosing(read_file(held.run, fd, size)) as items:
+            async for item in items:
+                yield item
+    except OSError as exc:
+        raise FetchError(
+            f"tar shard {shard}: {exc.strerror or exc}", key=redact_url(shard)
+        ) from exc
+    finally:
+        held.release()
+
+
+def _open_held(held: Held, path: Path) -> tuple[int, int]:
+    """(descriptor, size) of the file at `path`, opened for `held` to close (blocks)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    held.fds.append(fd)
+    return fd, os.fstat(fd).st_size
 
 
 async def _remote(

@@ -41,7 +41,8 @@ from ..transport.redact import redact_url
 from .options import ShardOptions
 from .shards import SCHEMES, ReadMeter, cached_name, initial_fill, interleave, open_shard, shuffled
 from .tar_counts import count_all, count_local, count_members
-from .tar_members import tar_members
+from .tar_file import Run, file_members
+from .tar_members import Members, tar_members
 from .tar_share import Segment, check_counts, given, kept, segments, shard_order
 
 __all__ = ["SampleRef", "TarShards", "count_samples", "tar_shards"]
@@ -360,8 +361,12 @@ class TarShards:
     async def _parsed(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
         label = redact_url(shard)
         current: dict[str, Any] | None = None
+
+        def read_file(run: Run, fd: int, size: int) -> AsyncGenerator[Members, None]:
+            return file_members(run, fd, size, label)
+
         members = tar_members(
-            open_shard(shard, self._remotes, self._options_of, self._cache), label
+            open_shard(shard, self._remotes, self._options_of, self._cache, read_file), label
         )
         async with contextlib.aclosing(members):
             async for name, data in members:
