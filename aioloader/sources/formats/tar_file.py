@@ -19,6 +19,7 @@ import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from ..._exceptions import FetchError
 from .tar_members import BLOCK, Members, Names
 
 __all__ = ["BATCH_BYTES", "DIRECT", "REGION", "TarFile", "file_members"]
@@ -40,55 +41,75 @@ class TarFile:
     The descriptor stays its caller's to close.
     """
 
-    def __init__(self, fd: int, size: int, shard: str) -> None:
+    def __init__(
+        self, fd: int, size: int, shard: str, region: int = REGION, direct: int = DIRECT
+    ) -> None:
         self.fd, self.size = fd, size
+        self.region, self.direct = region, direct
         self.pos = 0  # the next header's offset
         self.done = False
         self._names = Names(shard)
         self._region = b""  # the file's bytes from `_at`
         self._at = 0
+        self._error: FetchError | None = None  # raised by the next `read`
 
     def read(self, limit: int = BATCH_BYTES) -> Members:
         """The next members, until their data holds `limit` bytes or the archive ends (then
-        `done`); raises FetchError where the file is not a whole archive."""
-        out, got, names = Members(), 0, self._names
-        while got < limit and not self.done:
-            at = self.pos
-            header = self._bytes(at, BLOCK)
-            if len(header) < BLOCK:
-                raise names.broken(
-                    f"stream ended without the end-of-archive blocks ({len(header)} left)", at
-                )
-            head = names.header(header, at)
-            if head is None:
-                self.done = True
-                break
-            kind, size = head
-            data = self._bytes(at + BLOCK, size)
-            if len(data) < size or at + BLOCK + size > self.size:
-                raise names.broken(
-                    f"stream ended inside a member of {size} bytes (truncated shard)", at
-                )
-            self.pos = at + BLOCK + -(-size // BLOCK) * BLOCK
-            if self.pos > self.size:  # the member's padding is cut off
-                raise names.broken(
-                    f"stream ended inside a member of {size} bytes (truncated shard)", at
-                )
-            name = names.member(kind, header, data, at)
-            if name is not None:
-                out.append((name, data))
-                got += size + BLOCK
+        `done`). Where the file is not a whole archive, the members before that point come first,
+        then the next call raises FetchError."""
+        if self._error is not None:
+            raise self._error
+        out: Members = Members()
+        got = 0
+        try:
+            while got < limit and not self.done:
+                member = self._next()
+                if member is not None:
+                    out.append(member)
+                    got += len(member[1]) + BLOCK
+        except FetchError as exc:
+            if not out:
+                raise
+            self._error = exc
         return out
+
+    def _next(self) -> tuple[str, bytes] | None:
+        """The member whose header is at `pos` if it is a regular file, else None (and `done` at
+        the end of the archive)."""
+        at, names = self.pos, self._names
+        header = self._bytes(at, BLOCK)
+        if len(header) < BLOCK:
+            raise names.broken(
+                f"stream ended without the end-of-archive blocks ({len(header)} left)", at
+            )
+        head = names.header(header, at)
+        if head is None:
+            self.done = True
+            return None
+        kind, size = head
+        end = at + BLOCK + -(-size // BLOCK) * BLOCK
+        if end > self.size:
+            raise names.broken(
+                f"stream ended inside a member of {size} bytes (truncated shard)", at
+            )
+        data = self._bytes(at + BLOCK, size)
+        if len(data) < size:  # the file was cut while it was read
+            raise names.broken(
+                f"stream ended inside a member of {size} bytes (truncated shard)", at
+            )
+        self.pos = end
+        name = names.member(kind, header, data, at)
+        return None if name is None else (name, data)
 
     def _bytes(self, at: int, n: int) -> bytes:
         """The file's `n` bytes from `at` (fewer where it ends): from the region read last, by a
-        read of their own (`DIRECT` or more), or from a new region read at `at`."""
+        read of their own (`direct` or more), or from a new region read at `at`."""
         start = at - self._at
         if start >= 0 and start + n <= len(self._region):
             return self._region[start : start + n]
-        if n >= DIRECT:
+        if n >= self.direct:
             return os.pread(self.fd, n, at)
-        self._region, self._at = os.pread(self.fd, max(REGION, n), at), at
+        self._region, self._at = os.pread(self.fd, max(self.region, n), at), at
         return self._region[:n]
 
 
