@@ -11,7 +11,9 @@ counts, given as `sample_counts` or counted by a first pass); `parallel` shards 
 their samples interleaved round-robin (a fixed order, whatever the timing), then mixed by a bounded
 shuffle buffer. The next `read_ahead` shards of each of the `parallel` are requested before the
 current ones end (within the loader's read-ahead share of its memory budget), so one shard's
-first-byte wait overlaps another's reading.
+first-byte wait overlaps another's reading. A shard on this machine (a local file, or a remote
+shard's copy in `cache_dir`) is read by position in a thread (`tar_file.py`): the loop receives its
+members whole, a batch at a time.
 
 Since samples exist only once a shard is read, the keys of this source are produced while streaming:
 `keys()` is an async iterable of `SampleRef`s (each full iteration is one epoch) that carry their sample,
