@@ -28,7 +28,7 @@ from .azureauth import (
     parse_az_url,
     parse_listing,
 )
-from .listing import Listed, Page
+from .listing import Listed, Page, PageAt
 from .manifest import Manifest
 
 __all__ = ["Azure", "azure"]
@@ -53,6 +53,7 @@ class Azure(Listed):
     """
 
     _kind = "azure"
+    _list_width = 1  # List Blobs' marker is opaque: a listing cannot start at a key, so no parts
 
     def __init__(
         self,
@@ -130,8 +131,8 @@ class Azure(Listed):
         """The account, container and blob name: one cached copy whatever the endpoint."""
         return f"az://{self.account or ''}/{self.container}/{key}"
 
-    async def _page(self, transport: Transport, token: str | None) -> Page:
-        query = list_query(self.prefix, self.page_size, token)
+    async def _page(self, transport: Transport, at: PageAt) -> Page:
+        query = list_query(self.prefix, self.page_size, at.token)
         sas = "&" + self._sas[1:] if self._sas else ""
         body = await transport.get(f"{self.base[:-1]}?{query}{sas}", key=self.where)
         try:

@@ -20,7 +20,8 @@ from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
 from ..transport.remote import RemoteOptions
-from .listing import Listed, Page
+from .keyspace import PARTS
+from .listing import Listed, Page, PageAt
 from .listobjects import list_query, parse_listing
 from .manifest import Manifest
 from .s3auth import AwsConfig, Signer, bucket_base, parse_s3_url
@@ -100,8 +101,8 @@ class S3(Listed):
     def where(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
 
-    async def _page(self, transport: Transport, token: str | None) -> Page:
-        query = list_query(self.prefix, self.page_size, token)
+    async def _page(self, transport: Transport, at: PageAt) -> Page:
+        query = list_query(self.prefix, self.page_size, at.token, at.after)  # no end: S3 has none
         body = await transport.get(f"{self.base}?{query}", key=self.where)
         try:
             page = parse_listing(bytes(body))
@@ -111,7 +112,7 @@ class S3(Listed):
         return Page(page.objects, page.etags, page.next_token)
 
     def _list_transport(self) -> Transport:
-        return Transport(limit=4, **self._options)
+        return Transport(limit=PARTS, **self._options)
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
