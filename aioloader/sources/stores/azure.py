@@ -16,6 +16,7 @@ from urllib.parse import quote, urlsplit
 
 from ..._exceptions import FetchError, InvalidKeyError
 from ..._tuning.aimd import Aimd
+from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
@@ -108,7 +109,9 @@ class Azure(Listed):
             "suffix_ranges": False,  # x-ms-range takes no "bytes=-n"
         }
         concurrency = shared.concurrency
-        self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
+        self.limiter = Aimd(
+            concurrency, min(min_concurrency, concurrency), ramp=Ramp.for_job(concurrency)
+        )
         self.transport = Transport(limit=concurrency, limiter=self.limiter, **self._options)
 
     def __repr__(self) -> str:

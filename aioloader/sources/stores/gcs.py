@@ -18,6 +18,7 @@ from urllib.parse import quote, urlsplit
 
 from ..._exceptions import FetchError, InvalidKeyError
 from ..._tuning.aimd import Aimd
+from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
@@ -87,7 +88,10 @@ class GCS(Listed):
         sign = self.credentials.hmac or (Bearer(self.tokens) if self.tokens else None)
         self._options: dict[str, Any] = {**shared.transport_options(), "sign": sign,
                                          "redirects": False}  # fmt: skip
-        self.limiter = Aimd(shared.concurrency, min(min_concurrency, shared.concurrency))
+        self.limiter = Aimd(
+            shared.concurrency, min(min_concurrency, shared.concurrency),
+            ramp=Ramp.for_job(shared.concurrency),
+        )  # fmt: skip
         self.transport = self._transport(shared.concurrency, self.limiter)
 
     def _transport(self, limit: int, limiter: Aimd | None = None) -> Transport:

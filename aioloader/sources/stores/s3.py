@@ -16,6 +16,7 @@ from botocore.credentials import Credentials
 
 from ..._exceptions import FetchError, InvalidKeyError
 from ..._tuning.aimd import Aimd
+from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
@@ -85,7 +86,9 @@ class S3(Listed):
             "redirects": False,
             "dns_hint": _endpoint_hint(endpoint_url, endpoint_from),
         }
-        self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
+        self.limiter = Aimd(
+            concurrency, min(min_concurrency, concurrency), ramp=Ramp.for_job(concurrency)
+        )
         self.transport = Transport(limit=concurrency, limiter=self.limiter, **self._options)
 
     def __repr__(self) -> str:
