@@ -118,7 +118,8 @@ class GCS(Listed):
 
     def _list_url(self, at: PageAt) -> str:
         """A listing page's URL: the XML API's start-after, or the JSON API's startOffset (the
-        keys from it on) and endOffset (those before it: `until` and a NUL, the next name after)."""
+        names from it on) and endOffset (those before it: any name after `until` will do, since
+        the part checks its bounds itself; `until` and a space keeps the query printable)."""
         if self.xml:
             query = list_query(self.prefix, self.page_size, at.token, at.after)
             return f"{self.endpoint}/{quote(self.bucket, safe='')}?{query}"
@@ -128,7 +129,7 @@ class GCS(Listed):
         if at.after is not None:
             params.append(("startOffset", at.after))
         if at.until is not None:
-            params.append(("endOffset", at.until + "\x00"))
+            params.append(("endOffset", at.until + " "))
         return self._json_base() + "?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in params)
 
     @property

@@ -143,7 +143,7 @@ async def list_parts(page: PageFn, prefix: str, where: str, width: int = PARTS) 
     found = Objects()
     await _step(page, first, where, found)
     parts = [first]
-    if first.done or width < 2:
+    if first.done or width < 2 or not first.found.keys:  # (no key yet: nothing to cut by)
         while not first.done:
             await _step(page, first, where, found)
         return _join(parts, found)
