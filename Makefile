@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads ranks
 BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams
 
-.PHONY: setup test test-stress test-containers lint demo bench bench-quick chart soak clean
+.PHONY: setup test test-stress test-containers test-slow lint demo bench bench-quick chart soak clean
 
 setup: $(STAMP) $(AZURITE)
 
@@ -59,8 +59,11 @@ RESULTS ?= docs/bench-results.jsonl
 chart:
 	$(PY) scripts/chart.py $(RESULTS) -o docs/chart.png
 
-# The full 50-epoch soak (a 10-epoch version runs in `make test`).
-# The tests marked slow (the 50-epoch soak), which the default run deselects, and the 10-epoch one.
+# The tests marked slow (over 30 s each), which the default run deselects (pyproject's addopts).
+test-slow: setup
+	$(VPY) -m pytest -q -m slow
+
+# The soak tests: the full 50-epoch soak (marked slow) and the 10-epoch one `make test` runs too.
 soak: setup
 	$(VPY) -m pytest -q -m "slow or not slow" tests/test_soak.py
 

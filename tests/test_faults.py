@@ -1,10 +1,10 @@
 """Faults from outside the loader, and what each one ends in.
 
-A file that may not be read, one that vanishes (or turns into a directory) between listing and
-reading, a descriptor limit of 64 while the consumer holds 1,000 batches, a decode worker killed or
-stopped mid-epoch. Each ends in a typed error naming what failed (or in the documented recovery)
-within a bounded time, and leaves nothing behind: no aioloader thread, no process, no socket or
-descriptor more than before, no /dev/shm entry (`scripts/leakcheck.py`).
+A decode worker killed or stopped mid-epoch, an error kept by the consumer, a descriptor limit of
+64 while the consumer holds 1,000 batches, the error policy under faults (local files' own faults:
+sources/test_files_faults.py). Each ends in a typed error naming what failed (or in the documented
+recovery) within a bounded time, and leaves nothing behind: no aioloader thread, no process, no
+socket or descriptor more than before, no /dev/shm entry (`scripts/leakcheck.py`).
 """
 
 from __future__ import annotations
@@ -13,25 +13,20 @@ import asyncio
 import gc
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import warnings
 import weakref
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
-from conftest import POLL_INTERVAL_S
 from scripts.images import decode_jpeg, jpeg
-from scripts.leakcheck import census, left_behind_after, shm_names, warm_up
+from scripts.leakcheck import census, gone, left_behind_after, shm_names, warm_up
+from support.fakes import POLL_INTERVAL_S
 
 from aioloader import Loader, LoaderTimeout, ProcessExecutor, WorkerDied, WorkerTimeout
 from aioloader.sources import files
@@ -127,13 +122,6 @@ def consume(loader: Loader[Any], mode: str) -> list[int]:
     return got
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def kill_stopped(pid: int) -> None:
     """Let a worker this test stopped die, should the loader have failed to (cleanup only)."""
     for sig in (signal.SIGKILL, signal.SIGCONT):
@@ -171,7 +159,7 @@ def test_sigkilled_worker_mid_epoch_is_worker_died_naming_pid_and_key(
     assert saboteur.shm_seen == []
     del err, info  # a kept error pins the epoch's samples (test_a_kept_error_pins_no_samples)
     assert left_behind_after(before) == {}
-    assert not alive(saboteur.pid)
+    assert gone(saboteur.pid)
 
 
 def test_sigkill_mid_epoch_with_restarts_loses_and_repeats_nothing(tmp_path: Path) -> None:
@@ -239,117 +227,9 @@ def test_sigstopped_worker_without_executor_timeout_ends_in_loader_timeout(tmp_p
         del info  # see test_a_kept_error_pins_no_samples
         # close() had to end a worker that cannot run: nothing of it is left
         assert left_behind_after(before) == {}
-        assert not alive(saboteur.pid)
+        assert gone(saboteur.pid)
     finally:
         kill_stopped(saboteur.pid)
-
-
-# -- local files: permission denied, vanished, replaced by a directory --------------------------------
-
-
-@pytest.fixture
-def shared_root() -> Iterator[Path]:
-    """A folder of 5 small files that a process without DAC capabilities can traverse."""
-    root = Path(tempfile.mkdtemp(prefix="aioloader-faults-"))
-    root.chmod(0o755)
-    for i in range(5):
-        (root / f"{i}.txt").write_text(f"sample {i}")
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def test_permission_denied_names_the_key_and_can_be_skipped(shared_root: Path) -> None:
-    (shared_root / "2.txt").chmod(0o000)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "denied_read.py"), str(shared_root), "2.txt"],
-        capture_output=True, text=True, timeout=WAIT_S * 2,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(result["skip"])  # only where this process cannot be denied a read
-    assert result["raise"]["type"] == "PermissionError"
-    assert result["raise"]["key_named"], result["raise"]["notes"]
-    policy = result["skip_policy"]
-    assert policy["delivered"] == [f"sample {i}" for i in (0, 1, 3, 4)]
-    [(key, reason)] = policy["skipped"]
-    assert key == "2.txt"
-    assert reason.startswith("PermissionError")
-    assert result["threads"] == []
-
-
-@pytest.mark.parametrize("replacement", ["nothing", "directory"])
-def test_a_file_gone_mid_epoch_names_the_key_after_the_samples_before_it(
-    shared_root: Path, replacement: str
-) -> None:
-    for i in range(5, 40):
-        (shared_root / f"{i}.txt").write_text(f"sample {i}")
-    source = files(shared_root)
-    keys = source.keys()  # listed now: "30.txt" exists
-    victim = "30.txt"
-    # held at most: prefetch * batch_size + concurrency = 5 samples, so when the first batch arrives,
-    # the victim (the 24th key in sorted order) has not been read yet. One fetch at a time: none is
-    # in flight when the victim's fails (see test_a_cancelled_file_read_leaves_no_open_file).
-    position = keys.index(victim)
-    assert position > 2 * 2 + 1 + 2
-    warm_up()
-    before = census()
-    with Loader(source, collate=None, batch_size=2, prefetch=2, concurrency=1) as loader:
-        batches = iter(loader)
-        got = list(next(batches))
-        (shared_root / victim).unlink()
-        if replacement == "directory":
-            (shared_root / victim).mkdir()
-        expected = FileNotFoundError if replacement == "nothing" else IsADirectoryError
-        start = time.monotonic()
-        with pytest.raises(expected) as info:
-            drain(batches, got)
-        assert time.monotonic() - start < NOTICE_S
-    assert [bytes(x).decode() for x in got] == [f"sample {k[:-4]}" for k in keys[: len(got)]]
-    assert len(got) == position - position % 2  # every batch before the victim's, no more
-    assert any(f"stage 'fetch' for key {victim!r}" in n for n in info.value.__notes__)
-    assert victim in str(info.value)
-    del info
-    assert left_behind_after(before) == {}
-
-
-def drain(batches: Iterator[list[Any]], into: list[Any]) -> None:
-    """Add the samples of the remaining batches to `into`, until an error (which propagates)."""
-    for batch in batches:
-        into += batch
-
-
-def fetch_thread_blocked_in_open(path: Path) -> bool:
-    """A thread of this process is blocked opening `path` (a FIFO without a writer)."""
-    for top in sys._current_frames().values():
-        frame: Any = top
-        while frame is not None:  # the thread's stack, from the innermost frame out
-            if frame.f_code.co_name == "open" and str(frame.f_locals.get("path")) == str(path):
-                return True
-            frame = frame.f_back
-    return False
-
-
-def test_a_cancelled_file_read_leaves_no_open_file(
-    tmp_path: Path, wait_until: Callable[..., bool]
-) -> None:
-    (tmp_path / "a.bin").write_bytes(b"a")
-    fifo = tmp_path / "slow.bin"
-    os.mkfifo(fifo)  # its open() blocks until a writer comes: a read that is in flight, for sure
-    source = files(tmp_path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loader = Loader(["a.bin", "slow.bin"], source.fetch, collate=None, concurrency=2)
-        batches = iter(loader)
-        assert next(batches) == b"a"
-        assert wait_until(lambda: fetch_thread_blocked_in_open(fifo), WAIT_S)
-        batches.close()  # the epoch ends: its fetch of slow.bin is cancelled
-        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # now open() returns, to nobody
-        os.close(writer)
-        loader.close()
-        gc.collect()
-    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
-    assert unclosed == []
 
 
 # -- a kept error pins nothing -----------------------------------------------------------------------
@@ -524,7 +404,7 @@ def test_skip_raises_the_fault_past_max_skipped_after_the_batches_before_it(
                     on_error="skip", max_skipped=2, concurrency=4)  # fmt: skip
     got: list[dict[str, Any]] = []
     with loader, pytest.raises(OSError, match=r"[Tt]runcated") as info:  # the third fault
-        drain_batches(loader, got)
+        batches_until_error(loader, got)
     gc.collect()  # an orphaned file is closed now, under this test's warning filter
     assert indices_of(got) == [i for i in range(12) if i not in (3, 7)]
     notes = "\n".join(info.value.__notes__)
@@ -533,6 +413,6 @@ def test_skip_raises_the_fault_past_max_skipped_after_the_batches_before_it(
     assert sorted(key for key, _ in loader.stats().skipped) == [GARBLED, VANISHED]
 
 
-def drain_batches(loader: Loader[Any], into: list[Any]) -> None:
+def batches_until_error(loader: Loader[Any], into: list[Any]) -> None:
     for batch in loader:
         into.append(batch)

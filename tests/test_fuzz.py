@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import io
-import math
 import tarfile
 import tempfile
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ import webdataset as wds
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from scripts.tarcraft import END, header, member, octal, pax, pax_record, read_members
+from support.compare import assert_same
 from torch.utils.data import default_collate as torch_collate
 
 import aioloader
@@ -322,31 +322,6 @@ def batches(draw: st.DrawFn) -> list[Any]:
     if draw(st.integers(0, 2)) == 0:  # one odd sample out
         samples[draw(st.integers(0, n - 1))] = draw(structures(leaves()))
     return samples
-
-
-def assert_same(ours: Any, theirs: Any, path: str = "batch") -> None:
-    """Same structure, types, dtypes, shapes and values (NaN equal to NaN)."""
-    assert type(ours) is type(theirs), f"{path}: {type(ours)} != {type(theirs)}"
-    if ours is theirs:
-        return
-    if isinstance(theirs, np.ndarray):
-        assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), path
-        assert np.array_equal(ours, theirs, equal_nan=theirs.dtype.kind in "fc"), path
-    elif isinstance(theirs, torch.Tensor):
-        assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), path
-        assert torch.equal(ours, theirs) or torch.allclose(ours, theirs, 0, 0, equal_nan=True)
-    elif isinstance(theirs, Mapping):
-        assert list(ours) == list(theirs), path
-        for key in theirs:
-            assert_same(ours[key], theirs[key], f"{path}[{key!r}]")
-    elif isinstance(theirs, list | tuple):
-        assert len(ours) == len(theirs), path
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert_same(a, b, f"{path}[{i}]")
-    elif isinstance(theirs, float) and math.isnan(theirs):
-        assert math.isnan(ours), path
-    else:
-        assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
 
 
 def outcome(collate: Any, samples: list[Any]) -> tuple[Any, BaseException | None]:

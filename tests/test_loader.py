@@ -5,34 +5,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import time
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from support.fakes import AsyncFetch, FakeSource, Gate, Keys, SyncFetch, TickingFetch, Tracker
+from support.fakes import AsyncFetch, FakeSource, Keys, SyncFetch, plain_square, square
 
-from aioloader import Loader, LoaderTimeout, sources
-
-
-async def square(key: int) -> int:
-    return key * key
-
-
-def plain_square(key: int) -> int:
-    return key * key
-
-
-def drain(loader: Loader[Any]) -> list[Any]:
-    return list(loader)
-
-
-async def adrain(loader: Loader[Any]) -> list[Any]:
-    return [batch async for batch in loader]
-
+from aioloader import Loader, sources
 
 # -- what a loader is built from ----------------------------------------------------------------
 
@@ -40,24 +21,24 @@ async def adrain(loader: Loader[Any]) -> list[Any]:
 @pytest.mark.parametrize("fetch", [square, plain_square], ids=["async", "plain"])
 def test_sequence_of_keys_and_either_kind_of_fetch(fetch: Any) -> None:
     with Loader(range(7), fetch, batch_size=3, collate=None) as loader:
-        assert drain(loader) == [[0, 1, 4], [9, 16, 25], [36]]
+        assert list(loader) == [[0, 1, 4], [9, 16, 25], [36]]
 
 
 def test_iterable_keys_are_read_in_order_every_epoch() -> None:
     with Loader(Keys(5), square, batch_size=2, collate=None) as loader:
-        assert drain(loader) == [[0, 1], [4, 9], [16]]
-        assert drain(loader) == [[0, 1], [4, 9], [16]]
+        assert list(loader) == [[0, 1], [4, 9], [16]]
+        assert list(loader) == [[0, 1], [4, 9], [16]]
 
 
 def test_one_shot_iterator_of_keys() -> None:
     with Loader(iter([3, 1, 2]), square, collate=None) as loader:
-        assert drain(loader) == [9, 1, 4]
+        assert list(loader) == [9, 1, 4]
 
 
 def test_source_gives_keys_and_fetch_and_is_closed_with_the_loader() -> None:
     source = FakeSource(5)
     with Loader(source, batch_size=2, collate=None) as loader:
-        assert drain(loader) == [[0, 10], [20, 30], [40]]
+        assert list(loader) == [[0, 10], [20, 30], [40]]
     assert sorted(source.fetched) == [0, 1, 2, 3, 4]
     assert source.closed >= 1
 
@@ -65,21 +46,21 @@ def test_source_gives_keys_and_fetch_and_is_closed_with_the_loader() -> None:
 def test_explicit_fetch_overrides_the_sources() -> None:
     source = FakeSource(3)
     with Loader(source, square, collate=None) as loader:
-        assert drain(loader) == [0, 1, 4]
+        assert list(loader) == [0, 1, 4]
     assert source.fetched == []
 
 
 def test_async_callable_object_is_awaited_on_the_loop() -> None:
     fetch = AsyncFetch(transform=lambda key: -key)
     with Loader(range(4), fetch) as loader:
-        assert drain(loader) == [0, -1, -2, -3]
+        assert list(loader) == [0, -1, -2, -3]
     assert fetch.tracker.threads == {"aioloader-loop"}
 
 
 def test_plain_fetch_runs_in_fetch_threads() -> None:
     fetch = SyncFetch(transform=lambda key: -key)
     with Loader(range(4), fetch, concurrency=2) as loader:
-        assert drain(loader) == [0, -1, -2, -3]
+        assert list(loader) == [0, -1, -2, -3]
     assert fetch.tracker.threads
     assert all(name.startswith("aioloader-fetch") for name in fetch.tracker.threads)
 
@@ -96,7 +77,7 @@ def test_decode_is_applied_to_each_sample(executor: str) -> None:
         return f"<{raw}>"
 
     with Loader(range(5), square, decode=decode, executor=executor, workers=2) as loader:
-        assert drain(loader) == ["<0>", "<1>", "<4>", "<9>", "<16>"]
+        assert list(loader) == ["<0>", "<1>", "<4>", "<9>", "<16>"]
     expected = "aioloader-loop" if executor == "inline" else "aioloader-decode"
     assert all(name.startswith(expected) for name in decoded_on), decoded_on
 
@@ -132,8 +113,8 @@ def test_decode_with_key_gets_the_files_path(labelled: Path, executor: str) -> N
     source = sources.files(labelled)
     with Loader(source, decode=label_and_text, decode_with_key=True, executor=executor,
                 workers=2, collate=None) as loader:  # fmt: skip
-        assert drain(loader) == EXPECTED_PAIRS
-        assert drain(loader) == EXPECTED_PAIRS  # and in the next epoch
+        assert list(loader) == EXPECTED_PAIRS
+        assert list(loader) == EXPECTED_PAIRS  # and in the next epoch
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
@@ -141,7 +122,7 @@ def test_decode_with_key_into_stacked_batches(labelled: Path, executor: str) -> 
     # with the default collate, process workers write each row of the batch in place
     with Loader(sources.files(labelled), decode=label_row, decode_with_key=True,
                 executor=executor, workers=2, batch_size=3) as loader:  # fmt: skip
-        batches = drain(loader)
+        batches = list(loader)
     assert [b[:, 0].tolist() for b in batches] == [[0.0] * 3, [1.0] * 3]
     assert bytes(batches[1][2, 1:].to(torch.uint8).tolist()) == b"d2"
 
@@ -150,7 +131,7 @@ def test_decode_with_key_when_workers_fetch(labelled: Path) -> None:
     with Loader(sources.files(labelled), decode=label_and_text, decode_with_key=True,
                 executor="process", workers=2, fetch_in_workers=True, collate=None,
                 concurrency=4) as loader:  # fmt: skip
-        assert drain(loader) == EXPECTED_PAIRS
+        assert list(loader) == EXPECTED_PAIRS
         assert "fetch_in_workers=True, decode=label_and_text (with key)" in repr(loader)
 
 
@@ -161,9 +142,9 @@ def test_decode_with_key_takes_a_partial_and_a_callable_object() -> None:
 
     joined = functools.partial(lambda sep, key, raw: f"{key}{sep}{raw}", "=")
     with Loader(range(3), square, decode=Tag(), decode_with_key=True, collate=None) as loader:
-        assert drain(loader) == ["0:0", "1:1", "2:4"]
+        assert list(loader) == ["0:0", "1:1", "2:4"]
     with Loader(range(3), square, decode=joined, decode_with_key=True, collate=None) as loader:
-        assert drain(loader) == ["0=0", "1=1", "2=4"]
+        assert list(loader) == ["0=0", "1=1", "2=4"]
 
 
 def test_without_decode_the_raw_sample_is_kept() -> None:
@@ -173,7 +154,7 @@ def test_without_decode_the_raw_sample_is_kept() -> None:
         return raw[i]
 
     with Loader(range(3), fetch) as loader:
-        got = drain(loader)
+        got = list(loader)
     assert all(a is b for a, b in zip(got, raw, strict=True))
 
 
@@ -182,14 +163,14 @@ def test_default_collate_stacks_into_tensors() -> None:
         return {"x": torch.full((2,), float(i)), "y": i}
 
     with Loader(range(5), fetch, batch_size=2) as loader:
-        batches = drain(loader)
+        batches = list(loader)
     assert [b["y"].tolist() for b in batches] == [[0, 1], [2, 3], [4]]
     assert torch.equal(batches[1]["x"], torch.tensor([[2.0, 2.0], [3.0, 3.0]]))
 
 
 def test_collate_none_yields_lists_of_samples() -> None:
     with Loader(range(5), square, batch_size=2, collate=None) as loader:
-        batches = drain(loader)
+        batches = list(loader)
     assert batches == [[0, 1], [4, 9], [16]]
     assert all(type(b) is list for b in batches)
 
@@ -204,7 +185,7 @@ def test_user_collate_is_used_as_given() -> None:
         return made[-1]
 
     with Loader(range(5), square, batch_size=2, collate=collate) as loader:
-        batches = drain(loader)
+        batches = list(loader)
     assert seen == [[0, 1], [4, 9], [16]]
     assert len(batches) == 3
     assert all(a is b for a, b in zip(batches, made, strict=True))
@@ -212,7 +193,7 @@ def test_user_collate_is_used_as_given() -> None:
 
 def test_unbatched_yields_samples_one_by_one() -> None:
     with Loader(range(4), square) as loader:
-        samples = drain(loader)
+        samples = list(loader)
         assert len(loader) == 4
     assert samples == [0, 1, 4, 9]
     assert all(type(s) is int for s in samples)
@@ -228,7 +209,7 @@ def test_drop_last(drop_last: bool, expected: list[list[int]]) -> None:
 
     with Loader(range(10), fetch, batch_size=4, drop_last=drop_last, collate=None) as loader:
         assert len(loader) == len(expected)
-        assert drain(loader) == expected
+        assert list(loader) == expected
 
 
 # -- length -------------------------------------------------------------------------------------
@@ -241,7 +222,7 @@ def test_drop_last(drop_last: bool, expected: list[list[int]]) -> None:
 def test_len_of_a_sequence(n: int, batch_size: int | None, drop_last: bool, length: int) -> None:
     with Loader(range(n), square, batch_size=batch_size, drop_last=drop_last) as loader:
         assert len(loader) == length
-        assert len(drain(loader)) == length
+        assert len(list(loader)) == length
 
 
 @pytest.mark.parametrize("keys", [Keys(5), iter(range(5))], ids=["iterable", "iterator"])
@@ -292,7 +273,7 @@ def test_each_iteration_advances_the_epoch_and_set_epoch_picks_it() -> None:
 def test_without_shuffle_every_epoch_is_in_key_order() -> None:
     with Loader(range(6), square, collate=None) as loader:
         loader.set_epoch(5)
-        assert drain(loader) == [0, 1, 4, 9, 16, 25]
+        assert list(loader) == [0, 1, 4, 9, 16, 25]
 
 
 # -- invalid arguments --------------------------------------------------------------------------
@@ -363,115 +344,6 @@ def test_repr_of_a_dataloader_shows_torchs_arguments() -> None:
 def test_set_epoch_rejects_a_negative_epoch() -> None:
     with Loader(range(4), square) as loader, pytest.raises(ValueError, match="epoch"):
         loader.set_epoch(-1)
-
-
-# -- timeout ------------------------------------------------------------------------------------
-
-
-def test_timeout_raises_loader_timeout_in_sync_iteration() -> None:
-    with Loader(range(3), Gate(), timeout=0.2) as loader:
-        it = iter(loader)
-        with pytest.raises(LoaderTimeout, match="timeout"):
-            next(it)
-        with pytest.raises(StopIteration):
-            next(it)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("use_caller_loop", [False, True])
-async def test_timeout_raises_loader_timeout_in_async_iteration(use_caller_loop: bool) -> None:
-    async with Loader(range(3), Gate(), timeout=0.2, use_caller_loop=use_caller_loop) as loader:
-        with pytest.raises(LoaderTimeout) as info:
-            await adrain(loader)
-    assert isinstance(info.value, TimeoutError)
-
-
-# -- async iteration ----------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("use_caller_loop", [False, True])
-async def test_async_for_yields_what_for_yields(use_caller_loop: bool) -> None:
-    fetch = AsyncFetch(Tracker(), transform=lambda key: key * 2)
-    async with Loader(
-        range(9), fetch, batch_size=4, collate=None, use_caller_loop=use_caller_loop
-    ) as loader:
-        assert await adrain(loader) == [[0, 2, 4, 6], [8, 10, 12, 14], [16]]
-        assert await adrain(loader) == [[0, 2, 4, 6], [8, 10, 12, 14], [16]]
-        assert loader.epoch == 2
-    here = asyncio.get_running_loop()
-    assert (fetch.tracker.loops == {here}) is use_caller_loop
-    assert len(fetch.tracker.loops) == 1
-
-
-@pytest.mark.asyncio
-async def test_async_for_with_plain_fetch_and_thread_decode() -> None:
-    async with Loader(
-        range(5), plain_square, decode=str, executor="thread", batch_size=2, collate=None
-    ) as loader:
-        assert await adrain(loader) == [["0", "1"], ["4", "9"], ["16"]]
-
-
-STEP_S = 0.05
-BATCHES = 10
-
-
-@dataclass
-class Steps:
-    batches: list[Any] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    overlapped: int = 0  # steps during which the fetch made progress
-    elapsed: float = 0.0
-
-
-async def blocking_steps(loader: Loader[Any], fetch: TickingFetch) -> Steps:
-    """Consume with a step that blocks the caller's loop STEP_S per batch (a model step)."""
-    steps = Steps()
-    start = time.perf_counter()
-    async for batch in loader:
-        steps.batches.append(batch)
-        ticks, began = fetch.ticks_done, time.perf_counter()
-        fetch.busy.set()
-        time.sleep(STEP_S)  # noqa: ASYNC251 - the point: a step that does not await
-        fetch.busy.clear()
-        steps.step_s.append(time.perf_counter() - began)
-        steps.overlapped += fetch.ticks_done > ticks
-    steps.elapsed = time.perf_counter() - start
-    return steps
-
-
-@pytest.mark.asyncio
-async def test_own_loop_thread_fetches_while_the_consumer_blocks_its_loop() -> None:
-    fetch = TickingFetch(threading.Event())  # ~50 ms a sample, one at a time
-    async with Loader(range(BATCHES), fetch, concurrency=1, prefetch=1) as loader:
-        steps = await blocking_steps(loader, fetch)
-    assert steps.batches == list(range(BATCHES))
-    assert len(fetch.loops) == 1
-    assert asyncio.get_running_loop() not in fetch.loops
-    # The next sample was fetched during every step but the last (one spare for a noisy machine).
-    assert steps.overlapped >= BATCHES - 2, steps.overlapped
-    # Serially, as measured in this run: every fetch, then every step (about 1.0 s). Overlapping
-    # can save, per step, the step or the next fetch, whichever is shorter (about 0.45 s in all).
-    serial = sum(fetch.fetch_s) + sum(steps.step_s)
-    overlappable = sum(map(min, steps.step_s[:-1], fetch.fetch_s[1:]))
-    saved = serial - steps.elapsed
-    assert saved > overlappable / 2, f"saved {saved:.2f} s of {overlappable:.2f} s overlappable"
-
-
-@pytest.mark.asyncio
-async def test_caller_loop_does_not_fetch_while_the_consumer_blocks_its_loop() -> None:
-    """The trade-off of use_caller_loop=True: a step that blocks the loop stalls fetching."""
-    fetch = TickingFetch(threading.Event())
-    async with Loader(
-        range(BATCHES), fetch, concurrency=1, prefetch=1, use_caller_loop=True
-    ) as loader:
-        steps = await blocking_steps(loader, fetch)
-    assert steps.batches == list(range(BATCHES))
-    assert fetch.loops == {asyncio.get_running_loop()}
-    assert steps.overlapped == 0
-    assert fetch.ticks_while_busy == 0
-    # At most one 5 ms tick of a fetch can elapse during a step: about the serial 1.0 s.
-    assert steps.elapsed > BATCHES * (STEP_S + (fetch.ticks - 1) * fetch.tick_s) * 0.95
 
 
 def _negate(x: int) -> int:

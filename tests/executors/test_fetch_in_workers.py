@@ -14,15 +14,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from aiohttp import web
+from scripts.leakcheck import gone, shm_names
 from support.faultproxy import Origin, ServerThread
 
 import aioloader
 from aioloader import FetchError, Loader, ProcessExecutor, WorkerDied
-from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR
 from aioloader._util import threads as _threads
 from aioloader.sources import http
 
@@ -60,17 +59,6 @@ def slow() -> Iterator[SlowOrigin]:
 def decode(raw: bytearray) -> tuple[int, int, torch.Tensor]:
     """Runs in a worker: its pid, the size, and a draw from the sample's generator."""
     return os.getpid(), len(raw), torch.rand(2, generator=aioloader.sample_generator())
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def shm_entries() -> list[str]:
-    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{NAME_PREFIX}{os.getpid()}-")]
 
 
 def test_every_key_once_and_in_order(origin: Origin, objects: dict[str, bytes]) -> None:
@@ -194,7 +182,7 @@ def test_an_early_break_leaves_no_process_thread_or_shared_memory(
         assert slow.open_connections() > 0
     assert pool.closed  # type: ignore[attr-defined]
     assert all(gone(pid) for pid in pids)
-    assert shm_entries() == []
+    assert shm_names(os.getpid()) == []
     assert wait_until(lambda: slow.open_connections() == 0)
 
 

@@ -1,221 +1,51 @@
-"""The process executor: shared-memory results, faults (death, stall, exceptions) and clean shutdown.
+"""The process executor: results and inputs, in the pipe or in shared memory, rows written in place,
+the arena's bounds (faults: test_procpool_faults.py; shutdown: test_procpool_shutdown.py).
 
-Decode callables must pickle by reference, so the ones used here are module-level functions; workers
-import this module to find them. One pool serves the tests that do not break it; fault tests make
-their own (forking a worker from the running forkserver takes ~0.1 s).
+The decode callables pickle by reference: they live in support/workerfuncs.py, which workers import to
+find them (the few defined here, this module). One pool serves the tests that do not break it
+(`pool`, tests/executors/conftest.py); fault tests make their own (`make`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import faulthandler
 import gc
-import operator
 import os
-import signal
-import subprocess
 import sys
-import textwrap
-import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 import torch
+from support.workerfuncs import (
+    NOTICE_S,
+    WAIT_S,
+    CountsPickles,
+    blob,
+    describe,
+    draw,
+    echo,
+    fresh_16_mib,
+    half_mebibyte,
+    image_or_not,
+    mebibyte_tensor,
+    nested,
+    remember_id,
+    wait_for_file,
+    worker_id,
+)
 
 import aioloader
-from aioloader import DecodeError, LoaderClosedError, WorkerDied, WorkerTimeout
-from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR, SLAB_LINKS
+from aioloader._executors.process.arena import SLAB_LINKS
 from aioloader._executors.process.config import RELEASES_STOP_S
 from aioloader._executors.process.executor import ProcessExecutor
-from aioloader._executors.process.sending import Sender
 from aioloader._util.rng import call_seeded
 
-# How soon a dead worker must be reported (the design's promise), and a bound for everything else.
-NOTICE_S = 1.0
-WAIT_S = 30.0
-
-# -- decode callables (run in the workers) ----------------------------------------------------------
-
-
-def echo(x: Any) -> Any:
-    return x
-
-
-def nested(n: int) -> dict[str, Any]:
-    return {
-        "image": torch.arange(n * 6, dtype=torch.float32).reshape(n, 2, 3).transpose(1, 2),
-        "extras": (torch.ones(n, dtype=torch.bfloat16), [torch.tensor(n), torch.zeros(2, dtype=torch.bool)]),
-        "numpy": np.asfortranarray(np.arange(n * 4, dtype=np.float16).reshape(n, 4)),
-        "complex": torch.full((2,), n, dtype=torch.complex64),
-        "label": f"sample-{n}",
-        "graded": torch.ones(2, requires_grad=True),  # not plain: pickled in-band
-        "empty": np.zeros((0, 3)),
-    }  # fmt: skip
-
-
-def describe(raw: Any) -> tuple[int, str, int]:
-    return len(raw), type(raw).__name__, zlib.crc32(bytes(raw))
-
-
-def draw(_: Any) -> torch.Tensor:
-    return torch.rand(4, generator=aioloader.sample_generator())
-
-
-def block(marker: str) -> None:
-    Path(marker).touch()
-    time.sleep(WAIT_S)
-
-
-def die(how: str) -> None:
-    if how == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif how == "exit":
-        os._exit(3)
-    elif how == "segfault":
-        faulthandler.disable()  # inherited from pytest: its report would only add noise here
-        ctypes.string_at(0)
-
-
-def stall(how: str) -> None:
-    if how == "sleep":
-        time.sleep(WAIT_S)
-    elif how == "sigstop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:  # "spin": an endless loop that holds the CPU
-        pass
-
-
-def die_once_at(arg: tuple[str, int, int]) -> int:
-    folder, i, fatal = arg
-    marker = Path(folder, f"died-{fatal}")
-    if i == fatal and not marker.exists():
-        marker.touch()
-        os._exit(1)
-    with open(Path(folder, "log"), "a") as log:
-        log.write(f"{i}\n")
-    return i
-
-
-def image_or_not(i: int) -> Any:
-    if i == 2:
-        return torch.zeros(2)  # not the row's shape
-    if i == 3:
-        return np.full((3, 4, 4), i, dtype=np.float32)  # an array converts
-    return torch.full((3, 4, 4), float(i))
-
-
-def half_mebibyte(i: int) -> np.ndarray[Any, Any]:
-    return np.full(200_000, i % 251, dtype=np.uint8)
-
-
-class Unrebuildable(Exception):
-    def __init__(self, a: int, *, b: int) -> None:
-        super().__init__(a)
-
-
-def fail(kind: str) -> None:
-    if kind == "value":
-        raise ValueError("bad sample")
-    raise Unrebuildable(1, b=2)
-
-
 WORKER_ID: int | None = None
-
-
-def remember_id(worker_id: int) -> None:
-    global WORKER_ID
-    WORKER_ID = worker_id
-
-
-def worker_id(_: Any) -> tuple[int | None, int]:
-    return WORKER_ID, os.getpid()
-
-
-def broken_init(worker_id: int) -> None:
-    raise ValueError(f"cannot set up worker {worker_id}")
-
-
-class CountsPickles:
-    """A decode callable that counts how often it is pickled (here) and unpickled (in a worker)."""
-
-    pickled = 0
-    unpickled = 0
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        CountsPickles.pickled += 1
-        return (_rebuild_counter, ())
-
-    def __call__(self, _: Any) -> tuple[int, int]:
-        return os.getpid(), CountsPickles.unpickled
-
-
-def _rebuild_counter() -> CountsPickles:
-    CountsPickles.unpickled += 1
-    return CountsPickles()
-
-
-async def snooze(arg: tuple[float, Any]) -> tuple[int, Any, torch.Tensor]:
-    """An async task: waits, then answers its pid, its argument and a draw of the sample's seed."""
-    seconds, value = arg
-    await asyncio.sleep(seconds)
-    return os.getpid(), value, torch.rand(2, generator=aioloader.sample_generator())
-
-
-async def block_loop(seconds: float) -> None:
-    time.sleep(seconds)  # noqa: ASYNC251 - blocks the worker's loop: a cancel cannot reach it
-
-
-async def note_cancel(folder: str) -> None:
-    Path(folder, "started").touch()  # noqa: ASYNC240 - a marker the test waits for
-    try:
-        await asyncio.sleep(WAIT_S)
-    except asyncio.CancelledError:
-        Path(folder, "cancelled").touch()  # noqa: ASYNC240
-        raise
-
-
-def wait_for_file(path: Path) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)  # a file written by another process: nothing can signal it
-    return path.exists()
-
-
-def mebibyte_tensor(_: Any) -> torch.Tensor:
-    return torch.ones(1 << 18, dtype=torch.float32)
-
-
-def fresh_16_mib(key: int) -> np.ndarray[Any, Any]:
-    out = np.empty(16 << 20, dtype=np.uint8)
-    out.fill(key)  # every page touched, as a decoder writes them
-    return out
-
-
-def blob(kind: str) -> bytes | bytearray:
-    data = bytes(range(256)) * 400  # 100 KiB
-    return data if kind == "bytes" else bytearray(data)
-
-
-# -- helpers ------------------------------------------------------------------------------------------
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def shm_entries(pid: int) -> list[str]:
-    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{NAME_PREFIX}{pid}-")]
 
 
 def mapping_of(address: int) -> str:
@@ -226,29 +56,6 @@ def mapping_of(address: int) -> str:
         if lo <= address < hi:
             return rest[-1] if len(rest) == 5 else ""
     return ""
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessExecutor]:
-    executor = ProcessExecutor(2)
-    executor.wait_ready(WAIT_S)
-    yield executor
-    executor.close()
-
-
-@pytest.fixture
-def make() -> Iterator[Callable[..., ProcessExecutor]]:
-    made: list[ProcessExecutor] = []
-
-    def make(workers: int = 1, **kwargs: Any) -> ProcessExecutor:
-        executor = ProcessExecutor(workers, **kwargs)
-        made.append(executor)
-        executor.wait_ready(WAIT_S)
-        return executor
-
-    yield make
-    for executor in made:
-        executor.close()
 
 
 # -- results and inputs --------------------------------------------------------------------------------
@@ -412,192 +219,6 @@ def test_a_full_arena_falls_back_to_ordinary_memory(make: Any) -> None:
     assert [int(a[0]) for a in again] == list(range(4))
 
 
-# -- errors ---------------------------------------------------------------------------------------------
-
-
-def test_decode_errors_keep_their_type_and_name_the_worker(pool: ProcessExecutor) -> None:
-    with pytest.raises(ValueError, match="bad sample") as info:
-        pool.submit(fail, "value").result(WAIT_S)
-    assert any("worker process pid" in note for note in info.value.__notes__)
-    assert "raise ValueError" in str(info.value.__cause__)
-    with pytest.raises(DecodeError, match="Unrebuildable") as info2:
-        pool.submit(fail, "other").result(WAIT_S)
-    assert "raise Unrebuildable" in info2.value.remote_traceback  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("how", ["sigkill", "exit", "segfault"])
-@pytest.mark.parametrize("method", ["zygote", "forkserver"])
-def test_a_dying_worker_is_reported_at_once_and_replaced(make: Any, how: str, method: str) -> None:
-    executor = make(1, start_method=method)
-    (pid,) = executor.pids
-    start = time.monotonic()
-    with pytest.raises(WorkerDied) as info:
-        executor.submit(die, how).result(WAIT_S)
-    assert time.monotonic() - start < NOTICE_S
-    assert info.value.pid == pid
-    assert info.value.tasks
-    assert f"pid {pid}" in str(info.value)
-    if how != "exit":
-        assert info.value.exitcode == -(signal.SIGKILL if how == "sigkill" else signal.SIGSEGV)
-    assert executor.submit(echo, 5).result(WAIT_S) == 5  # replaced
-    assert executor.pids != [pid]
-
-
-def test_a_worker_killed_from_outside_is_noticed_within_a_second(make: Any, tmp_path: Path) -> None:
-    executor = make(1)
-    marker = tmp_path / "started"
-    future = executor.submit(block, str(marker))
-    deadline = time.monotonic() + WAIT_S
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)  # a file written by another process: nothing can signal it
-    (pid,) = executor.pids
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    with pytest.raises(
-        WorkerDied, match=rf"pid {pid}\) is killed by signal: Killed. .killed by SIGKILL"
-    ):
-        future.result(WAIT_S)
-    assert time.monotonic() - killed < NOTICE_S
-
-
-def test_restarts_retry_what_was_in_flight_once(make: Any, tmp_path: Path) -> None:
-    executor = make(1, max_worker_restarts=1)
-    futures = [executor.submit(die_once_at, (str(tmp_path), i, 4)) for i in range(10)]
-    assert [f.result(WAIT_S) for f in futures] == list(range(10))
-    log = [int(x) for x in (tmp_path / "log").read_text().split()]
-    assert sorted(log) == list(range(10))  # nothing lost, nothing run twice
-    assert executor.stats()["restarts"] == 1
-    with pytest.raises(WorkerDied, match="used up"):  # the second death is past the limit
-        executor.submit(die_once_at, (str(tmp_path), 0, 0)).result(WAIT_S)
-
-
-def killed_by(arg: tuple[int, int]) -> int:
-    i, fatal = arg
-    if i == fatal:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.05)  # the others are in flight beside it
-    return i
-
-
-def test_a_crash_costs_the_task_that_causes_it_alone(make: Any) -> None:
-    executor = make(2, max_worker_restarts=3)
-    futures = [executor.submit(killed_by, (i, 3)) for i in range(8)]
-    outcomes: list[Any] = []
-    for f in futures:
-        try:
-            outcomes.append(f.result(WAIT_S))
-        except WorkerDied as exc:
-            outcomes.append(str(exc))
-    assert outcomes[:3] + outcomes[4:] == [0, 1, 2, 4, 5, 6, 7]  # its neighbours were retried
-    assert "running that task alone" in outcomes[3]
-    assert "the task killed it" in outcomes[3]
-
-
-def stall_once(folder: str) -> str:
-    marker = Path(folder, "stalled")
-    if not marker.exists():
-        marker.touch()
-        time.sleep(WAIT_S)  # a transient stall: the first try only
-    return "done"
-
-
-def test_within_restarts_a_stalled_task_runs_again_alone_and_fails_only_if_it_stalls_again(
-    make: Any, tmp_path: Path
-) -> None:
-    executor = make(2, timeout=0.5, max_worker_restarts=2)
-    assert executor.submit(stall_once, str(tmp_path)).result(WAIT_S) == "done"
-    with pytest.raises(WorkerTimeout):
-        executor.submit(stall, "sleep").result(WAIT_S)  # stalls alone too: it is the culprit
-    assert executor.stats()["timeouts"] == 3
-
-
-def test_under_skip_a_crash_skips_its_sample_alone() -> None:
-    with (
-        ProcessExecutor(2, max_worker_restarts=3) as pool,
-        aioloader.Loader(
-            [(i, 5) for i in range(12)], lambda k: k, decode=killed_by, executor=pool,
-            batch_size=4, on_error="skip", max_skipped=1,
-        ) as loader,
-    ):  # fmt: skip
-        got = [x for b in loader for x in b.tolist()]
-        assert got == [i for i in range(12) if i != 5]
-        assert [key for key, _ in loader.stats().skipped] == [(5, 5)]
-
-
-@pytest.mark.parametrize("how", ["sleep", "sigstop", "spin"])
-@pytest.mark.parametrize("method", ["zygote", "forkserver"])
-def test_a_stalled_worker_times_out_and_is_replaced(make: Any, how: str, method: str) -> None:
-    executor = make(1, timeout=0.5, start_method=method)
-    (pid,) = executor.pids
-    stalled = executor.submit(stall, how)
-    # behind it on the same worker: retried on its replacement, under the same 0.5 s timeout. A
-    # stdlib function: a fresh forkserver worker finds it at once, where this module's `echo` has it
-    # import this test module (pytest, torch, numpy) first, which on a busy machine takes longer
-    queued = executor.submit(operator.abs, -7)
-    with pytest.raises(WorkerTimeout, match=f"pid {pid}") as info:
-        stalled.result(WAIT_S)
-    assert info.value.timeout == 0.5
-    assert queued.result(WAIT_S) == 7
-    assert executor.pids != [pid]
-    assert gone(pid) or psutil.Process(pid).wait(WAIT_S) is not None
-
-
-def test_async_tasks_run_many_at_once_on_the_workers_loop(make: Any) -> None:
-    executor = make(1)
-    (pid,) = executor.pids
-    start = time.monotonic()
-    futures = [
-        executor.submit(snooze, (0.3, i), aioloader._util.rng.derive_seed(0, 0, i))
-        for i in range(20)
-    ]
-    answers = [f.result(WAIT_S) for f in futures]
-    assert time.monotonic() - start < 3.0  # one at a time: 6 s
-    assert [(p, v) for p, v, _ in answers] == [(pid, i) for i in range(20)]
-    for i, (_, _, drawn) in enumerate(answers):  # each task saw its own seed
-        local = call_seeded(draw, None, aioloader._util.rng.derive_seed(0, 0, i))
-        assert torch.equal(drawn, local[:2])
-    assert executor.stats()["async_tasks"] == 20
-
-
-def test_a_stuck_async_task_times_out_alone(make: Any) -> None:
-    executor = make(1, timeout=1.5)  # the quick ones must beat it on a loaded machine too
-    (pid,) = executor.pids
-    stuck = executor.submit(snooze, (WAIT_S, "never"), 1)
-    quick = [executor.submit(snooze, (0.1, i), 1) for i in range(5)]
-    assert [f.result(WAIT_S)[1] for f in quick] == list(range(5))
-    with pytest.raises(WorkerTimeout, match="cancelled there") as info:
-        stuck.result(WAIT_S)
-    assert info.value.pid == pid
-    assert executor.pids == [pid]  # the worker was busy, not broken: it was kept
-    assert executor.submit(snooze, (0.0, "after"), 1).result(WAIT_S)[:2] == (pid, "after")
-
-
-def test_a_blocked_worker_loop_is_killed_after_the_grace(make: Any, wait_until: Any) -> None:
-    # the timeout also covers `later` on the replacement worker: leave room for a loaded machine
-    executor = make(1, timeout=1.5)
-    (pid,) = executor.pids
-    with pytest.raises(WorkerTimeout):
-        executor.submit(block_loop, WAIT_S).result(WAIT_S)
-    later = executor.submit(snooze, (0.0, 1), 1)  # held back from the stuck loop: runs on the next
-    assert later.result(WAIT_S)[0] != pid
-    assert wait_until(lambda: gone(pid), WAIT_S)
-
-
-def test_cancelling_run_cancels_the_coroutine_in_the_worker(make: Any, tmp_path: Path) -> None:
-    executor = make(1)
-
-    async def cancel_one() -> None:
-        task = asyncio.ensure_future(executor.run(note_cancel, str(tmp_path)))
-        assert await asyncio.to_thread(wait_for_file, tmp_path / "started")
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(cancel_one())
-    assert wait_for_file(tmp_path / "cancelled")
-    assert executor.submit(snooze, (0.0, 2), 1).result(WAIT_S)[1] == 2
-
-
 def test_pipe_bytes_are_counted_and_a_tensor_crosses_in_shared_memory(
     pool: ProcessExecutor,
 ) -> None:
@@ -626,129 +247,6 @@ def test_worker_init_fn_runs_in_each_worker(make: Any) -> None:
     seen = {executor.submit(worker_id, None).result(WAIT_S) for _ in range(30)}
     assert {wid for wid, _ in seen} <= {0, 1}
     assert len({pid for _, pid in seen}) == len({wid for wid, _ in seen})
-
-
-def test_a_failing_worker_init_fn_fails_the_pool_with_its_own_error(make: Any) -> None:
-    with pytest.raises(ValueError, match="cannot set up worker 0") as info:
-        make(1, worker_init_fn=broken_init)
-    assert any("worker_init_fn" in note for note in info.value.__notes__)
-
-
-def test_a_bug_in_the_pools_thread_fails_the_tasks_instead_of_hanging(
-    make: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def broken_send(self: Any, h: Any, task: Any) -> bool:
-        raise TypeError("a bug")
-
-    monkeypatch.setattr(Sender, "_send", broken_send)
-    executor = make(1)
-    with pytest.raises(LoaderClosedError, match="TypeError: a bug"):
-        executor.submit(abs, -1).result(WAIT_S)
-
-
-def test_fork_is_refused_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match="CUDA"):
-        ProcessExecutor(1, start_method="fork")
-
-
-# -- shutdown -------------------------------------------------------------------------------------------
-
-
-def procpool_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name == "aioloader-procpool"}
-
-
-def test_cancel_then_close_leaves_nothing(make: Any) -> None:
-    others = procpool_threads()
-    executor = make(2)
-    pids = executor.pids
-
-    async def cancel_some() -> Any:
-        tasks = [asyncio.ensure_future(executor.run(time.sleep, 0.05)) for _ in range(20)]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return await executor.run(echo, "still works")
-
-    assert asyncio.run(cancel_some()) == "still works"
-    queued = [executor.submit(time.sleep, 1) for _ in range(6)]
-    executor.close()
-    executor.close()  # idempotent
-    with pytest.raises(LoaderClosedError):
-        queued[-1].result(WAIT_S)
-    with pytest.raises(LoaderClosedError):
-        executor.submit(echo, 1)
-    assert all(gone(pid) for pid in pids)
-    assert procpool_threads() <= others
-    assert shm_entries(os.getpid()) == []
-
-
-def test_garbage_collection_stops_the_workers(wait_until: Any) -> None:
-    executor = ProcessExecutor(1)
-    executor.wait_ready(WAIT_S)
-    pids = executor.pids
-    del executor
-    gc.collect()
-    assert wait_until(lambda: all(gone(pid) for pid in pids))
-
-
-CHILD = textwrap.dedent(
-    """
-    import sys, time
-    import psutil
-    from aioloader._executors.process.executor import ProcessExecutor
-
-    executor = ProcessExecutor(2, start_method=sys.argv[2])
-    assert executor.start_method == sys.argv[2]
-    executor.wait_ready()
-    busy = [executor.submit(time.sleep, 60) for _ in range(2)]  # both workers mid-task
-    print(*[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
-    if sys.argv[1] == "exit":
-        sys.exit(0)  # without close(): interpreter exit must clean up
-    time.sleep(60)
-    """
-)
-
-
-def test_nothing_outlives_the_parent_even_a_sigkill(wait_until: Any) -> None:
-    modes = [("kill", "zygote"), ("exit", "zygote"), ("kill", "forkserver")]
-    children = {
-        mode: subprocess.Popen(
-            [sys.executable, "-c", CHILD, *mode], stdout=subprocess.PIPE, text=True
-        )
-        for mode in modes
-    }
-    descendants = {
-        mode: [int(p) for p in child.stdout.readline().split()] for mode, child in children.items()
-    }  # type: ignore[union-attr]
-    for mode, child in children.items():
-        if mode[0] == "kill":
-            child.send_signal(signal.SIGKILL)
-    for mode, child in children.items():
-        child.wait(WAIT_S)
-        child.stdout.close()  # type: ignore[union-attr]
-        assert len(descendants[mode]) >= 3, descendants  # the workers and the zygote/forkserver
-        assert wait_until(lambda d=descendants[mode]: all(gone(p) for p in d), 5.0), mode
-        assert shm_entries(child.pid) == []
-
-
-def test_loader_takes_an_executor_instance_and_leaves_it_open() -> None:
-    import aioloader
-
-    pool = aioloader.ProcessExecutor(1)
-    try:
-        with aioloader.Loader(list(range(6)), lambda k: k, decode=_square, executor=pool) as loader:
-            assert [int(x) for x in loader] == [0, 1, 4, 9, 16, 25]
-        with aioloader.Loader([7], lambda k: k, decode=_square, executor=pool) as again:
-            assert [int(x) for x in again] == [49]  # still usable: the loader did not close it
-    finally:
-        pool.close()
-
-
-def _square(x: int) -> int:
-    return x * x
 
 
 def held_until(marker: str) -> None:

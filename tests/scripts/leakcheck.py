@@ -80,6 +80,14 @@ def shm_entries(pid: int | None = None) -> list[str]:
     return sorted(names)
 
 
+def gone(pid: int) -> bool:
+    """Process `pid` has ended (exited, or a zombie not yet reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _is_stdlib_helper(proc: psutil.Process) -> bool:
     try:
         cmdline = " ".join(proc.cmdline())

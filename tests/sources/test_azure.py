@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import pickle
-import random
-import tarfile
 import time
 import zlib
 from collections.abc import Iterator
@@ -18,9 +15,10 @@ from typing import Any
 import pytest
 from support.azurite import ACCOUNT, KEY, AzuriteServer
 from support.faultproxy import Fault, FaultProxy
+from support.stores import FAST, PREFIXES, clear_store_setup, write_objects
 
-from aioloader import FetchError, InvalidKeyError, Loader
-from aioloader.sources import azure, tar_shards
+from aioloader import FetchError, Loader
+from aioloader.sources import azure
 from aioloader.sources.stores.azureauth import (
     AzureSigner,
     AzUrl,
@@ -31,32 +29,19 @@ from aioloader.sources.stores.azureauth import (
     parse_listing,
 )
 
-PREFIX = "aztest/"
-FAST = {"backoff": 0.01, "max_backoff": 0.05}
-AZURE_VARIABLES = [
-    "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY",
-    "AZURE_STORAGE_SAS_TOKEN",
-]  # fmt: skip
+PREFIX = PREFIXES["azure"]
 
 
 @pytest.fixture(autouse=True)
-def no_azure_setup(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test sees no Azure variables but the ones it sets itself."""
-    for name in AZURE_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+def no_azure_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each test sees no store variables and no ~/.aws or gcloud files but the ones it writes."""
+    clear_store_setup(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def stored(azurite: AzuriteServer) -> dict[str, bytes]:
     """Blobs under PREFIX written with the official SDK (odd names included), one outside it."""
-    rng = random.Random(5)
-    names = [f"{PREFIX}{i:04d}.bin" for i in range(24)]
-    names += [f"{PREFIX}dir a/ü+x=1.bin", f"{PREFIX}z~tilde&amp.bin"]
-    objects = {name: rng.randbytes(1500 + 89 * i) for i, name in enumerate(names)}
-    for name, body in objects.items():
-        azurite.put(name, body)
-    azurite.put("elsewhere/x.bin", b"not listed")
-    return objects
+    return write_objects("azure", azurite)  # the shared suite's (test_stores.py)
 
 
 @pytest.fixture
@@ -93,52 +78,6 @@ def sig_of(sas: str) -> str:
 
 
 # -- against Azurite -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
-def test_sdk_written_blobs_come_back_byte_for_byte(
-    engine: str, azurite: AzuriteServer, stored: dict[str, bytes]
-) -> None:
-    src = source(azurite, engine=engine, page_size=5)
-    expected = sorted(stored, key=str.encode)
-    assert src.keys() == expected  # sorted, the prefix only, across 6 pages
-    assert {k: src.size(k) for k in expected} == {k: len(stored[k]) for k in expected}
-    with Loader(src, batch_size=4, collate=None, concurrency=8) as loader:
-        got = [bytes(x) for batch in loader for x in batch]
-    assert got == [stored[k] for k in expected]
-    assert src.stats()["failures"] == 0
-
-
-def test_streamed_listing_goes_page_by_page(
-    azurite: AzuriteServer, stored: dict[str, bytes]
-) -> None:
-    src = source(azurite, page_size=10, stream_keys=True)
-    with Loader(src, collate=None) as loader:
-        got = [bytes(x) for x in loader]
-    assert got == [stored[k] for k in sorted(stored, key=str.encode)]
-    assert src.stats()["requests"] == 3 + len(stored)  # 26 names in pages of 10, then the GETs
-
-
-@pytest.mark.asyncio
-async def test_ranges_and_missing_blobs(azurite: AzuriteServer, stored: dict[str, bytes]) -> None:
-    src = source(azurite, attempts=2, **FAST)
-    key = f"{PREFIX}0003.bin"
-    body = stored[key]
-    try:
-        assert bytes(await src.fetch_range(key, 100, 50)) == body[100:150]
-        assert bytes(await src.fetch_range(key, 1000)) == body[1000:]
-        assert (
-            bytes(await src.fetch_range(f"{PREFIX}dir a/ü+x=1.bin", 0, 7))
-            == stored[f"{PREFIX}dir a/ü+x=1.bin"][:7]
-        )
-        with pytest.raises(FetchError, match=r"status 404.*BlobNotFound") as missing:
-            await src.fetch(f"{PREFIX}nope.bin")
-        assert missing.value.key == f"{PREFIX}nope.bin"
-        assert src.stats()["retries"] == 0  # a 404 is not retried
-        with pytest.raises(InvalidKeyError):
-            src.url("")
-    finally:
-        await src.aclose()
 
 
 def test_sas_token_reads_and_is_never_shown(
@@ -234,25 +173,6 @@ def test_a_wrong_key_is_refused_naming_the_url_and_no_secret(
         asyncio.run(fetch())
 
 
-def test_tar_shards_over_az(azurite: AzuriteServer) -> None:
-    shards = []
-    for s in range(3):
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for i in range(4):
-                for ext, data in (("txt", f"{s}-{i}".encode()), ("cls", str(i).encode())):
-                    info = tarfile.TarInfo(f"sample{s}{i}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        azurite.put(f"shards/train-{s}.tar", buf.getvalue())
-        shards.append(f"az://{azurite.container}/shards/train-{s}.tar")
-    options = {"connection_string": azurite.connection_string()}
-    src = tar_shards(shards, shuffle=False, parallel=1, azure_options=options)
-    with Loader(src, collate=None) as loader:
-        got = [(x["__key__"], bytes(x["txt"])) for x in loader]
-    assert got == [(f"sample{s}{i}", f"{s}-{i}".encode()) for s in range(3) for i in range(4)]
-
-
 # -- faults, through the proxy ---------------------------------------------------------------------
 
 
@@ -290,20 +210,6 @@ def test_storms_resets_truncation_and_stalls_still_deliver_every_key_once(
     assert stats["retries"] >= len(keys)
     assert stats["throttles"] >= 1  # ServerBusy, OperationTimedOut, 429 and 503 count
     assert stats["failures"] == 0
-
-
-def test_operation_timed_out_shrinks_the_whole_sources_concurrency(
-    azurite: AzuriteServer, stored: dict[str, bytes], az_proxy: FaultProxy
-) -> None:
-    az_proxy.plan = lambda path, n: Fault("500-timed-out") if az_proxy.seen.total() <= 8 else None
-    keys = sorted(stored)[:12]  # few enough that the limit has not grown back to 8 by the end
-    src = proxied(azurite, az_proxy, keys)
-    with Loader(src, concurrency=8, collate=None, max_bytes_in_flight=None) as loader:
-        assert [bytes(x) for x in loader] == [stored[k] for k in keys]
-    stats = src.stats()
-    assert stats["throttles"] == 8
-    assert stats["decreases"] == 1
-    assert stats["concurrency_limit"] < 8
 
 
 def test_a_storm_that_never_ends_names_the_key(
@@ -502,36 +408,3 @@ def test_signer_headers_and_listing_parse() -> None:
         parse_listing(b"<EnumerationResults><Blobs/><NextMarker/></EnumerationResults>").next_marker
         is None
     )
-
-
-def test_a_cached_epoch_makes_no_get_and_a_changed_blob_is_fetched_again(
-    azurite: AzuriteServer, az_proxy: FaultProxy, tmp_path: Path
-) -> None:
-    # the cache comes with the remote base; Azure's listing gives each blob's ETag, so a blob
-    # rewritten with the same size is still told apart from its cached copy
-    prefix = "cached/"
-    bodies = {f"{prefix}{i}.bin": bytes([i]) * (3000 + i) for i in range(5)}
-    for name, body in bodies.items():
-        azurite.put(name, body)
-
-    def epoch() -> list[bytes]:
-        src = azure(f"az://{azurite.container}/{prefix}", cache_dir=tmp_path, concurrency=4,
-                    connection_string=azurite.connection_string(f"{az_proxy.url}/{ACCOUNT}"))  # fmt: skip
-        assert src.etag(f"{prefix}0.bin") is None  # not listed yet
-        with Loader(src, batch_size=5, collate=None, shuffle=False) as loader:
-            got = [bytes(x) for batch in loader for x in batch]
-        assert src.etag(f"{prefix}0.bin")
-        return got
-
-    assert epoch() == list(bodies.values())
-    first = dict(az_proxy.seen)
-    assert sum(first.values()) == 1 + len(bodies)  # the listing, then each blob once
-    az_proxy.reset_counts()
-    assert epoch() == list(bodies.values())
-    assert sum(az_proxy.seen.values()) == 1  # the listing only
-    changed = f"{prefix}2.bin"
-    bodies[changed] = b"\xff" * len(bodies[changed])  # same size, new ETag
-    azurite.put(changed, bodies[changed])
-    az_proxy.reset_counts()
-    assert epoch() == list(bodies.values())
-    assert sum(az_proxy.seen.values()) == 2  # the listing, and the changed blob

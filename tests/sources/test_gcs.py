@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import io
 import json
 import logging
-import random
-import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,37 +15,27 @@ from typing import Any
 import pytest
 from support.faultproxy import Fault, FaultProxy
 from support.gcsserver import AuthGate, GcsServer, TokenServer
+from support.stores import FAST, PREFIXES, clear_store_setup, write_objects
 
 from aioloader import FetchError, InvalidKeyError, Loader
-from aioloader.sources import gcs, tar_shards
+from aioloader.sources import gcs
 from aioloader.sources.gcs import GCS
 from aioloader.sources.stores.gcsauth import GOOG4, REFRESH_MARGIN_S
 from aioloader.sources.transport.sigv4 import V4Names, sign_v4
 
-PREFIX = "gcstest/"
-FAST = {"backoff": 0.01, "max_backoff": 0.05}
-GOOGLE_VARIABLES = ["STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GCE_METADATA_HOST"]
+PREFIX = PREFIXES["gcs"]
 
 
 @pytest.fixture(autouse=True)
 def no_google_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Each test sees no Google variables and no gcloud files but the ones it writes itself."""
-    for name in GOOGLE_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    """Each test sees no store variables and no ~/.aws or gcloud files but the ones it writes."""
+    clear_store_setup(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def stored(gcs_server: GcsServer) -> dict[str, bytes]:
     """Objects under PREFIX (odd names included) plus one outside it, written by the official SDK."""
-    rng = random.Random(5)
-    names = [f"{PREFIX}{i:04d}.bin" for i in range(30)]
-    names += [f"{PREFIX}dir a/ü+x=1.bin", f"{PREFIX}z~tilde&amp;?.bin", f"{PREFIX}Upper.bin"]
-    objects = {name: rng.randbytes(2048 + 97 * i) for i, name in enumerate(names)}
-    for name, body in objects.items():
-        gcs_server.put(name, body)
-    gcs_server.put("elsewhere/x.bin", b"not listed")
-    return objects
+    return write_objects("gcs", gcs_server)  # the shared suite's (test_stores.py)
 
 
 def source(server: GcsServer, **options: Any) -> GCS:
@@ -59,58 +46,6 @@ def source(server: GcsServer, **options: Any) -> GCS:
 # -- reading ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
-def test_objects_written_by_the_sdk_are_read_back_by_a_loader(
-    engine: str, gcs_server: GcsServer, stored: dict[str, bytes]
-) -> None:
-    src = source(gcs_server, engine=engine)
-    with Loader(src, concurrency=16, collate=None) as loader:
-        got = {key: bytes(x) for key, x in zip(src.keys(), loader, strict=True)}
-    assert got == stored
-    assert src.stats()["failures"] == 0
-
-
-def test_listing_is_sorted_paged_and_gives_sizes(
-    gcs_server: GcsServer, stored: dict[str, bytes]
-) -> None:
-    src = source(gcs_server, page_size=7)
-    expected = sorted(stored, key=str.encode)
-    assert src.size(expected[0]) is None
-    assert src.keys() == expected  # "elsewhere/x.bin" is outside the prefix
-    assert src.stats()["requests"] == 0  # the blocking listing used a pool of its own
-    assert {k: src.size(k) for k in expected} == {k: len(stored[k]) for k in expected}
-
-    async def streamed() -> list[str]:
-        try:
-            return [key async for key in src.iter_keys()]
-        finally:
-            await src.aclose()
-
-    assert asyncio.run(streamed()) == expected
-    assert src.stats()["requests"] == 5  # 33 names in pages of 7
-    streaming = source(gcs_server, page_size=10, stream_keys=True, engine="fast")
-    with Loader(streaming, concurrency=8, collate=None) as loader:
-        assert [bytes(x) for x in loader] == [stored[k] for k in expected]
-
-
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
-@pytest.mark.asyncio
-async def test_ranges_and_missing_objects(
-    engine: str, gcs_server: GcsServer, stored: dict[str, bytes]
-) -> None:
-    src = source(gcs_server, engine=engine, **FAST)
-    key = f"{PREFIX}dir a/ü+x=1.bin"
-    try:
-        assert await src.fetch_range(key, 10, 100) == stored[key][10:110]
-        assert await src.fetch_range(key, 2000) == stored[key][2000:]
-        with pytest.raises(FetchError, match=r"status 404") as info:
-            await src.fetch(f"{PREFIX}absent.bin")
-        assert "1 attempt(s)" in str(info.value)
-        assert info.value.key == f"{PREFIX}absent.bin"
-    finally:
-        await src.aclose()
-
-
 def test_emulator_host_variable_means_anonymous(
     gcs_server: GcsServer, stored: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,28 +54,6 @@ def test_emulator_host_variable_means_anonymous(
     assert src.endpoint == gcs_server.endpoint
     assert "anonymous" in repr(src)
     assert len(src.keys()) == len(stored)
-
-
-def test_tar_shards_over_gs(gcs_server: GcsServer) -> None:
-    samples = {
-        f"s{i:03d}": (f"label {i}".encode(), random.Random(i).randbytes(3000)) for i in range(12)
-    }
-    shards = []
-    for n in range(3):
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for key in sorted(samples)[n::3]:
-                for ext, data in zip(("cls", "bin"), samples[key], strict=True):
-                    info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        gcs_server.put(f"shards/part-{n}.tar", buf.getvalue())
-        shards.append(f"gs://{gcs_server.bucket}/shards/part-{n}.tar")
-    options = {"endpoint_url": gcs_server.endpoint, "anonymous": True}
-    source_ = tar_shards(shards, shuffle=False, gcs_options=options)
-    with Loader(source_, collate=None) as loader:
-        got = {s["__key__"]: (s["cls"], s["bin"]) for s in loader}
-    assert got == samples
 
 
 # -- faults -------------------------------------------------------------------------------------
@@ -197,28 +110,6 @@ def test_a_persistent_failure_or_stall_is_a_typed_error_naming_the_key(
     with Loader(stalled, collate=None) as loader, pytest.raises(FetchError, match="deadline"):
         list(loader)
     assert time.monotonic() - t0 < 2.5
-
-
-def test_throttling_429_and_503_shrinks_the_sources_concurrency(
-    gcs_proxy: FaultProxy, gcs_server: GcsServer, stored: dict[str, bytes]
-) -> None:
-    def plan(path: str, n: int) -> Fault | None:  # the first burst of 16 is throttled
-        if gcs_proxy.seen.total() <= 16:
-            return Fault("429" if gcs_proxy.seen.total() % 2 else "503")
-        return None
-
-    gcs_proxy.plan = plan
-    keys = sorted(stored)
-    src = gcs(f"gs://{gcs_server.bucket}/{PREFIX}", keys, endpoint_url=gcs_proxy.url,
-              anonymous=True, concurrency=16, **FAST)  # fmt: skip
-    with Loader(src, concurrency=16, collate=None, max_bytes_in_flight=None) as loader:
-        got = [bytes(x) for x in loader]
-    assert got == [stored[k] for k in keys]
-    stats = src.stats()
-    assert stats["throttles"] == 16
-    assert stats["decreases"] == 1
-    assert stats["concurrency_limit"] < 16
-    assert stats["failures"] == 0
 
 
 def test_early_break_and_cancellation_leave_nothing_open(
@@ -564,34 +455,3 @@ def test_the_token_endpoint_is_reached_over_verified_tls(
         assert secure.issued == ["token-1"]
     finally:
         secure.stop()
-
-
-def test_a_cached_epoch_makes_no_get_and_a_changed_object_is_fetched_again(
-    gcs_proxy: FaultProxy, gcs_server: GcsServer, tmp_path: Path
-) -> None:
-    # the cache comes with the remote base; GCS's listing gives each object's ETag, so an object
-    # rewritten with the same size is still told apart from its cached copy
-    prefix = "cached/"
-    bodies = {f"{prefix}{i}.bin": bytes([i]) * (3000 + i) for i in range(5)}
-    for name, body in bodies.items():
-        gcs_server.put(name, body)
-
-    def epoch() -> list[bytes]:
-        src = gcs(f"gs://{gcs_server.bucket}/{prefix}", endpoint_url=gcs_proxy.url, anonymous=True,
-                  cache_dir=tmp_path, concurrency=4)  # fmt: skip
-        with Loader(src, batch_size=5, collate=None, shuffle=False) as loader:
-            got = [bytes(x) for batch in loader for x in batch]
-        assert src.etag(f"{prefix}0.bin")
-        return got
-
-    assert epoch() == list(bodies.values())
-    assert sum(gcs_proxy.seen.values()) == 1 + len(bodies)  # the listing, then each object once
-    gcs_proxy.reset_counts()
-    assert epoch() == list(bodies.values())
-    assert sum(gcs_proxy.seen.values()) == 1  # the listing only
-    changed = f"{prefix}2.bin"
-    bodies[changed] = b"\xff" * len(bodies[changed])  # same size, new ETag
-    gcs_server.put(changed, bodies[changed])
-    gcs_proxy.reset_counts()
-    assert epoch() == list(bodies.values())
-    assert sum(gcs_proxy.seen.values()) == 2  # the listing, and the changed object

@@ -17,11 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from support.azurite import AzuriteServer
 from support.faultproxy import Fault, FaultProxy, Origin
 from support.gcsserver import GcsServer
+from support.parquetfiles import COLUMNS, FILES, expected, plain, rows_of, write_files
 from support.s3server import SeaweedServer
 
 from aioloader import FetchError, Loader
@@ -29,55 +28,11 @@ from aioloader._util.ranges import Ranges
 from aioloader.sources import Parquet, ParquetError, parquet, tar_shards
 from aioloader.sources.formats.options import ShardOptions
 from aioloader.sources.formats.parquet_bytes import FOOTER_GUESS
-from aioloader.sources.formats.parquet_order import epoch_rows, remaining, share
-
-COLUMNS = ["id", "score", "label", "tokens", "image", "name", "extra"]
-# (file name, rows, row group size, codec)
-FILES = [("a.parquet", 500, 64, "snappy"), ("b.parquet", 230, 100, "zstd"),
-         ("c.parquet", 97, 97, "gzip"), ("d.parquet", 40, 7, "none")]  # fmt: skip
-
-
-def make_table(rows: int, first_id: int) -> pa.Table:
-    """Nulls, nested lists, a binary image column, a dictionary-encoded string column."""
-    rng = np.random.default_rng(first_id)
-    ids = np.arange(first_id, first_id + rows)
-    return pa.table({
-        "id": ids,
-        "score": pa.array([None if i % 11 == 0 else float(v)
-                           for i, v in zip(ids, rng.random(rows), strict=True)]),
-        "label": pa.array([int(i % 5) for i in ids], pa.int32()),
-        "tokens": pa.array([None if i % 13 == 0 else rng.integers(0, 1000, i % 9).tolist() for i in ids],
-                           pa.list_(pa.int64())),
-        "image": pa.array([None if i % 17 == 0 else rng.bytes(int(i % 50) * 20) for i in ids], pa.binary()),
-        "name": pa.array([f"class-{i % 4}" for i in ids]).dictionary_encode(),
-        "extra": pa.array([rng.bytes(2000) for _ in ids], pa.binary()),
-    })  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    folder = tmp_path_factory.mktemp("parquet")
-    paths, first = [], 0
-    for name, rows, group, codec in FILES:
-        path = folder / name
-        pq.write_table(make_table(rows, first), path, row_group_size=group, compression=codec)
-        paths.append(str(path))
-        first += rows
-    return paths
-
-
-def expected(paths: list[str], columns: list[str] | None) -> list[dict[str, Any]]:
-    return [row for p in paths for row in pq.read_table(p, columns=columns).to_pylist()]
-
-
-def plain(sample: dict[str, Any]) -> dict[str, Any]:
-    """Numpy arrays (list columns) as lists, to compare with pyarrow's `to_pylist`."""
-    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in sample.items()}
-
-
-def rows_of(source: Parquet, **loader: Any) -> list[dict[str, Any]]:
-    with Loader(source, batch_size=None, collate=None, **loader) as ld:
-        return [plain(s) for s in ld]
+    return write_files(tmp_path_factory.mktemp("parquet"))
 
 
 @pytest.mark.parametrize("columns", [None, ["id", "tokens", "image", "name"], ["score"]])
@@ -227,115 +182,6 @@ def test_s3(seaweed: SeaweedServer, files: list[str], engine: str) -> None:
     assert source.stats()["requests"] > len(files)  # footers, then column chunks
 
 
-# -- sharding and resume ----------------------------------------------------------------------------
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    counts=st.lists(st.integers(0, 40), min_size=1, max_size=12),
-    world=st.integers(1, 5),
-    buffer=st.integers(0, 30),
-    epoch=st.integers(0, 3),
-    drop_last=st.booleans(),
-)
-def test_shares_hold_every_row_once_with_equal_lengths(
-    counts: list[int], world: int, buffer: int, epoch: int, drop_last: bool
-) -> None:
-    n = sum(counts)
-    order = epoch_rows(counts, True, buffer, 9, epoch)
-    assert sorted(order.tolist()) == list(range(n))
-    if buffer:
-        plain_order = epoch_rows(counts, True, 0, 9, epoch)
-        where = {row: i for i, row in enumerate(plain_order.tolist())}
-        assert all(abs(where[row] - i) < buffer for i, row in enumerate(order.tolist()))
-    shares = [share(remaining(Ranges(), n), r, world, drop_last) for r in range(world)]
-    assert len({len(s) for s in shares}) == 1  # equal step counts
-    taken = collections.Counter(i for s in shares for i in s.tolist())
-    if drop_last:
-        assert sum(taken.values()) == (n // world) * world
-        assert max(taken.values(), default=1) == 1
-    else:
-        assert set(taken) == set(range(n))  # every row, and only padding twice
-        assert sum(taken.values()) - n == len(shares[0]) * world - n < world
-
-
-@settings(max_examples=25, deadline=None)
-@given(consumed=st.sets(st.integers(0, 99), max_size=60), world=st.integers(1, 4))
-def test_shares_after_consumed_hold_the_rest_once(consumed: set[int], world: int) -> None:
-    left = remaining(Ranges.of(consumed), 100)
-    taken = collections.Counter(i for r in range(world) for i in share(left, r, world, False))
-    assert set(taken) == set(range(100)) - consumed
-
-
-def ids_per_rank(files: list[str], world: int, **kw: Any) -> list[list[list[int]]]:
-    out = []
-    for rank in range(world):
-        with Loader(parquet(files, ["id"], **kw), batch_size=16, rank=rank, world_size=world) as ld:
-            out.append([b["id"].tolist() for b in ld])
-    return out
-
-
-def test_ranks_split_rows_without_overlap_and_with_equal_steps(files: list[str]) -> None:
-    per_rank = ids_per_rank(files, 3, shuffle_buffer=40, seed=2)
-    assert len({len(batches) for batches in per_rank}) == 1
-    ids = [i for batches in per_rank for b in batches for i in b]
-    n = sum(f[1] for f in FILES)
-    assert set(ids) == set(range(n))
-    assert len(ids) - n == -(-n // 3) * 3 - n
-
-
-@pytest.mark.parametrize("rows_per_sample", [None, 30])
-def test_mid_epoch_resume_gives_the_same_rest(
-    files: list[str], rows_per_sample: int | None
-) -> None:
-    def make() -> Loader[Any]:
-        source = parquet(files, ["id", "tokens"], shuffle_buffer=60, seed=4,
-                         rows_per_sample=rows_per_sample)  # fmt: skip
-        batch = 8 if rows_per_sample is None else None
-        return Loader(source, batch_size=batch, collate=None, rank=1, world_size=2)
-
-    def ids(batch: Any) -> list[int]:
-        if rows_per_sample is None:
-            return [s["id"] for s in batch]
-        return list(batch.column("id").to_pylist())
-
-    with make() as ld:
-        list(ld)  # epoch 0
-        it = iter(ld)
-        head = [ids(next(it)) for _ in range(5)]
-        state = ld.state_dict()
-        rest = [ids(b) for b in it]
-    with make() as ld:
-        ld.load_state_dict(state)
-        resumed = [ids(b) for b in ld]
-        after = [ids(b) for b in ld]  # and the next epoch goes on as usual
-    assert resumed == rest
-    assert len(head) == 5
-    assert state["epoch"] == 1
-    with make() as ld:
-        ld.set_epoch(2)
-        assert [ids(b) for b in ld] == after
-
-
-def test_elastic_resume_delivers_the_rest_once(files: list[str]) -> None:
-    kw = {"shuffle_buffer": 30, "seed": 8}
-    states, seen = [], []
-    for rank in range(2):
-        with Loader(parquet(files, ["id"], **kw), batch_size=10, rank=rank, world_size=2) as ld:
-            it = iter(ld)
-            seen += [i for _ in range(4 + rank) for i in next(it)["id"].tolist()]
-            states.append(ld.state_dict())
-    rest = []
-    for rank in range(3):
-        with Loader(parquet(files, ["id"], **kw), batch_size=10, rank=rank, world_size=3) as ld:
-            ld.load_state_dict(states)
-            rest += [i for b in ld for i in b["id"].tolist()]
-    n = sum(f[1] for f in FILES)
-    assert set(seen) | set(rest) == set(range(n))
-    assert not set(seen) & set(rest)
-    assert len(rest) - len(set(rest)) < 3  # wrap-around padding only
-
-
 # -- errors and bounds -------------------------------------------------------------------------------
 
 
@@ -461,24 +307,6 @@ async def _stuck_after_one(source: Parquet, first: asyncio.Event) -> None:
         async for _ in rows:
             first.set()
             await asyncio.Event().wait()
-
-
-def test_resume_reads_only_the_row_groups_still_due(files: list[str]) -> None:
-    def make() -> tuple[Parquet, Loader[Any]]:
-        source = parquet(files[:1], ["id"], shuffle=False)  # 500 rows in row groups of 64
-        return source, Loader(source, batch_size=8, collate=None)
-
-    source, ld = make()
-    with ld:
-        it = iter(ld)
-        head = [s["id"] for _ in range(16) for s in next(it)]  # two whole row groups
-        state = ld.state_dict()
-    source, ld = make()
-    with ld:
-        ld.load_state_dict(state)
-        rest = [s["id"] for b in ld for s in b]
-    assert head + rest == list(range(500))
-    assert source.stats()["row_groups_read"] == 8 - 2
 
 
 def test_gs_and_az(gcs_server: GcsServer, azurite: AzuriteServer, files: list[str]) -> None:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.faultproxy import Fault, FaultProxy
 from support.s3server import DOMAIN, SeaweedServer
+from support.stores import FAST, PREFIXES, clear_store_setup, write_objects
 
 from aioloader import FetchError, Loader
 from aioloader._tuning.aimd import Aimd
@@ -18,75 +16,24 @@ from aioloader.sources.s3 import S3, s3
 from aioloader.sources.stores.listobjects import list_query, parse_listing
 from aioloader.sources.stores.s3auth import bucket_base
 
-PREFIX = "s3test/"
-FAST = {"backoff": 0.01, "max_backoff": 0.05}
-
-
-AWS_VARIABLES = [
-    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_REGION",
-    "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-]  # fmt: skip
+PREFIX = PREFIXES["s3"]
 
 
 @pytest.fixture(autouse=True)
 def no_aws_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Each test sees no AWS variables and no ~/.aws files but the ones it writes itself."""
-    for name in AWS_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "absent-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "absent-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    """Each test sees no store variables and no ~/.aws or gcloud files but the ones it writes."""
+    clear_store_setup(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def stored(seaweed: SeaweedServer) -> dict[str, bytes]:
-    """Objects under PREFIX (odd names included) plus one outside it, written once per module."""
-    rng = random.Random(3)
-    names = [f"{PREFIX}{i:04d}.bin" for i in range(30)]
-    names += [f"{PREFIX}dir a/ü+x=1.bin", f"{PREFIX}z~tilde&amp.bin"]
-    objects = {name: rng.randbytes(2048 + 97 * i) for i, name in enumerate(names)}
-    for name, body in objects.items():
-        seaweed.put(name, body)
-    seaweed.put("elsewhere/x.bin", b"not listed")
-    return objects
+    """Objects under PREFIX (odd names included) plus one outside it, written once per session."""
+    return write_objects("s3", seaweed)  # the shared suite's (test_stores.py)
 
 
 def source(server: SeaweedServer, **options: object) -> S3:
     options.setdefault("credentials", server.credentials)
     return s3(f"s3://{server.bucket}/{PREFIX}", endpoint_url=server.endpoint, **options)
-
-
-def test_keys_are_listed_sorted_across_pages(
-    seaweed: SeaweedServer, stored: dict[str, bytes]
-) -> None:
-    src = source(seaweed, page_size=7)
-    expected = sorted(stored, key=str.encode)
-    assert src.size(expected[0]) is None  # not listed yet
-    assert src.keys() == expected
-    assert src.stats()["requests"] == 0  # the sync listing used a pool of its own
-    # what a byte budget reserves before each fetch: the sizes the listing gave
-    assert {key: src.size(key) for key in expected} == {k: len(stored[k]) for k in expected}
-
-    async def streamed() -> list[str]:
-        try:
-            return [key async for key in src.iter_keys()]
-        finally:
-            await src.aclose()
-
-    assert asyncio.run(streamed()) == expected
-    assert src.stats()["requests"] == 5  # 32 keys in pages of 7
-
-
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
-def test_loader_reads_every_object(
-    engine: str, seaweed: SeaweedServer, stored: dict[str, bytes]
-) -> None:
-    src = source(seaweed, engine=engine)
-    with Loader(src, concurrency=16, collate=None) as loader:
-        got = {key: bytes(x) for key, x in zip(src.keys(), loader, strict=True)}
-    assert got == stored
-    assert src.transport._session is None
 
 
 def key_and_body(key: str, raw: bytearray) -> tuple[str, bytes]:
@@ -103,33 +50,6 @@ def test_decode_with_key_gets_the_object_key(
         got = list(loader)
     assert dict(got) == stored  # every body with its own key, e.g. "s3test/dir a/ü+x=1.bin"
     assert [key for key, _ in got] != sorted(stored, key=str.encode)  # shuffled, still paired
-
-
-def test_streamed_listing_feeds_the_loader(
-    seaweed: SeaweedServer, stored: dict[str, bytes]
-) -> None:
-    src = source(seaweed, page_size=5, stream_keys=True, engine="fast")
-    with Loader(src, concurrency=8, collate=None) as loader:
-        epochs = [[bytes(x) for x in loader] for _ in range(2)]
-    assert epochs == [[stored[k] for k in sorted(stored, key=str.encode)]] * 2
-    assert src.stats()["requests"] == 2 * (7 + len(stored))  # 7 pages and the GETs, per epoch
-
-
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
-@pytest.mark.asyncio
-async def test_ranges_and_missing_objects(
-    engine: str, seaweed: SeaweedServer, stored: dict[str, bytes]
-) -> None:
-    src = source(seaweed, engine=engine, **FAST)
-    key = f"{PREFIX}dir a/ü+x=1.bin"
-    try:
-        assert await src.fetch_range(key, 10, 100) == stored[key][10:110]
-        assert await src.fetch_range(key, 2000) == stored[key][2000:]
-        with pytest.raises(FetchError, match=r"status 404.*NoSuchKey") as info:
-            await src.fetch(f"{PREFIX}absent.bin")
-        assert "1 attempt(s)" in str(info.value)
-    finally:
-        await src.aclose()
 
 
 @pytest.mark.parametrize("engine", ["aiohttp", "fast"])
@@ -321,36 +241,6 @@ def test_a_host_that_never_resolved_fails_at_once(
     assert src.stats()["retries"] == 0
     with pytest.raises(FetchError, match="after 1 attempt"):
         s3("s3://b/p/", credentials=("AK", "SK"), engine=engine).keys()  # the listing, too
-
-
-@pytest.fixture
-def s3_proxy(seaweed: SeaweedServer) -> Iterator[FaultProxy]:
-    server = FaultProxy(seaweed.endpoint)
-    yield server
-    server.stop()
-
-
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
-def test_slowdown_shrinks_the_whole_sources_concurrency(
-    engine: str, s3_proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
-) -> None:
-    def plan(path: str, n: int) -> Fault | None:  # the first burst of 16 requests is throttled
-        return Fault("slowdown") if s3_proxy.seen.total() <= 16 else None
-
-    s3_proxy.plan = plan
-    keys = sorted(stored)
-    src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, endpoint_url=s3_proxy.url,
-             credentials=seaweed.credentials, concurrency=16, engine=engine, **FAST)  # fmt: skip
-    # no byte budget, so that the first 16 requests go out at once (with one, the first goes
-    # alone until a first size is known, and would meet all 16 throttles by itself)
-    with Loader(src, concurrency=16, collate=None, max_bytes_in_flight=None) as loader:
-        got = [bytes(x) for x in loader]
-    assert got == [stored[k] for k in keys]
-    stats = src.stats()
-    assert stats["throttles"] == 16
-    assert stats["decreases"] == 1  # one halving for the burst, not one per throttled request
-    assert 8 < stats["concurrency_limit"] < 16  # halved, then growing back by ~1/limit per success
-    assert stats["failures"] == 0
 
 
 def test_addressing_styles() -> None:

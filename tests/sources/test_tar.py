@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import random
 import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,6 +14,7 @@ import webdataset as wds
 from aiohttp import web
 from support.faultproxy import Fault, FaultProxy, Origin, ServerThread
 from support.s3server import SeaweedServer
+from support.shardfiles import write_mixed_shards
 
 from aioloader import FetchError, Loader
 from aioloader.sources.formats.options import ShardOptions
@@ -24,24 +24,9 @@ from aioloader.sources.tar import TarShards, tar_shards
 N_SHARDS, PER_SHARD = 6, 7
 
 
-def write_shards(folder: Path) -> list[str]:
-    """Shards written by webdataset's own TarWriter: mixed extensions, a folder key, a long name."""
-    rng = random.Random(11)
-    paths = []
-    for s in range(N_SHARDS):
-        path = folder / f"shard-{s:03d}.tar"
-        with wds.TarWriter(str(path)) as sink:
-            for i in range(PER_SHARD):
-                key = f"s{s}/{'x' * 120 if i == 3 else 'sample'}{i:04d}"
-                sink.write({"__key__": key, "jpg": rng.randbytes(rng.randrange(1, 3000)),
-                            "cls": str(i).encode(), "seg.PNG": rng.randbytes(40)})  # fmt: skip
-        paths.append(str(path))
-    return paths
-
-
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return write_shards(tmp_path_factory.mktemp("shards"))
+    return write_mixed_shards(tmp_path_factory.mktemp("shards"), N_SHARDS, PER_SHARD)
 
 
 def reference(paths: list[str]) -> list[dict[str, Any]]:

@@ -12,33 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import webdataset as wds
 from aiohttp import web
 from support.faultproxy import ServerThread
+from support.shardfiles import write_bin_shards
 
 from aioloader import FetchError, Loader
 from aioloader.sources.formats.shards import interleave, shuffled
 from aioloader.sources.tar import TarShards, tar_shards
 
 
-def write_shards(folder: Path, shards: int, per_shard: int, size: int = 100) -> list[str]:
-    """`shards` shards of `per_shard` samples ("bin" of `size` random bytes, "cls")."""
-    rng = random.Random(7)
-    paths = []
-    for s in range(shards):
-        path = folder / f"shard-{s:03d}.tar"
-        with wds.TarWriter(str(path)) as sink:
-            for i in range(per_shard):
-                sink.write({"__key__": f"s{s:03d}-{i:04d}", "bin": rng.randbytes(size),
-                            "cls": str(i % 10).encode()})  # fmt: skip
-        paths.append(str(path))
-    return paths
-
-
 @pytest.fixture(scope="module")
 def many(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """16 shards of 50 small samples: 800 in all."""
-    return write_shards(tmp_path_factory.mktemp("many"), 16, 50)
+    return write_bin_shards(tmp_path_factory.mktemp("many"), 16, 50)
 
 
 def keys_of(src: TarShards, epoch: int = 0) -> list[str]:
@@ -190,7 +176,7 @@ class ShardServer:
 
 
 def test_each_next_shard_is_requested_before_the_current_one_ends(tmp_path: Path) -> None:
-    paths = write_shards(tmp_path, 5, 8, size=20_000)
+    paths = write_bin_shards(tmp_path, 5, 8, size=20_000)
     server = ShardServer(paths, hold_for_next=True)
     try:
         got = keys_of(tar_shards(server.urls, shuffle=False, parallel=1, read_ahead=1))
@@ -202,7 +188,7 @@ def test_each_next_shard_is_requested_before_the_current_one_ends(tmp_path: Path
 
 
 def test_a_shard_that_fails_while_read_ahead_fails_at_its_place(tmp_path: Path) -> None:
-    paths = write_shards(tmp_path, 4, 6, size=2000)
+    paths = write_bin_shards(tmp_path, 4, 6, size=2000)
     server = ShardServer(paths)
     urls = server.urls
     urls.insert(2, f"{server.server.url}/missing.tar")
@@ -245,7 +231,7 @@ def test_a_shard_that_fails_while_read_ahead_fails_at_its_place(tmp_path: Path) 
 def test_an_early_break_leaves_no_task_and_no_connection(
     tmp_path: Path, wait_until: Callable[..., bool]
 ) -> None:
-    paths = write_shards(tmp_path, 8, 40, size=50_000)  # 2 MB each: more than a socket holds
+    paths = write_bin_shards(tmp_path, 8, 40, size=50_000)  # 2 MB each: more than a socket holds
     server = ShardServer(paths)
     try:
         src = tar_shards(server.urls, parallel=2, read_ahead=2)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support.serverprocs import free_port, stop
+from support.serverprocs import free_port, start_logged, stop, wait_ready
 
 __all__ = ["ACCOUNT", "CONTAINER", "KEY", "AzuriteServer", "find_azurite", "start_azurite"]
 
@@ -91,23 +90,17 @@ def start_azurite(workdir: Path, in_memory: bool = True) -> AzuriteServer:
     cmd = [exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--disableTelemetry",
            "--disableProductStyleUrl", "--skipApiVersionCheck", "--loose", "--silent"]  # fmt: skip
     cmd += ["--inMemoryPersistence"] if in_memory else ["--location", str(workdir / "data")]
-    log = (workdir / "azurite.out").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-    log.close()
+    log = workdir / "azurite.out"
+    proc = start_logged(cmd, log, cwd=workdir)
     server = AzuriteServer(proc, port)
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                pass
-        except OSError:
-            time.sleep(PROBE_INTERVAL_S)
-            continue
-        server.service().create_container(CONTAINER)
-        return server
-    server.stop()
-    tail = (workdir / "azurite.out").read_text(errors="replace")[-2000:]
-    pytest.fail(f"Azurite did not start within {START_DEADLINE_S} s: {tail}")
+
+    def listening() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
+    wait_ready(proc, listening, "Azurite", log, START_DEADLINE_S, PROBE_INTERVAL_S)
+    server.service().create_container(CONTAINER)
+    return server
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
-"""A fake CUDA backend (streams, events, copies) for the tests of the transfer stage."""
+"""A fake CUDA backend (streams, events, copies) for the tests of the transfer stage, and what those
+tests drive it with: `FakeEpoch` (an epoch of given items), `hand_over_in_thread`, `copied_from`."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
@@ -9,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from aioloader._pipeline.stages import END
+from aioloader._pipeline.transfer import DeviceStage, Staged
 
 
 @dataclass(frozen=True)
@@ -121,3 +126,60 @@ class FakeBackend:
 
     def host_unregister(self, tensor: torch.Tensor) -> None:
         self.pinned = [b for b in self.pinned if b is not tensor]
+
+
+class FakeEpoch:
+    """An `Epoch` that yields `(i, items[i])`, raising items that are exceptions, then `(-1, END)`."""
+
+    def __init__(self, items: list[Any], check: Callable[[], None] = lambda: None) -> None:
+        self.items = items
+        self.check = check
+        self.pulled = 0
+        self.closed = self.cancelled = False
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    async def get(self) -> tuple[int, Any]:
+        self.check()
+        await asyncio.sleep(0)
+        if self.pulled == len(self.items):
+            return -1, END
+        self.pulled += 1
+        item = self.items[self.pulled - 1]
+        if isinstance(item, BaseException):
+            raise item
+        return self.pulled - 1, item
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def hand_over_in_thread(
+    stage: DeviceStage, staged: Staged, stream: FakeStream
+) -> tuple[Any, list[Op]]:
+    """Hand `staged` over in a new "consumer" thread whose current stream is `stream`."""
+    backend = stage.backend
+    assert isinstance(backend, FakeBackend)
+    result: dict[str, Any] = {}
+
+    def consume() -> None:
+        with backend.use_stream(stream):
+            before = len(backend.ops)
+            result["batch"] = stage.hand_over(staged)
+            result["ops"] = backend.ops[before:]  # what had happened when the batch came back
+
+    thread = threading.Thread(target=consume, name="consumer")
+    thread.start()
+    thread.join()
+    return result["batch"], result["ops"]
+
+
+def copied_from(backend: FakeBackend) -> list[int]:
+    """The source addresses of the copies `backend` was asked for, in order."""
+    return [op.target[0] for op in backend.kinds("copy")]

@@ -24,6 +24,16 @@ STOP_DEADLINE_S = 2.0
 POLL_INTERVAL_S = 0.005
 
 
+async def square(key: int) -> int:
+    """The simplest async fetch: a key's square."""
+    return key * key
+
+
+def plain_square(key: int) -> int:
+    """The simplest plain fetch (run in fetch threads): a key's square."""
+    return key * key
+
+
 class Boom(Exception):
     """The error the failing fakes raise (a type the loader cannot know)."""
 

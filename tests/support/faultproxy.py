@@ -26,6 +26,7 @@ from aiohttp import web
 
 __all__ = ["Fault", "FaultProxy", "Origin", "RateLimit", "ServerThread"]
 
+HOLD_DEADLINE_S = 10.0  # a held burst that never fills up is answered anyway by then
 KINDS = ("503", "503-retry-after", "429", "500", "reset", "reset-mid-body", "truncate", "stall",
          "latency", "trickle")  # fmt: skip
 SLOWDOWN = (
@@ -170,13 +171,20 @@ def _reset(request: web.Request) -> None:
 
 
 class FaultProxy(ServerThread):
-    """Forwards GETs to `upstream`, injecting the faults `plan(path, n)` asks for (None: forward)."""
+    """Forwards GETs to `upstream`, injecting the faults `plan(path, n)` asks for (None: forward).
+
+    With `hold = N`, no injected fault is answered before N were injected (a burst answered together,
+    whatever the machine's load: no answer, and so no retry, can come in between), for at most
+    `HOLD_DEADLINE_S`.
+    """
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.plan: Callable[[str, int], Fault | None] = lambda path, n: None
         self.seen: collections.Counter[str] = collections.Counter()
         self.injected: collections.Counter[str] = collections.Counter()
+        self.hold = 0
+        self._held: asyncio.Event | None = None
         self._session: aiohttp.ClientSession | None = None
         app = web.Application()
         app.router.add_get("/{path:.*}", self._handle)
@@ -186,6 +194,7 @@ class FaultProxy(ServerThread):
     def reset_counts(self) -> None:
         self.seen.clear()
         self.injected.clear()
+        self._held = None
 
     async def _close_session(self, _app: web.Application) -> None:
         if self._session is not None:
@@ -197,12 +206,22 @@ class FaultProxy(ServerThread):
         fault = self.plan(path, self.seen[path])
         if fault is not None:
             self.injected[fault.kind] += 1
+            if self.hold:
+                await self._until_all_held()
             if fault.kind == "latency":
                 await asyncio.sleep(fault.seconds)
             else:
                 return await self._inject(request, fault)
         status, headers, body = await self._forward(request)
         return web.Response(status=status, headers=headers, body=body)
+
+    async def _until_all_held(self) -> None:
+        """Wait (on the proxy's loop) until `hold` faults were injected."""
+        if self._held is None:
+            self._held = asyncio.Event()
+        if self.injected.total() >= self.hold:
+            self._held.set()
+        await asyncio.wait_for(self._held.wait(), HOLD_DEADLINE_S)
 
     async def _forward(self, request: web.Request) -> tuple[int, dict[str, str], bytes]:
         if self._session is None:

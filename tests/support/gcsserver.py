@@ -31,7 +31,7 @@ import pytest
 from aiohttp import web
 
 from support.faultproxy import ServerThread
-from support.serverprocs import free_port, stop
+from support.serverprocs import free_port, start_logged, stop, wait_ready
 
 __all__ = [
     "AuthGate",
@@ -96,25 +96,21 @@ def start_gcs(workdir: Path, public_host: str | None = None) -> GcsServer:
     port = free_port()
     cmd = [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
            "memory", "-log-level", "warn", "-public-host", public_host or f"127.0.0.1:{port}"]  # fmt: skip
-    log = (workdir / "fake-gcs.out").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
+    log = workdir / "fake-gcs.out"
+    proc = start_logged(cmd, log)
     server = GcsServer(proc, port)
     body = json.dumps({"name": BUCKET}).encode()
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline and proc.poll() is None:
+
+    def bucket_made() -> bool:
         request = urllib.request.Request(
             f"{server.endpoint}/storage/v1/b", data=body, method="POST",
             headers={"Content-Type": "application/json"},
         )  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=5):
-                return server
-        except (urllib.error.URLError, OSError):
-            time.sleep(PROBE_INTERVAL_S)
-    server.stop()
-    tail = (workdir / "fake-gcs.out").read_text(errors="replace")[-2000:]
-    pytest.fail(f"fake-gcs-server did not start within {START_DEADLINE_S} s: {tail}")
+        with urllib.request.urlopen(request, timeout=5):  # an error (URLError) is an OSError
+            return True
+
+    wait_ready(proc, bucket_made, "fake-gcs-server", log, START_DEADLINE_S, PROBE_INTERVAL_S)
+    return server
 
 
 @pytest.fixture(scope="session")

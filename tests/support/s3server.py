@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,7 +24,7 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from support.serverprocs import free_ports, stop
+from support.serverprocs import free_ports, start_logged, stop, wait_ready
 
 __all__ = ["ACCESS_KEY", "BUCKET", "DOMAIN", "SECRET_KEY", "SeaweedServer", "start_seaweed"]
 
@@ -107,21 +106,10 @@ def start_seaweed(workdir: Path) -> SeaweedServer:
            "-s3.port.lance=0", f"-s3.domainName={DOMAIN}", f"-filer.localSocket={workdir / 'filer.sock'}",
            f"-s3.localSocket={workdir / 's3.sock'}"]  # fmt: skip
     cmd += [f"-{flag}={port}" for flag, port in zip(_PORT_FLAGS, ports, strict=True)]
-    log = (workdir / "weed.out").open("wb")
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(workdir)}
-    )
-    log.close()
+    log = workdir / "weed.out"
+    proc = start_logged(cmd, log, env={**os.environ, "TMPDIR": str(workdir)})
     server = SeaweedServer(proc, ports[0], workdir)
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if server.request("PUT", ".ready", b"ok")[0] == 200:
-                server.request("DELETE", ".ready")
-                return server
-        except OSError:
-            pass
-        time.sleep(PROBE_INTERVAL_S)
-    server.stop()
-    tail = (workdir / "weed.out").read_text(errors="replace")[-2000:]
-    pytest.fail(f"SeaweedFS did not start within {START_DEADLINE_S} s: {tail}")
+    ready = lambda: server.request("PUT", ".ready", b"ok")[0] == 200  # noqa: E731
+    wait_ready(proc, ready, "SeaweedFS", log, START_DEADLINE_S, PROBE_INTERVAL_S)
+    server.request("DELETE", ".ready")
+    return server
