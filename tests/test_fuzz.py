@@ -2,7 +2,9 @@
 
 The tar reader (`aioloader.sources.formats.tar_members`, behind `tar_shards`) must, for any bytes in any
 chunking, either yield members or raise `FetchError`: never hang, never another exception type. On an
-intact archive it yields what `tarfile` lists; on a cut one, a prefix of that, then `FetchError`.
+intact archive it yields what `tarfile` lists; on a cut one, a prefix of that, then `FetchError`. The
+reader of a tar file by position (`tar_file.TarFile`: local and cached shards) must yield the same
+members and raise the same error as the stream reader, for any bytes and any sizes of its reads.
 
 `aioloader.default_collate` (and the pooled collate the loader uses) must return what
 `torch.utils.data.default_collate` returns for the same samples, or raise where torch raises.
@@ -26,7 +28,16 @@ import torch
 import webdataset as wds
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
-from scripts.tarcraft import END, header, member, octal, pax, pax_record, read_members
+from scripts.tarcraft import (
+    END,
+    header,
+    member,
+    octal,
+    pax,
+    pax_record,
+    read_file_members,
+    read_members,
+)
 from support.compare import assert_same
 from torch.utils.data import default_collate as torch_collate
 
@@ -188,6 +199,52 @@ def test_crafted_headers_yield_members_or_a_fetch_error(
     data = b"".join(blocks) + (END if end else b"")
     _, error = read_members(data, chunks)  # Hung (a loop or a wait) fails the test
     assert error is None or isinstance(error, FetchError), f"{type(error).__name__}: {error}"
+
+
+READS = st.tuples(
+    st.sampled_from([512, 1024, 1536, 4096, 65536]),  # region
+    st.sampled_from([1, 600, 1024, 32768]),  # direct
+    st.sampled_from([1, 700, 5000, 1 << 21]),  # limit
+)
+
+
+def same_as_the_stream(data: bytes, reads: tuple[int, int, int]) -> None:
+    """The file reader gives `data`'s members and error as the stream reader does."""
+    streamed, stream_error = read_members(data)
+    read, file_error = read_file_members(data, *reads)
+    assert read == streamed
+    assert repr(file_error) == repr(stream_error)
+
+
+@settings(FUZZ, max_examples=80)
+@given(
+    fmt=st.sampled_from(sorted(FORMATS)),
+    entries=ENTRIES,
+    cut=st.floats(0, 1.2),
+    edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=3),
+    reads=READS,
+)
+def test_a_file_read_by_position_gives_what_its_stream_gives(
+    fmt: str,
+    entries: list[tuple[str, str, int]],
+    cut: float,
+    edits: list[tuple[int, int]],
+    reads: tuple[int, int, int],
+) -> None:
+    archive, _, end = build((fmt, entries))
+    data = bytearray(archive[: int(cut * len(archive))])
+    for position, value in edits:
+        if data:
+            data[position % min(len(data), max(1, end))] = value
+    same_as_the_stream(bytes(data), reads)
+
+
+@settings(FUZZ, max_examples=120)
+@given(blocks=st.lists(BLOCKS, min_size=1, max_size=5), end=st.booleans(), reads=READS)
+def test_crafted_headers_read_by_position_as_streamed(
+    blocks: list[bytes], end: bool, reads: tuple[int, int, int]
+) -> None:
+    same_as_the_stream(b"".join(blocks) + (END if end else b""), reads)
 
 
 # -- the tar_shards source against webdataset ------------------------------------------------------

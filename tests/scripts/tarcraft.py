@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import tempfile
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from types import FrameType
 
+from aioloader.sources.formats.tar_file import TarFile
 from aioloader.sources.formats.tar_members import tar_members
 
 BLOCK = 512
@@ -128,4 +130,25 @@ def read_members(
         if isinstance(exc, Hung):
             raise
         return got, exc
+    return got, None
+
+
+def read_file_members(
+    data: bytes, region: int, direct: int, limit: int, shard: str = "fuzz.tar", cpu_s: float = 1.0
+) -> tuple[list[tuple[str, bytes]], BaseException | None]:
+    """`read_members`, but for `data` kept in a file and read by position (`tar_file.TarFile`,
+    with these `region` and `direct` sizes and batches of `limit` bytes)."""
+    got: list[tuple[str, bytes]] = []
+    with tempfile.TemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        tar = TarFile(f.fileno(), len(data), shard, region, direct)
+        try:
+            with cpu_limit(cpu_s):
+                while not tar.done:
+                    got += tar.read(limit)
+        except Exception as exc:
+            if isinstance(exc, Hung):
+                raise
+            return got, exc
     return got, None

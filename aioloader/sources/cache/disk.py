@@ -61,6 +61,8 @@ Download = Callable[[dict[str, str]], Awaitable[bytearray]]  # fills the version
 Opener = Callable[
     [dict[str, str]], AsyncGenerator[bytes, None]
 ]  # fills the version, streams the body
+# reads a cached file itself: (a thread to run its blocking calls in, the descriptor, the size)
+ReadFile = Callable[[Callable[..., Awaitable[Any]], int, int], AsyncGenerator[Any, None]]
 
 
 def check_cache_args(cache_dir: Any, cache_limit: Any) -> None:
@@ -174,11 +176,12 @@ class Cache:
         return data
 
     async def stream(
-        self, name: str, label: str, opener: Opener
-    ) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
+        self, name: str, label: str, opener: Opener, read_file: ReadFile | None = None
+    ) -> AsyncGenerator[Any, None]:
         """The object `name` chunk by chunk: from its cached file, else from `opener` while it is
         written to the cache. Close the generator (`aclose`) to stop early: a download given up
-        leaves no file."""
+        leaves no file. With `read_file`, a cached file is read by it instead, and what it
+        yields is yielded: `read_file(run, fd, size)`, `run` a thread for its blocking calls."""
         paths = await self._ready(name)
         held, reader = Held(), Held()
         try:
@@ -196,7 +199,11 @@ class Cache:
                 reader.fds.append(opened[0])
             finally:
                 held.release()
-            pieces = self._chunks(reader, paths, *opened)
+            pieces = (
+                self._chunks(reader, paths, *opened)
+                if read_file is None
+                else self._read_file(read_file, reader, paths, *opened)
+            )
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
                     yield piece
@@ -218,6 +225,14 @@ class Cache:
                 raise OSError(f"cached file {paths.data} was cut short at byte {pos + n}")
             pos += n
             yield view
+        await self._hit(paths, size)
+
+    async def _read_file(
+        self, read_file: ReadFile, reader: Held, paths: Paths, fd: int, size: int
+    ) -> AsyncGenerator[Any, None]:
+        async with contextlib.aclosing(read_file(reader.run, fd, size)) as items:
+            async for item in items:
+                yield item
         await self._hit(paths, size)
 
     async def _download(

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -30,7 +31,8 @@ import aiohttp
 
 from ..._exceptions import FetchError
 from ..._observe.stats import StageCounters, nbytes
-from ..cache.disk import Cache
+from ..cache.disk import Cache, ReadFile
+from ..cache.handles import Held
 from ..stores.files import Opening
 from ..transport.client import Transport, keep_version
 from ..transport.redact import redact_url
@@ -129,24 +131,33 @@ def cached_name(shard: str, remotes: dict[str, Any], options: StoreOptions) -> s
 
 
 async def open_shard(
-    shard: str, remotes: dict[str, Any], options: StoreOptions, cache: Cache | None = None
-) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
+    shard: str, remotes: dict[str, Any], options: StoreOptions, cache: Cache | None = None,
+    read_file: ReadFile | None = None,
+) -> AsyncGenerator[Any, None]:  # fmt: skip
     """The bytes of `shard`, chunk by chunk. `remotes` caches one source per scheme (and bucket);
-    a remote shard is read from `cache` when it holds it, else kept there as it streams."""
+    a remote shard is read from `cache` when it holds it, else kept there as it streams. With
+    `read_file`, a file on this machine (a local shard, a cached copy) is read by it instead
+    (`read_file(run, fd, size)`, `run` a thread for its blocking calls), and what it yields is
+    yielded."""
     scheme, sep, _ = shard.partition("://")
     reach = SCHEMES.get(scheme) if sep else None
     if reach is not None:
         src, url, name = reach(shard, remotes, options)
-        stream: AsyncGenerator[bytes | bytearray | memoryview, None]
+        stream: AsyncGenerator[Any, None]
         if cache is None:
             stream = _remote(src.transport, url, shard)
         else:
             stream = cache.stream(
-                name, redact_url(url), lambda version: _remote(src.transport, url, shard, version)
-            )
+                name, redact_url(url), lambda version: _remote(src.transport, url, shard, version),
+                read_file,
+            )  # fmt: skip
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 yield chunk
+    elif read_file is not None:
+        async with contextlib.aclosing(_local_file(shard, read_file)) as items:
+            async for item in items:
+                yield item
     else:
         path = Path(shard.removeprefix("file://"))
         opening = Opening()  # a read given up on (the epoch ended) leaves no open file behind
@@ -167,6 +178,30 @@ async def open_shard(
             ) from exc
 
 
+async def _local_file(shard: str, read_file: ReadFile) -> AsyncGenerator[Any, None]:
+    """What `read_file` makes of the local file `shard` (its descriptor is closed once no thread
+    uses it any more, however the read ends)."""
+    held = Held()
+    try:
+        fd, size = await held.run(_open_held, held, Path(shard.removeprefix("file://")))
+        async with contextlib.aclosing(read_file(held.run, fd, size)) as items:
+            async for item in items:
+                yield item
+    except OSError as exc:
+        raise FetchError(
+            f"tar shard {shard}: {exc.strerror or exc}", key=redact_url(shard)
+        ) from exc
+    finally:
+        held.release()
+
+
+def _open_held(held: Held, path: Path) -> tuple[int, int]:
+    """(descriptor, size) of the file at `path`, opened for `held` to close (blocks)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    held.fds.append(fd)
+    return fd, os.fstat(fd).st_size
+
+
 async def _remote(
     transport: Transport, url: str, shard: str, version: dict[str, str] | None = None
 ) -> AsyncGenerator[bytes, None]:
@@ -177,10 +212,14 @@ async def _remote(
         if pos == 0:
             keep_version(resp.headers, version)
         try:
-            while chunk := await resp.content.readany():
+            while True:  # a chunk as it came (readany joins those waiting: a copy of each byte)
+                chunk, end_of_chunk = await resp.content.readchunk()
+                if not chunk:
+                    if end_of_chunk:  # an HTTP chunk's end: the body goes on
+                        continue
+                    return
                 pos += len(chunk)
                 yield chunk
-            return
         except (
             aiohttp.ClientPayloadError,
             aiohttp.ClientConnectionError,
@@ -211,20 +250,20 @@ class ReadMeter:
         self.stage.enter(now)
         return now
 
-    def stop(self, t0: float, item: Any = None) -> None:
-        """The read begun at `t0` ended: with `item` read, or (None) without one."""
+    def stop(self, t0: float, size: int | None = None) -> None:
+        """The read begun at `t0` ended: with an item of `size` bytes read, or (None) without one."""
         now = time.perf_counter()
         s = self.stage
         s.leave(now, t0)
-        if item is not None:
+        if size is not None:
             s.items += 1
-            s.bytes += nbytes(item)
+            s.bytes += size
             s.latencies.append(now - t0)
 
-    def count(self, item: Any) -> None:
-        """`item` was read, untimed (by a reader read ahead)."""
+    def count(self, size: int) -> None:
+        """An item of `size` bytes was read, untimed (by a reader read ahead)."""
         self.stage.items += 1
-        self.stage.bytes += nbytes(item)
+        self.stage.bytes += size
 
     def stats(self) -> dict[str, float | None]:
         """The counters as `TarShards.stats()` gives them (`shard_*`; seconds, bytes, samples)."""
@@ -291,7 +330,8 @@ class _Room:
 
 class _Reader:
     """Runs one stream ahead into a bounded queue, on its own task: `_READ_AHEAD` items at most,
-    and, while it is `ahead` (the merge does not take from it yet), what `room` allows."""
+    and, while it is `ahead` (the merge does not take from it yet), what `room` allows. Each item
+    is sized once (`nbytes`), as it is read, and queued with its size."""
 
     def __init__(
         self,
@@ -300,7 +340,7 @@ class _Reader:
         room: _Room | None = None,
         ahead: bool = False,
     ) -> None:
-        self.queue: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
+        self.queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue(_READ_AHEAD)
         self.meter = meter
         self.room = room or _Room(None)
         self.ahead = ahead
@@ -308,32 +348,35 @@ class _Reader:
 
     async def _run(self, stream: AsyncGenerator[Any, None]) -> None:
         try:
-            while (item := await self._read(stream)) is not _END:
-                await self.room.admit(self, nbytes(item))
-                await self.queue.put(item)
+            while (read := await self._read(stream))[0] is not _END:
+                await self.room.admit(self, read[1])
+                await self.queue.put(read)
         except Exception as exc:
-            await self.queue.put(exc)
+            await self.queue.put((exc, 0))
             return
         finally:
             await stream.aclose()
-        await self.queue.put(_END)
+        await self.queue.put((_END, 0))
 
-    async def _read(self, stream: AsyncGenerator[Any, None]) -> Any:
-        """The stream's next item (`_END` after its last), timed by the meter; read ahead, it is
-        counted but not timed (the merge's `parallel` readers set the stage's pace)."""
+    async def _read(self, stream: AsyncGenerator[Any, None]) -> tuple[Any, int]:
+        """The stream's next item and its bytes (`_END` after its last), timed by the meter; read
+        ahead, it is counted but not timed (the merge's `parallel` readers set the stage's pace)."""
         meter = self.meter
         if meter is None or self.ahead:
             item = await anext(stream, _END)
+            size = 0 if item is _END else nbytes(item)
             if meter is not None and item is not _END:
-                meter.count(item)
-            return item
+                meter.count(size)
+            return item, size
         t0 = meter.start()
-        item = None
+        read: int | None = None
         try:
             item = await anext(stream, _END)
-            return item
+            if item is not _END:
+                read = nbytes(item)
+            return item, read or 0
         finally:
-            meter.stop(t0, None if item is _END else item)
+            meter.stop(t0, read)
 
     def take_turns(self) -> None:
         """The merge takes from this reader now: it reads on without waiting for room."""
@@ -341,20 +384,18 @@ class _Reader:
         self.room.wake()
 
     async def get(self) -> Any:
-        item = await self.queue.get()
+        item, size = await self.queue.get()
         if isinstance(item, Exception):
             raise item
         if item is not _END:
-            self.room.free(nbytes(item))
+            self.room.free(size)
         return item
 
     async def aclose(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
         while not self.queue.empty():  # what it held is dropped: its bytes are no longer held
-            item = self.queue.get_nowait()
-            if not isinstance(item, Exception) and item is not _END:
-                self.room.free(nbytes(item))
+            self.room.free(self.queue.get_nowait()[1])
 
 
 async def interleave(

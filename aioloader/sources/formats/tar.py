@@ -11,7 +11,9 @@ counts, given as `sample_counts` or counted by a first pass); `parallel` shards 
 their samples interleaved round-robin (a fixed order, whatever the timing), then mixed by a bounded
 shuffle buffer. The next `read_ahead` shards of each of the `parallel` are requested before the
 current ones end (within the loader's read-ahead share of its memory budget), so one shard's
-first-byte wait overlaps another's reading.
+first-byte wait overlaps another's reading. A shard on this machine (a local file, or a remote
+shard's copy in `cache_dir`) is read by position in a thread (`tar_file.py`): the loop receives its
+members whole, a batch at a time.
 
 Since samples exist only once a shard is read, the keys of this source are produced while streaming:
 `keys()` is an async iterable of `SampleRef`s (each full iteration is one epoch) that carry their sample,
@@ -41,7 +43,8 @@ from ..transport.redact import redact_url
 from .options import ShardOptions
 from .shards import SCHEMES, ReadMeter, cached_name, initial_fill, interleave, open_shard, shuffled
 from .tar_counts import count_all, count_local, count_members
-from .tar_members import tar_members
+from .tar_file import Run, file_members
+from .tar_members import Members, tar_members
 from .tar_share import Segment, check_counts, given, kept, segments, shard_order
 
 __all__ = ["SampleRef", "TarShards", "count_samples", "tar_shards"]
@@ -360,8 +363,12 @@ class TarShards:
     async def _parsed(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
         label = redact_url(shard)
         current: dict[str, Any] | None = None
+
+        def read_file(run: Run, fd: int, size: int) -> AsyncGenerator[Members, None]:
+            return file_members(run, fd, size, label)
+
         members = tar_members(
-            open_shard(shard, self._remotes, self._options_of, self._cache), label
+            open_shard(shard, self._remotes, self._options_of, self._cache, read_file), label
         )
         async with contextlib.aclosing(members):
             async for name, data in members:
