@@ -1,32 +1,28 @@
 """What the object stores share (S3, GCS, Azure): a prefix listed page by page, sorted, with sizes.
 
 A store's source gives `_page` (one page of its listing answer: the (key, size) pairs, their ETags
-and the next page's token) and `_list_transport` (a small transport for listing off the loader's
-loop); the keys, the streamed listing, `size(key)` and `etag(key)` are these.
+and the next page's token, for a page of a listing that may start after a key and end at one: see
+`keyspace.PageAt`) and `_list_transport` (a small transport for listing off the loader's loop); the
+keys, the streamed listing, `size(key)` and `etag(key)` are these. A whole listing (`keys()`,
+`manifest()`) runs in parts at once over the key space (`keyspace.py`), `_list_width` pages in
+flight; a streamed one page after page.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import NamedTuple
 
 from ..._exceptions import FetchError
 from ..transport.client import Transport
 from ..transport.remote import Remote
+from .keyspace import PARTS, Objects, Page, PageAt, list_parts
 from .manifest import Manifest, share_listing
 
-__all__ = ["Listed", "Page"]
-
-
-class Page(NamedTuple):
-    """One page of a listing."""
-
-    objects: list[tuple[str, int]]  # (key, size), in any order
-    etags: dict[str, str]
-    next_token: str | None  # None: the last page
+__all__ = ["Listed", "Page", "PageAt"]
 
 
 class Listed(Remote):
@@ -36,6 +32,8 @@ class Listed(Remote):
     prefix: str
     _given: list[str] | None
     _kind = "remote"  # names the listing thread ("aioloader-s3-list")
+    _list_width = PARTS  # pages in flight for one listing (1: serially, for a store that cannot
+    # start a listing at a key)
 
     def _listed(
         self,
@@ -71,8 +69,8 @@ class Listed(Remote):
         """The prefix's URL ("s3://bucket/prefix"), for errors."""
         raise NotImplementedError
 
-    async def _page(self, transport: Transport, token: str | None) -> Page:
-        """The page of the listing that `token` names (None: the first)."""
+    async def _page(self, transport: Transport, at: PageAt) -> Page:
+        """The page of the listing that `at` names (`at.token` None: the listing's first page)."""
         raise NotImplementedError
 
     def _list_transport(self) -> Transport:
@@ -93,7 +91,7 @@ class Listed(Remote):
         token: str | None = None
         last = ""
         while True:
-            page = await self._page(transport, token)
+            page = await self._page(transport, PageAt(token, None, None))
             self._etags.update(page.etags)
             for key, size in sorted(page.objects, key=lambda o: o[0].encode()):
                 if key.endswith("/") and size == 0:
@@ -136,20 +134,21 @@ class Listed(Remote):
         return list(manifest.keys)
 
     def manifest(self) -> Manifest:
-        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
-        keys = self._list_here()
-        return Manifest.of(
-            self.where, keys, [self._sizes[k] for k in keys], [self._etags.get(k, "") for k in keys]
-        )
+        """List the prefix now, here, on a thread of its own (with its own loop and transport),
+        in parts at once over the key space (see `keyspace.py`). The source's sizes and ETags are
+        left as they were: `keys()` takes them from the manifest, once."""
+        found = self._list_here()
+        return Manifest.of(self.where, found.keys, found.sizes, found.etags)
 
-    def _list_here(self) -> list[str]:
-        found: list[str] = []
+    def _list_here(self) -> Objects:
+        found: list[Objects] = []
         errors: list[BaseException] = []
 
         async def collect() -> None:
             transport = self._list_transport()
             try:
-                found.extend([key async for key, _ in self._objects(transport)])
+                page = functools.partial(self._page, transport)
+                found.append(await list_parts(page, self.prefix, self.where, self._list_width))
             finally:
                 await transport.aclose()
 
@@ -164,7 +163,7 @@ class Listed(Remote):
         thread.join()
         if errors:
             raise errors[0]
-        return found
+        return found[0]
 
     def size(self, key: str) -> int | None:
         """The size of object `key` as last listed (None for keys given, or not listed yet)."""

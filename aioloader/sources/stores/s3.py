@@ -16,11 +16,13 @@ from botocore.credentials import Credentials
 
 from ..._exceptions import FetchError, InvalidKeyError
 from ..._tuning.aimd import Aimd
+from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
 from ..transport.remote import RemoteOptions
-from .listing import Listed, Page
+from .keyspace import PARTS
+from .listing import Listed, Page, PageAt
 from .listobjects import list_query, parse_listing
 from .manifest import Manifest
 from .s3auth import AwsConfig, Signer, bucket_base, parse_s3_url
@@ -84,7 +86,9 @@ class S3(Listed):
             "redirects": False,
             "dns_hint": _endpoint_hint(endpoint_url, endpoint_from),
         }
-        self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
+        self.limiter = Aimd(
+            concurrency, min(min_concurrency, concurrency), ramp=Ramp.for_job(concurrency)
+        )
         self.transport = Transport(limit=concurrency, limiter=self.limiter, **self._options)
 
     def __repr__(self) -> str:
@@ -100,8 +104,8 @@ class S3(Listed):
     def where(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
 
-    async def _page(self, transport: Transport, token: str | None) -> Page:
-        query = list_query(self.prefix, self.page_size, token)
+    async def _page(self, transport: Transport, at: PageAt) -> Page:
+        query = list_query(self.prefix, self.page_size, at.token, at.after)  # no end: S3 has none
         body = await transport.get(f"{self.base}?{query}", key=self.where)
         try:
             page = parse_listing(bytes(body))
@@ -111,7 +115,7 @@ class S3(Listed):
         return Page(page.objects, page.etags, page.next_token)
 
     def _list_transport(self) -> Transport:
-        return Transport(limit=4, **self._options)
+        return Transport(limit=PARTS, **self._options)
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
