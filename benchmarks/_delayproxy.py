@@ -7,7 +7,8 @@ copies bytes on asyncio's protocol callbacks without parsing HTTP, so that it co
 little (an HTTP proxy in Python halved what an emulator alone serves here). `Proxy()` runs this file
 as a subprocess, on a free port or the one given, and waits until it has written its port to a file
 (a process boundary: nothing else signals readiness); the subprocess counts the client writes it
-forwarded and the bytes it sent back, and writes them to PORT_FILE.counts on SIGUSR1 (`counts()`).
+forwarded and the bytes it sent back (in all, and by the kind of request they answer: "list_bytes",
+...), and writes them to PORT_FILE.counts on SIGUSR1 (`counts()`).
 
 Usage (from Proxy): python benchmarks/_delayproxy.py PORT_FILE --upstream HOST:PORT --delay-ms MS
                     [--port P] [--throttle RATE:SECONDS]
@@ -87,6 +88,7 @@ class _Side(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer: _Side | None = None
         self.early: list[bytes] = []  # what came before the peer was connected
+        self.asked = "other"  # the client's side: the kind of its last request
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
@@ -96,14 +98,17 @@ class _Side(asyncio.Protocol):
             self.counts["requests"] += 1
             kind = _kind(data)
             self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.asked = kind if kind != "other" else self.asked
             if kind != "other" and self.throttle is not None and self.throttle.refuses():
                 self.counts["throttled"] = self.counts.get("throttled", 0) + 1
                 answer = SLOW_DOWN_HEAD if kind == "head" else SLOW_DOWN
                 asyncio.get_running_loop().call_later(self.delay, self._answer, answer)
                 return
             asyncio.get_running_loop().call_later(self.delay, self._pass, data)
-        else:
+        else:  # an answer: its bytes are the last request's (a connection's follow one another)
             self.counts["bytes"] += len(data)
+            kind = f"{self.peer.asked if self.peer is not None else 'other'}_bytes"
+            self.counts[kind] = self.counts.get(kind, 0) + len(data)
             self._pass(data)
 
     def _answer(self, answer: bytes) -> None:

@@ -7,12 +7,17 @@ growing it back by about one per round of successes (as TCP does with its window
 Only the first throttle of a round counts: requests that started before the last decrease were sent
 under the old limit, and their throttles say nothing new (otherwise one burst would halve the limit
 once per request in it).
+
+A rank of a large job starts on a ramp instead of at its maximum (`ramp.py`): after a short jitter,
+with few requests in flight, one more per answer until the first throttle or the maximum.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+
+from .ramp import Ramp
 
 __all__ = ["Aimd", "Slots"]
 
@@ -77,7 +82,11 @@ class Aimd(Slots):
         4.0
     """
 
-    def __init__(self, maximum: int, minimum: int = 1, decrease: float = 0.5) -> None:
+    def __init__(
+        self, maximum: int, minimum: int = 1, decrease: float = 0.5, ramp: Ramp | None = None
+    ) -> None:
+        """`ramp`: start at `ramp.start` after `ramp.delay_s`, growing by one per answer until the
+        first throttle or `maximum` (see `ramp.py`); None: at `maximum`, at once."""
         if not 1 <= minimum <= maximum:
             raise ValueError(f"need 1 <= minimum <= maximum, got {minimum} and {maximum}")
         if not 0.0 < decrease < 1.0:
@@ -86,15 +95,31 @@ class Aimd(Slots):
         self.maximum = maximum
         self.minimum = minimum
         self.decrease = decrease
-        self.limit = float(maximum)
+        start = maximum if ramp is None else min(maximum, max(minimum, ramp.start))
+        self.limit = float(start)
+        self.slow_start = start < maximum  # one more per answer until the first throttle
+        self._delay = 0.0 if ramp is None else ramp.delay_s
+        self._opens_at: float | None = None
         self.in_flight = 0
         self.throttles = 0
         self.decreases = 0
 
     async def acquire(self) -> int:
-        """Wait for a free slot; returns the ticket to pass to `release`. Safe to cancel."""
+        """Wait for a free slot (the first ones: the ramp's delay too); returns the ticket to pass
+        to `release`. Safe to cancel."""
+        if self._delay:
+            await self._opening()
         await self._enter()
         return self.decreases
+
+    async def _opening(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if self._opens_at is None:
+            self._opens_at = now + self._delay
+        if now >= self._opens_at:
+            self._delay = 0.0
+            return
+        await asyncio.sleep(self._opens_at - now)
 
     def _free(self) -> bool:
         return self.in_flight < int(self.limit)
@@ -107,11 +132,14 @@ class Aimd(Slots):
         self.in_flight -= 1
         if throttled:
             self.throttles += 1
+            self.slow_start = False
             if ticket == self.decreases:  # the first throttle of requests sent under this limit
                 self.decreases += 1
                 self.limit = max(float(self.minimum), self.limit * self.decrease)
         else:
-            self.limit = min(float(self.maximum), self.limit + 1.0 / self.limit)
+            step = 1.0 if self.slow_start else 1.0 / self.limit
+            self.limit = min(float(self.maximum), self.limit + step)
+            self.slow_start = self.slow_start and self.limit < self.maximum
         self._wake()
 
     def stats(self) -> dict[str, float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tar_ahead import write_shards
+from support.shardfiles import write_bin_shards
 
 from aioloader import FetchError
 from aioloader.sources.formats.tar_file import file_members
@@ -29,7 +29,7 @@ def open_fds() -> set[str]:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """4 shards of 30 samples of 40 KB (each "bin" member is read on its own)."""
-    return write_shards(tmp_path_factory.mktemp("big"), 4, 30, 40_000)
+    return write_bin_shards(tmp_path_factory.mktemp("big"), 4, 30, 40_000)
 
 
 def test_every_read_runs_in_a_thread_and_members_come_in_batches(shards: list[str]) -> None:

@@ -5,8 +5,10 @@ sample is lost and no error raised; failures that are not throttling still stop 
 from __future__ import annotations
 
 import io
+import random
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +18,7 @@ from support.s3server import SeaweedServer
 from aioloader import FetchError, Loader
 from aioloader.sources.s3 import s3
 from aioloader.sources.tar import tar_shards
+from aioloader.sources.transport.retry import MAX_THROTTLE_BACKOFF, Retry
 
 PREFIX = "throttled/"
 # Backoff small enough for a test, a deadline far past the throttle: attempts alone (5) would fail.
@@ -139,3 +142,67 @@ def test_four_ranks_at_once_through_a_throttle_all_finish_with_every_sample(
     assert errors == []
     assert sorted(body for r in range(4) for body in got[r]) == sorted(stored.values())
     assert limit.throttled > 0
+
+
+class Logged:
+    """A plan that passes each request to `plan` and notes when (the proxy's clock) it came."""
+
+    def __init__(self, plan: RateLimit) -> None:
+        self.plan = plan
+        self.times: list[float] = []
+
+    def __call__(self, path: str, n: int) -> Fault | None:
+        self.times.append(time.monotonic())
+        return self.plan(path, n)
+
+
+def test_ranks_ask_again_soon_after_a_throttle_ends(
+    proxy: FaultProxy, seaweed: SeaweedServer
+) -> None:
+    """Four ranks with the default backoff through 5 s of 503s at 20 requests/s: more samples than
+    the throttle lets through, so most wait it out; every read asks again within a second of its
+    end (the throttled backoff's ceiling), so the last request comes soon after it, not after a
+    backoff that kept doubling through the throttle (up to `max_backoff`, 10 s)."""
+    many = {f"after-throttle/{i:04d}.bin": bytes([i % 251]) * 64 for i in range(320)}
+    for name, body in many.items():
+        seaweed.put(name, body)
+    limit = RateLimit(per_second=20, seconds=5.0)  # at most ~100 requests pass while it lasts
+    proxy.plan = logged = Logged(limit)
+    keys = sorted(many)
+    got: dict[int, list[bytes]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        src = s3(f"s3://{seaweed.bucket}/after-throttle/", keys, endpoint_url=proxy.url,
+                 credentials=seaweed.credentials, concurrency=8)  # fmt: skip
+        try:
+            with Loader(src, collate=None, rank=r, world_size=4) as loader:
+                got[r] = [bytes(x) for x in loader]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(body for r in range(4) for body in got[r]) == sorted(many.values())
+    assert limit.start is not None
+    end = limit.start + limit.seconds
+    after = [t for t in logged.times if t >= end]
+    assert len(after) > 100  # most samples came after the throttle
+    assert max(logged.times) - end < 2.5  # a second's backoff, then the rest at full speed
+
+
+def test_a_throttled_reads_backoff_stays_under_a_second_other_failures_grow_to_max_backoff() -> (
+    None
+):
+    retry = Retry(rng=random.Random(3))
+    throttled = [retry.delay(n, throttled=True) for n in range(1, 200)]
+    failed = [retry.delay(n) for n in range(1, 200)]
+    assert max(throttled) <= MAX_THROTTLE_BACKOFF < max(failed) <= retry.max_backoff
+    assert max(throttled) > MAX_THROTTLE_BACKOFF / 2  # full jitter up to the ceiling
+    assert retry.delay(50, retry_after=5.0, throttled=True) == 5.0  # the server's word is a floor
+    with pytest.raises(ValueError, match="max_throttle_backoff"):
+        Retry(max_throttle_backoff=-1.0)

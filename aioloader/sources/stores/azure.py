@@ -16,6 +16,7 @@ from urllib.parse import quote, urlsplit
 
 from ..._exceptions import FetchError, InvalidKeyError
 from ..._tuning.aimd import Aimd
+from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
@@ -28,7 +29,7 @@ from .azureauth import (
     parse_az_url,
     parse_listing,
 )
-from .listing import Listing, Page
+from .listing import Listing, Page, PageAt
 from .manifest import Manifest
 
 __all__ = ["Azure", "azure"]
@@ -51,6 +52,8 @@ class Azure(Remote):
         >>> src.url("train/0001.jpg")
         'https://acct.blob.core.windows.net/data/train/0001.jpg'
     """
+
+    list_width = 1  # List Blobs' marker is opaque: a listing cannot start at a key, so no parts
 
     def __init__(
         self,
@@ -105,7 +108,9 @@ class Azure(Remote):
             "suffix_ranges": False,  # x-ms-range takes no "bytes=-n"
         }
         concurrency = shared.concurrency
-        self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
+        self.limiter = Aimd(
+            concurrency, min(min_concurrency, concurrency), ramp=Ramp.for_job(concurrency)
+        )
         self.transport = Transport(limit=concurrency, limiter=self.limiter, **self._options)
 
     def __repr__(self) -> str:
@@ -128,9 +133,9 @@ class Azure(Remote):
         """The account, container and blob name: one cached copy whatever the endpoint."""
         return f"az://{self.account or ''}/{self.container}/{key}"
 
-    async def list_page(self, transport: Transport, token: str | None) -> Page:
+    async def list_page(self, transport: Transport, at: PageAt) -> Page:
         """One page of the listing (`Pages`)."""
-        query = list_query(self.prefix, self.page_size, token)
+        query = list_query(self.prefix, self.page_size, at.token)
         sas = "&" + self._sas[1:] if self._sas else ""
         body = await transport.get(f"{self.base[:-1]}?{query}{sas}", key=self.where)
         try:

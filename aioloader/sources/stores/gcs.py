@@ -18,6 +18,7 @@ from urllib.parse import quote, urlsplit
 
 from ..._exceptions import FetchError, InvalidKeyError
 from ..._tuning.aimd import Aimd
+from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
@@ -25,7 +26,8 @@ from ..transport.remote import Remote, RemoteOptions
 from ..transport.responses import Failure
 from . import listobjects
 from .gcsauth import Bearer, Found, Tokens, find_credentials, parse_gs_url
-from .listing import Listing, Page
+from .keyspace import PARTS
+from .listing import Listing, Page, PageAt
 from .listobjects import list_query, parse_listing
 from .manifest import Manifest
 
@@ -48,6 +50,8 @@ class GCS(Remote):
         >>> src.url("train/0001.jpg")
         'https://storage.googleapis.com/storage/v1/b/my-bucket/o/train%2F0001.jpg?alt=media'
     """
+
+    list_width = PARTS  # pages in flight for one listing
 
     def __init__(
         self,
@@ -85,7 +89,10 @@ class GCS(Remote):
         sign = self.credentials.hmac or (Bearer(self.tokens) if self.tokens else None)
         self._options: dict[str, Any] = {**shared.transport_options(), "sign": sign,
                                          "redirects": False}  # fmt: skip
-        self.limiter = Aimd(shared.concurrency, min(min_concurrency, shared.concurrency))
+        self.limiter = Aimd(
+            shared.concurrency, min(min_concurrency, shared.concurrency),
+            ramp=Ramp.for_job(shared.concurrency),
+        )  # fmt: skip
         self.transport = self._transport(shared.concurrency, self.limiter)
 
     def _transport(self, limit: int, limiter: Aimd | None = None) -> Transport:
@@ -110,21 +117,29 @@ class GCS(Remote):
     def _json_base(self) -> str:
         return f"{self.endpoint}/storage/v1/b/{quote(self.bucket, safe='')}/o"
 
-    def _list_url(self, token: str | None) -> str:
+    def _list_url(self, at: PageAt) -> str:
+        """A listing page's URL: the XML API's start-after, or the JSON API's startOffset (the
+        names from it on) and endOffset (those before it: any name after `until` will do, since
+        the part checks its bounds itself; `until` and a space keeps the query printable)."""
         if self.xml:
-            query = list_query(self.prefix, self.page_size, token)
+            query = list_query(self.prefix, self.page_size, at.token, at.after)
             return f"{self.endpoint}/{quote(self.bucket, safe='')}?{query}"
-        params = [("fields", _FIELDS), ("maxResults", str(self.page_size)),
-                  ("prefix", self.prefix)] + ([("pageToken", token)] if token else [])  # fmt: skip
+        params = [("fields", _FIELDS), ("maxResults", str(self.page_size)), ("prefix", self.prefix)]
+        if at.token:
+            params.append(("pageToken", at.token))
+        if at.after is not None:
+            params.append(("startOffset", at.after))
+        if at.until is not None:
+            params.append(("endOffset", at.until + " "))
         return self._json_base() + "?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in params)
 
     @property
     def where(self) -> str:
         return f"gs://{self.bucket}/{self.prefix}"
 
-    async def list_page(self, transport: Transport, token: str | None) -> Page:
+    async def list_page(self, transport: Transport, at: PageAt) -> Page:
         """One page of the listing (`Pages`)."""
-        body = await transport.get(self._list_url(token), key=self.where)
+        body = await transport.get(self._list_url(at), key=self.where)
         try:
             page = parse_listing(bytes(body)) if self.xml else parse_json_listing(bytes(body))
         except (ValueError, KeyError, TypeError, SyntaxError) as exc:
@@ -134,7 +149,7 @@ class GCS(Remote):
 
     def list_transport(self) -> Transport:
         """A transport for listing on a thread of its own (`Pages`)."""
-        return self._transport(4)
+        return self._transport(PARTS)
 
     # the listing (`listing.py`): the keys under the prefix, their sizes and ETags
 

@@ -1,41 +1,41 @@
 """What the object stores share (S3, GCS, Azure): a prefix listed page by page, sorted, with sizes.
 
 Each store owns a `Listing` of its prefix and gives it the `Pages` protocol: `list_page` (one page of
-its listing answer: the (key, size) pairs, their ETags and the next page's token) and
-`list_transport` (a small transport for listing off the loader's loop). The keys, the streamed
+its listing answer: the (key, size) pairs, their ETags and the next page's token, for a page of a
+listing that may start after a key and end at one: see `keyspace.PageAt`), `list_transport` (a
+small transport for listing off the loader's loop) and `list_width`. The keys, the streamed
 listing, `size(key)` and `etag(key)` are the listing's; the store's methods of those names ask it.
+A whole listing (`keys()`, `manifest()`) runs in parts at once over the key space (`keyspace.py`),
+`list_width` pages in flight; a streamed one page after page.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from ..._exceptions import FetchError
 from ..transport.client import Transport
+from .keyspace import Objects, Page, PageAt, list_parts
 from .manifest import Manifest, share_listing
 
-__all__ = ["Listing", "Page", "Pages"]
-
-
-class Page(NamedTuple):
-    """One page of a listing."""
-
-    objects: list[tuple[str, int]]  # (key, size), in any order
-    etags: dict[str, str]
-    next_token: str | None  # None: the last page
+__all__ = ["Listing", "Page", "PageAt", "Pages"]
 
 
 class Pages(Protocol):
     """What a store gives the listing it owns: its answers, page by page, and transports to ask on."""
 
     transport: Transport  # the store's own, on the loader's loop (`iter_objects`)
+    list_width: int  # pages in flight for one listing (1: serially, for a store that cannot start
+    # a listing at a key)
 
-    async def list_page(self, transport: Transport, token: str | None) -> Page:
-        """The page of the listing that `token` names (None: the first), asked over `transport`."""
+    async def list_page(self, transport: Transport, at: PageAt) -> Page:
+        """The page of the listing that `at` names (`at.token` None: the listing's first page),
+        asked over `transport`."""
         ...
 
     def list_transport(self) -> Transport:
@@ -101,7 +101,7 @@ class Listing:
         token: str | None = None
         last = ""
         while True:
-            page = await self._pages.list_page(transport, token)
+            page = await self._pages.list_page(transport, PageAt(token, None, None))
             self._etags.update(page.etags)
             for key, size in sorted(page.objects, key=lambda o: o[0].encode()):
                 if key.endswith("/") and size == 0:
@@ -144,20 +144,23 @@ class Listing:
         return list(manifest.keys)
 
     def manifest(self) -> Manifest:
-        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
-        keys = self._list_here()
-        return Manifest.of(
-            self.where, keys, [self._sizes[k] for k in keys], [self._etags.get(k, "") for k in keys]
-        )
+        """List the prefix now, here, on a thread of its own (with its own loop and transport),
+        in parts at once over the key space (see `keyspace.py`). The source's sizes and ETags are
+        left as they were: `keys()` takes them from the manifest, once."""
+        found = self._list_here()
+        return Manifest.of(self.where, found.keys, found.sizes, found.etags)
 
-    def _list_here(self) -> list[str]:
-        found: list[str] = []
+    def _list_here(self) -> Objects:
+        found: list[Objects] = []
         errors: list[BaseException] = []
 
         async def collect() -> None:
             transport = self._pages.list_transport()
             try:
-                found.extend([key async for key, _ in self._objects(transport)])
+                page = functools.partial(self._pages.list_page, transport)
+                found.append(
+                    await list_parts(page, self.prefix, self.where, self._pages.list_width)
+                )
             finally:
                 await transport.aclose()
 
@@ -172,7 +175,7 @@ class Listing:
         thread.join()
         if errors:
             raise errors[0]
-        return found
+        return found[0]
 
     def size(self, key: str) -> int | None:
         """The size of object `key` as last listed (None for keys given, or not listed yet)."""

@@ -13,11 +13,16 @@ from urllib.parse import quote
 __all__ = ["Listing", "list_query", "parse_listing"]
 
 
-def list_query(prefix: str, page_size: int, token: str | None) -> str:
-    """The query of one ListObjectsV2 request, encoded as SigV4 expects."""
+def list_query(
+    prefix: str, page_size: int, token: str | None, start_after: str | None = None
+) -> str:
+    """The query of one ListObjectsV2 request, encoded as SigV4 expects (`start_after`: the
+    listing's first page starts after that key; a continuation token carries it on)."""
     params = [("list-type", "2"), ("max-keys", str(page_size)), ("prefix", prefix)]
     if token is not None:
         params.append(("continuation-token", token))
+    elif start_after is not None:
+        params.append(("start-after", start_after))
     return "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(params))
 
 

@@ -16,11 +16,13 @@ from botocore.credentials import Credentials
 
 from ..._exceptions import FetchError, InvalidKeyError
 from ..._tuning.aimd import Aimd
+from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
 from ..transport.remote import Remote, RemoteOptions
-from .listing import Listing, Page
+from .keyspace import PARTS
+from .listing import Listing, Page, PageAt
 from .listobjects import list_query, parse_listing
 from .manifest import Manifest
 from .s3auth import AwsConfig, Signer, bucket_base, parse_s3_url
@@ -41,6 +43,8 @@ class S3(Remote):
         >>> src.url("train/0001.jpg")
         'https://my-bucket.s3.eu-west-1.amazonaws.com/train/0001.jpg'
     """
+
+    list_width = PARTS  # pages in flight for one listing
 
     def __init__(
         self,
@@ -82,7 +86,9 @@ class S3(Remote):
             "redirects": False,
             "dns_hint": _endpoint_hint(endpoint_url, endpoint_from),
         }
-        self.limiter = Aimd(concurrency, min(min_concurrency, concurrency))
+        self.limiter = Aimd(
+            concurrency, min(min_concurrency, concurrency), ramp=Ramp.for_job(concurrency)
+        )
         self.transport = Transport(limit=concurrency, limiter=self.limiter, **self._options)
 
     def __repr__(self) -> str:
@@ -98,9 +104,9 @@ class S3(Remote):
     def where(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
 
-    async def list_page(self, transport: Transport, token: str | None) -> Page:
+    async def list_page(self, transport: Transport, at: PageAt) -> Page:
         """One page of the listing (`Pages`)."""
-        query = list_query(self.prefix, self.page_size, token)
+        query = list_query(self.prefix, self.page_size, at.token, at.after)  # no end: S3 has none
         body = await transport.get(f"{self.base}?{query}", key=self.where)
         try:
             page = parse_listing(bytes(body))
@@ -111,7 +117,7 @@ class S3(Remote):
 
     def list_transport(self) -> Transport:
         """A transport for listing on a thread of its own (`Pages`)."""
-        return Transport(limit=4, **self._options)
+        return Transport(limit=PARTS, **self._options)
 
     # the listing (`listing.py`): the keys under the prefix, their sizes and ETags
 

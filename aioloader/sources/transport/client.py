@@ -7,8 +7,9 @@ deadline. Failures that may pass (connection errors, resets, timeouts, short bod
 `Retry.statuses`) are retried with full-jitter backoff, up to `Retry.attempts` attempts; a throttled
 answer (429, 503 and a store's throttle codes: S3's SlowDown, GCS's rateLimitExceeded, Azure's
 ServerBusy) is retried until the deadline instead, its backoff ceiling doubling with each throttle
-up to `max_backoff`, so that ranks throttled together spread out and wait rather than fail (with
-`attempts=1` nothing is retried). Anything else ends the read at once, and so
+up to `Retry.max_throttle_backoff` (1 s), so that ranks throttled together spread out and wait
+rather than fail, and ask again within a second of the store's recovery (with `attempts=1`
+nothing is retried). Anything else ends the read at once, and so
 does a host name that does not resolve and never has for this transport (a typo or a wrong endpoint
 is not worth minutes of retries; a name that resolved before may fail for a moment, and is retried).
 What finally fails is a `FetchError` naming the redacted URL, the last status and the attempts made.
@@ -253,7 +254,9 @@ class Transport:
                         or self.retry.attempts == 1  # never retried, not even when throttled
                     ):
                         break
-                    delay = self.retry.delay(throttled if throttle else failed, failure.retry_after)
+                    delay = self.retry.delay(
+                        throttled if throttle else failed, failure.retry_after, throttle
+                    )
                     self.counts["retries"] += 1
                     log.debug(
                         "GET %s: %s (attempt %d of %d); retrying in %.3f s",

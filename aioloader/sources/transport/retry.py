@@ -4,12 +4,16 @@
 jitter"), so that many clients failing together do not retry together. A server's `Retry-After` is a
 floor on the wait (capped at `max_retry_after`). `attempts` bounds the failures that are not
 throttling; a throttled answer is retried until the read's deadline (`Transport`), its backoff
-counted by the throttles so far.
+counted by the throttles so far but its ceiling held at `max_throttle_backoff` (1 s): a throttle
+that lasts seconds must not leave reads asleep for seconds more after the store has recovered, so
+each throttled read asks again within a second, and the AIMD limit (`_tuning/aimd.py`), not the
+wait, is what lowers the rate the store sees.
 """
 
 from __future__ import annotations
 
 import email.utils
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "DEADLINE",
     "MAX_BACKOFF",
+    "MAX_THROTTLE_BACKOFF",
     "READ_TIMEOUT",
     "RETRY_STATUSES",
     "Retry",
@@ -37,6 +42,7 @@ DEADLINE = 120.0  # seconds for one sample, retries and backoff included
 ATTEMPTS = 5  # attempts in all
 BACKOFF = 0.1  # the first backoff ceiling, seconds
 MAX_BACKOFF = 10.0  # the largest backoff ceiling, seconds
+MAX_THROTTLE_BACKOFF = 1.0  # the largest backoff ceiling of a throttled read, seconds
 
 # Statuses that say "not now" rather than "never": timeouts, throttling and transient server errors.
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -77,6 +83,8 @@ class Retry:
             throttled answer, which is otherwise retried until the deadline).
         backoff: the first backoff ceiling in seconds; doubles with each attempt.
         max_backoff: the largest backoff ceiling.
+        max_throttle_backoff: the largest backoff ceiling after a throttled answer (at most
+            `max_backoff`): how long past a throttle's end a read may still wait.
         max_retry_after: the longest `Retry-After` honoured; a longer one is cut to this.
         statuses: HTTP statuses that are retried.
     """
@@ -85,6 +93,7 @@ class Retry:
     backoff: float = BACKOFF
     max_backoff: float = MAX_BACKOFF
     max_retry_after: float = 60.0
+    max_throttle_backoff: float = MAX_THROTTLE_BACKOFF
     statuses: frozenset[int] = RETRY_STATUSES
     rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)
 
@@ -93,10 +102,15 @@ class Retry:
         _check_seconds("backoff", self.backoff, optional=False)
         _check_seconds("max_backoff", self.max_backoff, optional=False)
         _check_seconds("max_retry_after", self.max_retry_after, optional=False)
+        _check_seconds("max_throttle_backoff", self.max_throttle_backoff, optional=False)
 
-    def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        """Seconds to wait after failed attempt number `attempt` (1-based)."""
-        ceiling = min(self.max_backoff, self.backoff * 2.0 ** min(attempt - 1, 60))
+    def delay(
+        self, attempt: int, retry_after: float | None = None, throttled: bool = False
+    ) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based; of a throttled read
+        (`throttled`): its throttle number `attempt`)."""
+        largest = min(self.max_backoff, self.max_throttle_backoff if throttled else math.inf)
+        ceiling = min(largest, self.backoff * 2.0 ** min(attempt - 1, 60))
         wait = self.rng.uniform(0.0, ceiling)
         if retry_after is not None:
             wait = max(wait, min(retry_after, self.max_retry_after))
