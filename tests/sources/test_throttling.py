@@ -10,6 +10,7 @@ import tarfile
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from support.faultproxy import Fault, FaultProxy, RateLimit
@@ -113,20 +114,18 @@ def test_throttling_stops_at_the_deadline_and_other_failures_at_attempts(
         list(loader)  # attempts=1: never retried, not even a throttle
 
 
-def test_four_ranks_at_once_through_a_throttle_all_finish_with_every_sample(
-    proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
-) -> None:
-    """Four ranks' loaders (each in its own thread, as four processes would) start together
-    against a store throttling above 20 requests/s for 2 s: none fails, every sample comes once."""
-    limit = proxy.plan = RateLimit(per_second=20, seconds=2.0)
-    keys = sorted(stored)
+def read_in_four_ranks(
+    seaweed: SeaweedServer, proxy: FaultProxy, url: str, keys: list[str], **options: Any
+) -> dict[int, list[bytes]]:
+    """Four ranks' loaders over `keys` through the proxy, each in its own thread (as four processes
+    would), started together: rank -> the samples it read. Any rank's error fails the test."""
     got: dict[int, list[bytes]] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(4)
 
     def rank(r: int) -> None:
-        src = s3(f"s3://{seaweed.bucket}/{PREFIX}", keys, endpoint_url=proxy.url,
-                 credentials=seaweed.credentials, concurrency=8, **RETRY)  # fmt: skip
+        src = s3(url, keys, endpoint_url=proxy.url, credentials=seaweed.credentials,
+                 concurrency=8, **options)  # fmt: skip
         try:
             with Loader(src, collate=None, rank=r, world_size=4) as loader:
                 start.wait()
@@ -140,6 +139,17 @@ def test_four_ranks_at_once_through_a_throttle_all_finish_with_every_sample(
     for t in threads:
         t.join()
     assert errors == []
+    return got
+
+
+def test_four_ranks_at_once_through_a_throttle_all_finish_with_every_sample(
+    proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
+) -> None:
+    """Four ranks' loaders (each in its own thread, as four processes would) start together
+    against a store throttling above 20 requests/s for 2 s: none fails, every sample comes once."""
+    limit = proxy.plan = RateLimit(per_second=20, seconds=2.0)
+    keys = sorted(stored)
+    got = read_in_four_ranks(seaweed, proxy, f"s3://{seaweed.bucket}/{PREFIX}", keys, **RETRY)
     assert sorted(body for r in range(4) for body in got[r]) == sorted(stored.values())
     assert limit.throttled > 0
 
@@ -169,24 +179,7 @@ def test_ranks_ask_again_soon_after_a_throttle_ends(
     limit = RateLimit(per_second=20, seconds=5.0)  # at most ~100 requests pass while it lasts
     proxy.plan = logged = Logged(limit)
     keys = sorted(many)
-    got: dict[int, list[bytes]] = {}
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        src = s3(f"s3://{seaweed.bucket}/after-throttle/", keys, endpoint_url=proxy.url,
-                 credentials=seaweed.credentials, concurrency=8)  # fmt: skip
-        try:
-            with Loader(src, collate=None, rank=r, world_size=4) as loader:
-                got[r] = [bytes(x) for x in loader]
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    got = read_in_four_ranks(seaweed, proxy, f"s3://{seaweed.bucket}/after-throttle/", keys)
     assert sorted(body for r in range(4) for body in got[r]) == sorted(many.values())
     assert limit.start is not None
     end = limit.start + limit.seconds
