@@ -1,15 +1,19 @@
 """Peak memory of a benchmark's child process tree: PSS (each shared page divided among its users).
 
 `with PeakPss(pid) as pss: ...` samples the PSS of the process `pid` and all its descendants every
-`period` seconds until the block ends; `pss.peak` is the largest sum seen, in bytes. psutil reads
+`period` seconds until the block ends; `pss.peak` is the largest sum seen, in bytes. `run_measured`
+runs a contender's command in a child that way and returns its last JSON line with `peak_pss_mb`. psutil reads
 /proc/PID/smaps_rollup per process, so a few samples a second cost the measured run little.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
 import threading
 from types import TracebackType
+from typing import Any
 
 import psutil
 
@@ -51,3 +55,19 @@ class PeakPss:
     ) -> None:
         self._done.set()
         self._thread.join()
+
+
+def run_measured(
+    cmd: list[str], what: str, env: dict[str, str] | None = None, period: float = PSS_PERIOD_S
+) -> dict[str, Any]:
+    """Run a contender's `cmd` in a child process and return the JSON object of its last line of
+    output, with the peak PSS of its process tree (`peak_pss_mb`); RuntimeError naming `what` when
+    it fails."""
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    with PeakPss(child.pid, period) as pss:
+        out, _ = child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"{what} failed with exit code {child.returncode}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    result["peak_pss_mb"] = pss.peak / 2**20
+    return result

@@ -28,7 +28,6 @@ import io
 import json
 import os
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _pss import PeakPss
+from _pss import run_measured
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -48,7 +47,6 @@ SIZE = (512, 384)
 OUT = 224
 BATCH = 32
 WORKERS = 2
-PSS_PERIOD_S = 0.25  # psutil reads /proc/PID/smaps_rollup per process: keep it a few times a second
 CONTENDERS = ("torch", "process", "thread")
 ROWS = "rows"  # --rows: a projection of batch-row writes, not part of the summary's ratios
 
@@ -207,14 +205,7 @@ def time_epochs(loader: Any, epochs: int) -> dict[str, Any]:
 
 def measure(name: str, n: int, epochs: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--run", name, "--images", str(n), "--epochs", str(epochs)]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    with PeakPss(child.pid, PSS_PERIOD_S) as pss:
-        out, _ = child.communicate()
-    if child.returncode != 0:
-        raise RuntimeError(f"{name} failed with exit code {child.returncode}")
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result["peak_pss_mb"] = pss.peak / 2**20
-    return result
+    return run_measured(cmd, name)
 
 
 def main() -> None:

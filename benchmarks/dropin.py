@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from PIL import Image
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pss import PeakPss
+from _pss import run_measured
 from decode import make_images
 
 N_ITEMS = 20_000
@@ -47,7 +46,6 @@ SHAPE = (1000, 150)
 BATCH = {"a": 128, "b": 128, "c": 32}
 STEP_S = {"a": 0.05, "b": 0.05, "c": 0.0}
 OUT = 224
-PSS_PERIOD_S = 0.25
 WORKERS = (0, 2, 4, 8)
 QUICK = (2,)  # --quick: under 60 s
 NAMES = {"a": "map-style", "b": "iterable + list collate", "c": "JPEG folder"}
@@ -184,14 +182,7 @@ def run_one(library: str, workload: str, workers: int, warmup: int, measure: int
 def measure_one(library: str, workload: str, workers: int, warmup: int, n: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--run", workload, library, str(workers)]
     cmd += ["--warmup", str(warmup), "--measure", str(n)]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    with PeakPss(child.pid, PSS_PERIOD_S) as pss:
-        out, _ = child.communicate()
-    if child.returncode != 0:
-        raise RuntimeError(f"{library} {workload} N={workers} failed ({child.returncode})")
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result["peak_pss_mb"] = pss.peak / 2**20
-    return result
+    return run_measured(cmd, f"{library} {workload} N={workers}")
 
 
 def batches_for(workload: str, library: str, workers: int, quick: bool) -> tuple[int, int]:

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 import time
@@ -43,14 +42,13 @@ from typing import Any
 
 import numpy as np
 import psutil
-from _pss import PeakPss
+from _pss import run_measured
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH = 32
 ROWS, COLS = 100, 256  # the decoded sample: 100 KB of float32
 FIELDS = 2000  # integers per record
 RECORDS = 64  # distinct records; sample i reads record i % RECORDS
-PSS_PERIOD_S = 0.25  # psutil reads /proc/PID/smaps_rollup per process: a few times a second
 # mode -> (build, label)
 MODES = {
     "torch2": ("gil", "torch DataLoader(num_workers=2)"),
@@ -198,15 +196,7 @@ def measure(python: str, mode: str, n: int, epochs: int) -> dict[str, Any]:
     cmd = [python, __file__, "--run", mode, "--samples", str(n), "--epochs", str(epochs)]
     # this checkout's aioloader first (a venv's editable install may point at another one)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    child = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path}
-    )
-    with PeakPss(child.pid, PSS_PERIOD_S) as pss:
-        out, _ = child.communicate()
-    if child.returncode != 0:
-        raise RuntimeError(f"{mode} failed with exit code {child.returncode}")
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result["peak_pss_mb"] = pss.peak / 2**20
+    result = run_measured(cmd, mode, env={**os.environ, "PYTHONPATH": path})
     result["added_pss_mb"] = result["peak_pss_mb"] - result["base_pss_mb"]
     return result
 
