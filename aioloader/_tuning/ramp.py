@@ -20,10 +20,10 @@ by the job's seed and the rank.
 from __future__ import annotations
 
 import math
-import os
 import random
-import sys
 from dataclasses import dataclass
+
+from .._util.ranks import resolve_rank
 
 __all__ = ["BURST", "JITTER_S_PER_DOUBLING", "LEAST_START", "Ramp", "job_position"]
 
@@ -62,12 +62,10 @@ class Ramp:
 
 
 def job_position() -> tuple[int, int]:
-    """(rank, world size): torch.distributed's when its group is up, else torchrun's RANK and
-    WORLD_SIZE variables, else (0, 1)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank()), int(dist.get_world_size())
+    """(rank, world size) as the loader finds them (`resolve_rank`: torch.distributed's group, else
+    torchrun's RANK and WORLD_SIZE), else (0, 1): a malformed pair only costs the ramp, not the
+    run (the loader that needs the pair says what is wrong with it)."""
     try:
-        return int(os.environ.get("RANK", "0")), max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
+        return resolve_rank(None, None)
+    except (TypeError, ValueError):
         return 0, 1
