@@ -324,6 +324,8 @@ async def test_early_break_mid_shard_leaves_no_file(
 ) -> None:
     _origin, proxy = shard_server
     url = f"{proxy.url}/shard-0.tar"
+    # The first GET's body comes in eight pieces 0.2 s apart: the break comes before its end.
+    proxy.plan = lambda path, n: Fault("trickle", 0.2) if n == 1 else None
     shards = sources.tar_shards([url], shuffle=False, cache_dir=tmp_path, parallel=1)
     try:
         async for sample in shards:
@@ -337,6 +339,53 @@ async def test_early_break_mid_shard_leaves_no_file(
         assert not parts(tmp_path)
     finally:
         await shards.aclose()
+
+
+# Another process: takes the lock of the shard named argv[2] in the cache argv[1], says "held",
+# and lets go once the file argv[3] is in the cache ("published"), or after 60 s ("timeout").
+HOLD_LOCK = """
+import os, sys, time
+from pathlib import Path
+from aioloader.sources.cache.entries import Paths, open_lock, try_lock
+fd = open_lock(Paths.of(Path(sys.argv[1]), sys.argv[2]))
+assert try_lock(fd, Paths.of(Path(sys.argv[1]), sys.argv[2]))
+print("held", flush=True)
+end = time.monotonic() + 60
+while not os.path.exists(sys.argv[3]) and time.monotonic() < end:
+    time.sleep(0.01)
+print("published" if os.path.exists(sys.argv[3]) else "timeout", flush=True)
+"""
+
+
+def test_a_download_goes_on_while_its_reader_waits_for_another_process(tmp_path: Path) -> None:
+    # Two ranks read shards 0 and 1 round-robin through one cache. The other holds shard 1's lock
+    # and wants shard 0's first sample before it lets go; this one downloads shard 0 and wants
+    # shard 1's first sample next. Were shard 0's download paced by its reader (32 samples ahead
+    # at most, of 200), neither would ever go on.
+    shards = {
+        f"shard-{s}.tar": _tar({f"s{s}-{i:03d}.bin": bytes([s]) * 4096 for i in range(200)})
+        for s in range(2)
+    }
+    origin = Origin(shards)
+    urls = [f"{origin.url}/shard-{s}.tar" for s in range(2)]
+    other = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path), urls[1], str(data_file(tmp_path, urls[0]))],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert other.stdout is not None
+        assert other.stdout.readline().strip() == "held"
+        src = sources.tar_shards(urls, shuffle=False, cache_dir=tmp_path, parallel=2)
+        keys = [s["__key__"] for s in epochs(src, 1)[0]]
+        assert other.stdout.readline().strip() == "published"
+    finally:
+        other.kill()
+        other.communicate()
+        origin.stop()
+    assert sorted(keys) == sorted(f"s{s}-{i:03d}" for s in range(2) for i in range(200))
+    assert keys[:2] == ["s0-000", "s1-000"]  # round-robin, as ever
+    assert origin.hits == {"shard-0.tar": 1, "shard-1.tar": 1}
+    assert not parts(tmp_path)
 
 
 @pytest.mark.asyncio

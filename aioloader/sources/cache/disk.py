@@ -40,7 +40,7 @@ from .entries import (
     try_lock,
     write_all,
 )
-from .handles import Held
+from .handles import Fill, Held
 from .index import Index
 
 __all__ = ["Cache", "Expect", "check_cache_args"]
@@ -190,7 +190,7 @@ class Cache:
                     held, paths, lambda: held.open_valid(paths, Expect(), self._xattr)
                 )
                 if opened is None:
-                    download = self._download(held, paths, label, opener)
+                    download = self._download(held, reader, paths, label, opener)
                     async with contextlib.aclosing(download):
                         async for chunk in download:
                             yield chunk
@@ -217,15 +217,23 @@ class Cache:
         a buffer of its own length would be made for it alone)."""
         pos = 0
         while pos < size:
-            buf = self._bodies.take(CHUNK)
-            want = min(CHUNK, size - pos)
-            view = memoryview(buf)[:want] if want < CHUNK else buf
-            n = await reader.run(os.preadv, fd, [view], pos)
-            if n < want:
-                raise OSError(f"cached file {paths.data} was cut short at byte {pos + n}")
-            pos += n
+            view = await self._piece(reader, paths, fd, pos, size)
+            pos += len(view)
             yield view
         await self._hit(paths, size)
+
+    async def _piece(
+        self, reader: Held, paths: Paths, fd: int, pos: int, end: int
+    ) -> bytearray | memoryview:
+        """The file's bytes from `pos`, up to `CHUNK` of them and not past `end`, in a recycled
+        buffer (a view of its first bytes when fewer)."""
+        buf = self._bodies.take(CHUNK)
+        want = min(CHUNK, end - pos)
+        view = memoryview(buf)[:want] if want < CHUNK else buf
+        n = await reader.run(os.preadv, fd, [view], pos)
+        if n < want:
+            raise OSError(f"cached file {paths.data} was cut short at byte {pos + n}")
+        return view
 
     async def _read_file(
         self, read_file: ReadFile, reader: Held, paths: Paths, fd: int, size: int
@@ -236,26 +244,62 @@ class Cache:
         await self._hit(paths, size)
 
     async def _download(
-        self, held: Held, paths: Paths, label: str, opener: Opener
-    ) -> AsyncGenerator[bytes, None]:
+        self, held: Held, reader: Held, paths: Paths, label: str, opener: Opener
+    ) -> AsyncGenerator[bytes | bytearray | memoryview, None]:
+        """The object from `opener`, while a task of its own writes it to the cache at the wire's
+        pace, whether or not this generator is read. The lock's holder then never waits for its
+        reader: two processes reading shards round-robin through one cache could otherwise each
+        hold a shard's lock while their readers wait for the other's. Chunks come from memory
+        while the reader keeps up (`FRESH_BYTES` waiting at most), then from the file as written.
+        Closed early, the download is given up (no file is kept)."""
         fd = await held.run(held.create_temp, paths)
+        reader.fds.append(os.dup(fd))  # the reader's own: the task closes `fd` as it seals it
+        fill = Fill()
+        task = asyncio.get_running_loop().create_task(
+            self._fill(held, fd, paths, label, opener, fill)
+        )
+        task.add_done_callback(fill.ended)
+        try:
+            pos = 0
+            chunk: bytes | bytearray | memoryview
+            while True:
+                if fill.fresh:
+                    chunk = fill.take()
+                elif pos < fill.written:
+                    chunk = await self._piece(reader, paths, reader.fds[0], pos, fill.written)
+                elif task.done():
+                    task.result()  # its error, if it failed
+                    return
+                else:
+                    await fill.wait()
+                    continue
+                pos += len(chunk)
+                yield chunk
+        finally:
+            task.cancel()  # nothing once it is done; `held` is let go once its thread returns
+
+    async def _fill(
+        self, held: Held, fd: int, paths: Paths, label: str, opener: Opener, fill: Fill
+    ) -> None:
+        """Write the object from `opener` to the temporary file `fd`, handing each chunk to `fill`
+        as it comes; then, if it came whole and fits, put the file in place."""
         version: dict[str, str] = {}
         pending: list[bytes] = []
-        written = waiting = 0
+        waiting = 0
         async with contextlib.aclosing(opener(version)) as chunks:
             async for chunk in chunks:
-                yield chunk
+                fill.offer(chunk)
                 pending.append(chunk)
                 waiting += len(chunk)
                 if waiting >= CHUNK:
-                    written += await held.run(write_all, fd, pending)
+                    fill.wrote(await held.run(write_all, fd, pending))
                     pending, waiting = [], 0
-        written += await held.run(write_all, fd, pending)
+        fill.wrote(await held.run(write_all, fd, pending))
         self.counts["cache_misses"] += 1
         whole = version.get("content-length")
-        fits = self.limit is None or written <= self.limit
-        if fits and (whole is None or int(whole) == written):
-            meta = metadata(label, written, version, Expect())
+        fits = self.limit is None or fill.written <= self.limit
+        if fits and (whole is None or int(whole) == fill.written):
+            meta = metadata(label, fill.written, version, Expect())
             self.counts["cache_evictions"] += await held.run(self._seal, held, fd, paths, meta)
             await self._record_later()
 

@@ -1,4 +1,5 @@
-"""What one read or download of the cache holds: descriptors, a temporary file, its thread.
+"""What one read or download of the cache holds: descriptors, a temporary file, its thread; and
+what a download hands its reader (`Fill`).
 
 Blocking file work runs in threads; a task cancelled while its thread runs must not close a
 descriptor that thread still uses (the number may be reused at once). `Held.run` runs one call at
@@ -8,6 +9,7 @@ a time in a thread and `Held.release` closes and deletes what is held once that 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 from collections.abc import Callable
@@ -15,9 +17,10 @@ from typing import Any, TypeVar
 
 from .entries import Expect, Paths, create_temp, open_lock, open_valid
 
-__all__ = ["Held"]
+__all__ = ["FRESH_BYTES", "Fill", "Held"]
 
 T = TypeVar("T")
+FRESH_BYTES = 4 << 20  # chunks of a download kept in memory for a reader that is behind
 
 
 class Held:
@@ -70,3 +73,43 @@ class Held:
         fd, self.temp = create_temp(paths)
         self.fds.append(fd)
         return fd
+
+
+class Fill:
+    """What a download has got so far, for its reader: the chunks not yet read, in memory while
+    they come to `FRESH_BYTES` at most (after one that does not fit, none: the reader goes on from
+    the file), and how many bytes are in the file."""
+
+    def __init__(self) -> None:
+        self.fresh: collections.deque[bytes] = collections.deque()
+        self.fresh_bytes = 0
+        self.spilled = False
+        self.written = 0
+        self._changed = asyncio.Event()
+
+    def offer(self, chunk: bytes) -> None:
+        if not self.spilled and self.fresh_bytes + len(chunk) <= FRESH_BYTES:
+            self.fresh.append(chunk)
+            self.fresh_bytes += len(chunk)
+            self._changed.set()
+        else:
+            self.spilled = True
+
+    def take(self) -> bytes:
+        chunk = self.fresh.popleft()
+        self.fresh_bytes -= len(chunk)
+        return chunk
+
+    def wrote(self, n: int) -> None:
+        self.written += n
+        self._changed.set()
+
+    def ended(self, _task: asyncio.Future[Any]) -> None:
+        if not _task.cancelled():
+            _task.exception()  # seen: a failure after its reader left is not logged as unretrieved
+        self._changed.set()
+
+    async def wait(self) -> None:
+        """Until a chunk comes, bytes are written, or the download ends."""
+        self._changed.clear()
+        await self._changed.wait()
