@@ -31,6 +31,7 @@ from .._exceptions import DecodeError, LoaderClosedError
 from .._executors.base import RowWriter
 from .._observe.stats import Recorder, nbytes
 from .._tuning.bounds import ByteBudget, Gate, HeldBound
+from .._util.aiters import closing
 from .._util.loops import is_async_callable
 from .._util.rng import derive_seed
 from .collate import RowPlan
@@ -45,8 +46,9 @@ ROWS_AHEAD_PER_WORKER = 4  # decodes sent ahead per worker while workers write b
 
 async def _each(groups: Iterable[Group] | AsyncIterable[Group]) -> AsyncIterable[Group]:
     if isinstance(groups, AsyncIterable):
-        async for group in groups:
-            yield group
+        async with closing(groups) as each:
+            async for group in each:
+                yield group
     else:
         for group in groups:
             yield group
@@ -226,8 +228,8 @@ class Epoch:
         self._out.put_nowait(Item(-1, END, 0, 0, None))
 
     async def _launch(self) -> None:
-        async with asyncio.TaskGroup() as tasks:
-            async for group in _each(self._groups):
+        async with asyncio.TaskGroup() as tasks, closing(_each(self._groups)) as groups:
+            async for group in groups:
                 if self._order.failed is not None:
                     break
                 self._order.launch(group.index)

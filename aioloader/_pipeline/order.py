@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from .._exceptions import StateError
+from .._util.aiters import closing
 from .._util.ranges import Ranges
 
 __all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "achunk", "chunk", "shard"]
@@ -60,20 +61,22 @@ async def achunk(
     step = 1 if size is None else size
     items: list[tuple[int, Any]] = []
     index = first
-    async for pair in pairs:
-        items.append(pair)
-        if len(items) == step:
-            yield Group(index, items, size is not None)
-            index, items = index + 1, []
+    async with closing(pairs) as each:
+        async for pair in each:
+            items.append(pair)
+            if len(items) == step:
+                yield Group(index, items, size is not None)
+                index, items = index + 1, []
     if items and not drop_last:
         yield Group(index, items, size is not None)
 
 
 async def _aenumerate(keys: AsyncIterable[Any], start: int = 0) -> AsyncIterator[tuple[int, Any]]:
     i = start
-    async for key in keys:
-        yield i, key
-        i += 1
+    async with closing(keys) as each:
+        async for key in each:
+            yield i, key
+            i += 1
 
 
 def permutation(n: int, shuffle: bool, seed: int, epoch: int) -> Sequence[int]:

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._util.aiters import closing
 from .._util.ranges import Ranges
 from ..sources.protocol import SharesItsKeys
 from .order import Group, KeyOrder, KeyPlan, achunk
@@ -153,6 +154,7 @@ class StreamPlan(KeyPlan):
 
 async def _numbered(keys: AsyncIterable[Any], start: int) -> AsyncIterator[tuple[int, Any]]:
     i = start
-    async for key in keys:
-        yield i, key
-        i += 1
+    async with closing(keys) as each:
+        async for key in each:
+            yield i, key
+            i += 1

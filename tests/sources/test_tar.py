@@ -310,3 +310,22 @@ def test_the_class_takes_the_shared_arguments_one_by_one_or_as_one_object(
         TarShards(shards, rnak=1)
     with pytest.raises(ValueError, match="shuffle_buffer=8 mixes samples"):
         tar_shards(shards, shuffle=False, shuffle_buffer=8)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_early_break_closes_the_shard_streams_without_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, shuffle: bool
+) -> None:
+    # Left to the garbage collector, the streams of shards (and the shuffle buffer over them) were
+    # closed each by a task of its own, one finding the next still running: "aclose(): asynchronous
+    # generator is already running" in the log, at an early break.
+    from support.shardfiles import write_shards
+
+    paths = write_shards(tmp_path, [100] * 20)
+    with caplog.at_level("ERROR"):
+        for _ in range(3):
+            with Loader(tar_shards(paths, shuffle=shuffle), batch_size=64, collate=None) as loader:
+                for batch in loader:
+                    assert len(batch) == 64
+                    break
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

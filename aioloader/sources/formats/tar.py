@@ -399,9 +399,12 @@ class TarShards:
         self, epoch: int, consumed: Ranges | None = None, drop_last: bool = False
     ) -> AsyncIterator[SampleRef]:
         index = 0
-        async for sample in self.samples(epoch, True, consumed, drop_last):
-            yield SampleRef(sample["__url__"], index, sample)  # a broken shard: fetch raises
-            index += 1
+        # closed here, in this task: left to the garbage collector, it and the generators it reads
+        # would be closed at once by tasks of their own, each finding the next one still running
+        async with contextlib.aclosing(self.samples(epoch, True, consumed, drop_last)) as samples:
+            async for sample in samples:
+                yield SampleRef(sample["__url__"], index, sample)  # a broken shard: fetch raises
+                index += 1
 
     def keys(self) -> _Epochs:
         """An async iterable of the `SampleRef`s of one epoch per iteration (streamed, no length)."""
