@@ -3,6 +3,8 @@ of the same documents tokenized beforehand; exact resume; a plain callable token
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
 import threading
 from collections.abc import Callable
@@ -287,3 +289,18 @@ def test_it_is_the_public_decode_type() -> None:
     made = tokenize(by_words, key="body")
     assert isinstance(made, Tokenize)
     assert repr(made) == "tokenize(by_words, key='body', out='tokens')"
+
+
+def test_the_pretraining_examples_text_gives_its_token_batches(tmp_path: Path) -> None:
+    path = Path(__file__).resolve().parents[2] / "examples" / "pretraining.py"
+    spec = importlib.util.spec_from_file_location("pretraining_example", path)
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    files = example.write_corpora(tmp_path)
+    heads = []
+    for text in (False, True):
+        with example.make_packed(files, text) as packed:
+            heads.append([b["tokens"].tolist() for b in itertools.islice(packed, 12)])
+    assert heads[1] == heads[0]
