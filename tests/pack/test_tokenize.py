@@ -202,11 +202,14 @@ def test_worker_processes_are_refused_with_the_reason(corpus: list[str]) -> None
         run(make)
 
 
+@pytest.mark.parametrize("kind", ["callable", "tokenizers"])
 def test_breaking_out_ends_the_epoch_and_closes_the_threads(
-    corpus: list[str], word_level: Any, threads_stopped: Callable[[], list[str]]
-) -> None:
+    corpus: list[str], kind: str, request: pytest.FixtureRequest,
+    threads_stopped: Callable[[], list[str]],
+) -> None:  # fmt: skip
+    tokenizer = by_words if kind == "callable" else request.getfixturevalue("word_level")
     rows = sources.parquet(corpus, ["text"], rows_per_sample=8, seed=3)
-    loader = Loader(rows, batch_size=None, collate=None, decode=tokenize(word_level),
+    loader = Loader(rows, batch_size=None, collate=None, decode=tokenize(tokenizer),
                     executor="thread", workers=2, prefetch=1)  # fmt: skip
     with pack(loader, 16, batch_size=2, eos=EOS, key="tokens") as packed:
         for i, _ in enumerate(packed):
