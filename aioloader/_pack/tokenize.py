@@ -122,7 +122,9 @@ class Tokenize:
             )
         texts = column.to_pylist()
         values, offsets = _flat(self._encode(texts), len(texts), f"column {self.key!r}")
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+        if offsets[-1] < 2**31:
+            return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 def _encoder(tokenizer: Any, add_special_tokens: bool | None) -> Encode:
@@ -152,7 +154,7 @@ def _encoder(tokenizer: Any, add_special_tokens: bool | None) -> Encode:
 
 
 def _flat(ids: Any, n: int, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """The tokenizer's answer for `n` texts as (flat int32 token ids, int32 offsets of n + 1)."""
+    """The tokenizer's answer for `n` texts as (flat int32 token ids, int64 offsets of n + 1)."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence) or len(ids) != n:
         got = len(ids) if isinstance(ids, Sequence) else type(ids).__name__
         raise TypeError(
@@ -169,7 +171,7 @@ def _flat(ids: Any, n: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     if n and all(type(doc) is np.ndarray for doc in ids):
         values = np.concatenate(ids) if total else np.zeros(0, dtype=np.int32)
         _check_ids(values[:1].tolist(), what)
-        return _int32(values, what), offsets.astype(np.int32)
+        return _int32(values, what), offsets
     first = next((doc for doc in ids if len(doc)), None)
     if first is not None:
         _check_ids(first[:1], what)
@@ -177,7 +179,7 @@ def _flat(ids: Any, n: int, what: str) -> tuple[np.ndarray, np.ndarray]:
         values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
     except (OverflowError, ValueError) as exc:
         raise ValueError(f"tokenizer: for {what} it returned token ids that are not int32") from exc
-    return values, offsets.astype(np.int32)
+    return values, offsets
 
 
 def _check_ids(head: Any, what: str) -> None:
