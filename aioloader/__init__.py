@@ -30,6 +30,8 @@ from ._observe.stats import StageStats as StageStats
 from ._observe.trace import Trace as Trace
 from ._pack.packed import Packed as Packed
 from ._pack.packed import pack as pack
+from ._pack.tokenize import Tokenize as Tokenize
+from ._pack.tokenize import tokenize as tokenize
 from ._pipeline.collate import BufferPool as BufferPool
 from ._pipeline.collate import default_collate as default_collate
 from ._util.rng import sample_generator as sample_generator
@@ -62,6 +64,7 @@ __all__ = [
     "SampleError",
     "StageStats",
     "StateError",
+    "Tokenize",
     "Trace",
     "WorkerDied",
     "WorkerTimeout",
@@ -72,4 +75,5 @@ __all__ = [
     "sample_np_generator",
     "sample_seed",
     "sources",
+    "tokenize",
 ]

@@ -19,12 +19,20 @@ Contenders:
   the columnar fast path (a RecordBatch of 256 documents per sample; the mix draws per record
   batch, so the proportions hold per 256 documents, not per document);
 - "aioloader-per-doc": one document per sample (the mix draws per document);
+- "aioloader-text": "aioloader" over a copy of the corpus whose `text` column holds each document
+  as words ("w123 w45 ..." for token ids 123, 45, ...; `id`, `url`, `raw` as they were), tokenized
+  on the fly by `aioloader.tokenize` (a word-level `tokenizers.Tokenizer`, made before the clock
+  starts) in the loader's decode threads, then mixed and packed alike: its batches are those of
+  "aioloader" (`same_batches`, checked on the first 20 after the run); needs `tokenizers`.
+  `tokenizer_cpu_s_per_m_tokens` is what the tokenizer alone costs (one `encode_batch_fast` of a
+  record batch's text, in this process): the rest of its CPU per M tokens is the loader's;
 - peers, only when installed (`pip install 'aioloader[bench]'`), else skipped with the reason:
   see `_tokens_peers.py` (LitData, Grain, HF datasets + torchdata's StatefulDataLoader).
 
 The corpus is written once into `--folder` (default: a folder in the temp directory, kept for the
-next run), then flushed and read once, so every contender finds it in the page cache. Figures are
-the machine's of the moment: compare contenders of the same run.
+next run; its text copy beside it, when "aioloader-text" runs), then flushed and read once, so
+every contender finds it in the page cache. Figures are the machine's of the moment: compare
+contenders of the same run.
 
 Usage: python benchmarks/tokens.py [--quick] [--docs N] [--batches N] [--contenders a,b,...]
 The last line printed is a JSON summary.
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import resource
@@ -43,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +62,12 @@ SEQ_LEN, BATCH, EOS = 2048, 8, 0
 WEIGHTS = {"web": 0.7, "code": 0.3}
 ROWS_PER_FILE, ROW_GROUP = 10_000, 1_000
 CHECKED = 20  # batches compared after the resume
-OURS = ("aioloader", "aioloader-per-doc")
+OURS = ("aioloader", "aioloader-per-doc", "aioloader-text")
 IMPORTS = {
     "litdata": ["litdata"], "grain": ["grain", "grain.experimental"],
-    "hf": ["datasets", "torchdata.stateful_dataloader"],
+    "hf": ["datasets", "torchdata.stateful_dataloader"], "aioloader-text": ["aioloader", "tokenizers"],
 }  # fmt: skip
+VOCAB = 50_000  # token ids of the corpus are 1 .. VOCAB - 1; the text's unknown word is VOCAB
 
 
 # -- the corpus -------------------------------------------------------------------------------------
@@ -97,6 +108,30 @@ def write_corpus(folder: Path, docs: int) -> dict[str, list[str]]:
     return {k: [str(folder / p) for p in v] for k, v in names.items()}
 
 
+def text_of(files: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The text copy's files: beside each file of tokens, the same rows in the same row groups
+    with `tokens` rendered as a `text` column (written once, by pyarrow's compute functions)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    out: dict[str, list[str]] = {}
+    for source, paths in files.items():
+        out[source] = []
+        for path in paths:
+            text_path = path.removesuffix(".parquet") + ".text.parquet"
+            out[source].append(text_path)
+            if os.path.exists(text_path):
+                continue
+            table = pq.read_table(path)
+            tokens = table.column("tokens").combine_chunks()
+            words = pc.binary_join_element_wise("w", pc.cast(tokens.values, "string"), "")
+            text = pc.binary_join(type(tokens).from_arrays(tokens.offsets, words), " ")
+            table = table.set_column(table.column_names.index("tokens"), "text", text)
+            pq.write_table(table, text_path + ".part", row_group_size=ROW_GROUP)
+            os.replace(text_path + ".part", text_path)
+    return out
+
+
 def warm(files: dict[str, list[str]]) -> int:
     """Flush the files to disk and read each once, so that every contender finds them in the
     page cache (the first one after writing them waited seconds on the writeback); their bytes."""
@@ -113,25 +148,45 @@ def warm(files: dict[str, list[str]]) -> int:
 # -- aioloader --------------------------------------------------------------------------------------
 
 
-def aioloader_packed(files: dict[str, list[str]], rows_per_sample: int | None) -> Any:
-    from aioloader import Loader, mix, pack, sources
+def aioloader_packed(
+    files: dict[str, list[str]], rows_per_sample: int | None, tokenizer: Any = None
+) -> Any:
+    """The mix packed; with a `tokenizer`, over the text copy, tokenized in the decode threads."""
+    from aioloader import Loader, mix, pack, sources, tokenize
 
+    column = "tokens" if tokenizer is None else "text"
     parts = {
-        name: sources.parquet(paths, ["tokens"], rows_per_sample=rows_per_sample, seed=i)
+        name: sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i)
         for i, (name, paths) in enumerate(files.items())
     }
-    loader = Loader(mix(parts, WEIGHTS, seed=1), batch_size=None, collate=None)
+    if tokenizer is None:
+        loader = Loader(mix(parts, WEIGHTS, seed=1), batch_size=None, collate=None)
+    else:
+        loader = Loader(mix(parts, WEIGHTS, seed=1), batch_size=None, collate=None,
+                        decode=tokenize(tokenizer), executor="thread")  # fmt: skip
     return pack(loader, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens")
+
+
+def word_level() -> Any:
+    """The text copy's tokenizer: a word-level `tokenizers.Tokenizer`, "w<i>" -> i (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": VOCAB, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
 
 
 class Ours:
     """A contender's three steps, for aioloader: make, iterate, save and load state."""
 
-    def __init__(self, files: dict[str, list[str]], rows_per_sample: int | None) -> None:
-        self.files, self.rows_per_sample = files, rows_per_sample
+    def __init__(
+        self, files: dict[str, list[str]], rows_per_sample: int | None, tokenizer: Any = None
+    ) -> None:
+        self.files, self.rows_per_sample, self.tokenizer = files, rows_per_sample, tokenizer
 
     def make(self) -> Any:
-        return aioloader_packed(self.files, self.rows_per_sample)
+        return aioloader_packed(self.files, self.rows_per_sample, self.tokenizer)
 
     def batches(self, packed: Any) -> Iterator[np.ndarray]:
         for batch in packed:
@@ -223,14 +278,43 @@ def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int)
     # too, which aioloader and Grain import when a source is made)
     for module in ["pyarrow.parquet", *IMPORTS.get(name, ["aioloader"])]:
         importlib.import_module(module)
-    if name in OURS:
-        contender: Any = Ours(files, 256 if name == "aioloader" else None)
+    if name == "aioloader-text":
+        contender: Any = Ours(text_of(files), 256, word_level())
+    elif name in OURS:
+        contender = Ours(files, 256 if name == "aioloader" else None)
     else:
         from _tokens_peers import peer  # benchmarks/ is on sys.path: this script's folder
 
         contender = peer(name, files, folder, SEQ_LEN, BATCH, EOS, WEIGHTS)
     result = measure(contender, limit, resume_at)
+    if name == "aioloader-text":
+        result["same_batches"] = same_batches(contender, Ours(files, 256))
+        result["tokenizer_cpu_s_per_m_tokens"] = tokenizer_cost(contender)
     print(json.dumps({**result, **getattr(contender, "extra", {})}))
+
+
+def tokenizer_cost(text: Ours) -> float:
+    """CPU s per M tokens of the tokenizer alone, on the text of the first 1,000-row row group."""
+    import pyarrow.parquet as pq
+
+    first = next(iter(text.files.values()))[0]
+    texts = pq.ParquetFile(first).read_row_group(0, ["text"]).column("text").to_pylist()
+    cpu0 = cpu_s()
+    tokens = sum(len(e.ids) for e in text.tokenizer.encode_batch_fast(texts))
+    return round((cpu_s() - cpu0) / tokens * 1e6, 4)
+
+
+def same_batches(text: Ours, tokens: Ours) -> bool:
+    """Whether the first `CHECKED` batches of the text tokenized on the fly are those of the
+    corpus tokenized beforehand (after the measured run: this costs it nothing)."""
+    heads = []
+    for contender in (text, tokens):
+        packed = contender.make()
+        try:
+            heads.append([digest(b) for b in islice(contender.batches(packed), CHECKED)])
+        finally:
+            contender.close(packed)
+    return heads[0] == heads[1] and len(heads[0]) > 0
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -238,6 +322,8 @@ def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int)
 
 def run_child(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any] | str:
     """One contender in a fresh interpreter: its figures, or why it did not run."""
+    if name == "aioloader-text" and importlib.util.find_spec("tokenizers") is None:
+        return "tokenizers not installed (pip install 'aioloader[dev]', or tokenizers alone)"
     if name not in OURS:
         from _tokens_peers import missing
 
@@ -262,13 +348,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true",
-        help="12,000 documents, 200 batches (< 60 s with aioloader's two; peers add their own)",
+        help="12,000 documents, 200 batches (< 60 s with aioloader's three; peers add their own)",
     )  # fmt: skip
     parser.add_argument("--docs", type=int, default=90_000)
     parser.add_argument("--batches", type=int, default=None, help="stop after N (default: epoch)")
     parser.add_argument("--resume-at", type=int, default=100)
     parser.add_argument("--folder", type=Path, default=None)
-    parser.add_argument("--contenders", default="aioloader,aioloader-per-doc,litdata,grain,hf")
+    parser.add_argument(
+        "--contenders", default="aioloader,aioloader-per-doc,aioloader-text,litdata,grain,hf"
+    )
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -280,13 +368,16 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     files = write_corpus(folder, args.docs)
+    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
     size = warm(files)
+    if "aioloader-text" in names and importlib.util.find_spec("tokenizers") is not None:
+        size += warm(text_of(files))  # its text copy, beside it
     print(f"corpus: {args.docs} documents in {sum(map(len, files.values()))} files, "
           f"{size / 1e6:.0f} MB, in {folder} ({time.perf_counter() - t0:.1f} s)")  # fmt: skip
     print(f"{'contender':<18} {'M tok/s':>8} {'CPU s/M':>8} {'CPU us/doc':>10} {'first s':>8} "
           f"{'restore s':>9} {'exact':>6} {'batches':>8}")  # fmt: skip
     summary: dict[str, Any] = {"workload": "tokens", "docs": args.docs, "batches": args.batches}
-    for name in [c.strip() for c in args.contenders.split(",") if c.strip()]:
+    for name in names:
         result = run_child(name, args, folder)
         summary[name] = result
         if isinstance(result, str):
@@ -300,6 +391,12 @@ def main() -> None:
     if isinstance(ours, dict) and isinstance(per_doc, dict):
         summary["columnar_speedup"] = round(ours["m_tokens_per_s"] / per_doc["m_tokens_per_s"], 2)
         print(f"columnar fast path / one document per sample: {summary['columnar_speedup']:.2f}x")
+    text = summary.get("aioloader-text")
+    if isinstance(ours, dict) and isinstance(text, dict):
+        summary["text_over_tokens"] = round(text["m_tokens_per_s"] / ours["m_tokens_per_s"], 2)
+        print(f"text tokenized on the fly / tokens read: {summary['text_over_tokens']:.2f}x "
+              f"tokens/s (the tokenizer alone: {text['tokenizer_cpu_s_per_m_tokens']:.4f} CPU "
+              f"s/M); the same batches: {text['same_batches']}")  # fmt: skip
     print(json.dumps(summary))
 
 

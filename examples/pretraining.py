@@ -12,7 +12,12 @@ checkpoint, everything is thrown away and made anew from it, and training goes o
 after the restart are those an uninterrupted run sees (checked at the end). Runs in well under a
 minute on a CPU.
 
-Usage: python examples/pretraining.py [--steps 80] [--folder DIR]
+With `--text`, the same documents are read as text (a `text` column of words "t<id>") and
+tokenized on the fly by `aioloader.tokenize` in the loader's decode threads: a word-level
+`tokenizers.Tokenizer` made here (or, without `tokenizers` installed, a plain function
+`list[str] -> list[list[int]]`). The batches are the same.
+
+Usage: python examples/pretraining.py [--steps 80] [--folder DIR] [--text]
 """
 
 from __future__ import annotations
@@ -31,14 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import aioloader
-from aioloader import Loader, mix, pack, sources
+from aioloader import Loader, mix, pack, sources, tokenize
 
 VOCAB, EOS, SEQ_LEN, BATCH = 128, 0, 64, 8
 LR = 1e-2
 
 
 def write_corpora(folder: Path) -> dict[str, list[str]]:
-    """Two corpora of tokenized documents (a `tokens` list<int32> column, and a column not read):
+    """Two corpora of documents (a `tokens` list<int32> column, the same as words in a `text`
+    column, and a column not read):
     "web" counts up from a random start by a random step, "code" repeats a short random motif."""
     rng = np.random.default_rng(0)
     files: dict[str, list[str]] = {"web": [], "code": []}
@@ -55,6 +61,7 @@ def write_corpora(folder: Path) -> dict[str, list[str]]:
                     docs.append(np.resize(motif, n))
             table = pa.table({
                 "tokens": pa.array([d.astype(np.int32) for d in docs], pa.list_(pa.int32())),
+                "text": pa.array([" ".join(f"t{t}" for t in d.tolist()) for d in docs]),
                 "source": pa.array([name] * len(docs)),
             })  # fmt: skip
             path = folder / f"{name}-{part}.parquet"
@@ -63,13 +70,29 @@ def write_corpora(folder: Path) -> dict[str, list[str]]:
     return files
 
 
-def make_packed(files: dict[str, list[str]]) -> aioloader.Packed:
+def word_tokenizer() -> Any:
+    """The text's tokenizer, "t<id>" -> id: a word-level `tokenizers.Tokenizer` (made here, no
+    download), or without `tokenizers` a plain function of a list of texts."""
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+    except ImportError:
+        return lambda texts: [[int(word[1:]) for word in text.split()] for text in texts]
+    vocab = {"[UNK]": EOS, **{f"t{i}": i for i in range(1, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
+
+
+def make_packed(files: dict[str, list[str]], text: bool = False) -> aioloader.Packed:
+    column = "text" if text else "tokens"
     corpora = {
-        name: sources.parquet(paths, ["tokens"], rows_per_sample=64, seed=i)
+        name: sources.parquet(paths, [column], rows_per_sample=64, seed=i)
         for i, (name, paths) in enumerate(files.items())
     }
     mixed = mix(corpora, {"web": 0.7, "code": 0.3}, seed=1, stop="cycle")  # train by steps
-    loader = Loader(mixed, batch_size=None, collate=None)
+    # with text: tokenized in the decode threads into a "tokens" column, one call per RecordBatch
+    decode = tokenize(word_tokenizer()) if text else None
+    loader = Loader(mixed, batch_size=None, collate=None, decode=decode)
     return pack(loader, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens", targets=True,
                 boundaries=True)  # fmt: skip
 
@@ -126,14 +149,14 @@ def step(model: TinyLM, optimizer: torch.optim.Optimizer, batch: dict[str, torch
 
 
 def train(
-    files: dict[str, list[str]], steps: int, stop_at: int | None
+    files: dict[str, list[str]], steps: int, stop_at: int | None, text: bool = False
 ) -> tuple[list[float], list[Any]]:
     """Train for `steps`; with `stop_at`, checkpoint there, rebuild everything from the checkpoint
     and go on. The losses, and the rows of every batch."""
     torch.manual_seed(0)
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    packed = make_packed(files)
+    packed = make_packed(files, text)
     batches = iter(packed)
     losses, seen = [], []
     for n in range(steps):
@@ -144,7 +167,7 @@ def train(
             packed.close()  # the process "stops" here; all that is left is the checkpoint
             checkpoint.seek(0)
             saved = torch.load(checkpoint, weights_only=True)
-            model, packed = TinyLM(), make_packed(files)
+            model, packed = TinyLM(), make_packed(files, text)
             model.load_state_dict(saved["model"])
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
             optimizer.load_state_dict(saved["optimizer"])
@@ -165,6 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--folder", type=Path, default=None)
+    parser.add_argument("--text", action="store_true", help="tokenize a text column on the fly")
     args = parser.parse_args()
     torch.set_num_threads(
         1
@@ -174,12 +198,14 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         files = write_corpora(folder)
         print(f"corpora: {sum(map(len, files.values()))} Parquet files in {folder}")
-        losses, seen = train(files, args.steps, stop_at=args.steps // 2)
+        if args.text:
+            print(f"reading text, tokenized on the fly by {tokenize(word_tokenizer())!r}")
+        losses, seen = train(files, args.steps, stop_at=args.steps // 2, text=args.text)
         k = max(len(losses) // 8, 1)
         print(f"loss: {np.mean(losses[:k]):.3f} over the first {k} steps, "
               f"{np.mean(losses[-k:]):.3f} over the last {k}")  # fmt: skip
         print("the same run without a restart:")
-        _, uninterrupted = train(files, args.steps, stop_at=None)
+        _, uninterrupted = train(files, args.steps, stop_at=None, text=args.text)
         same = all(torch.equal(a, b) for a, b in zip(seen, uninterrupted, strict=True))
         print(
             f"the batches after the restart are the uninterrupted run's: {'yes' if same else 'no'}"
