@@ -34,8 +34,11 @@ def auto_executor(decode: Callable[[Any], Any] | None = None) -> str:
     a process (a lambda, a closure, a bound method of an object that does not pickle): then threads,
     and the "aioloader" logger says why. A decoder that releases the GIL (numpy, Pillow, most codecs)
     does well in threads either way: name executor="thread" for it; executor="inline" runs a cheap
-    decode on the event loop itself."""
+    decode on the event loop itself. A decode whose `aioloader_executor` attribute is "thread"
+    (`aioloader.tokenize`'s) gets threads without a word."""
     if not gil_enabled():
+        return "thread"
+    if getattr(decode, "aioloader_executor", None) == "thread":  # a decode made for threads
         return "thread"
     if decode is not None:
         try:

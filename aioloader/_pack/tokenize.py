@@ -52,6 +52,8 @@ class Tokenize:
         )  # a tokenizer's own repr may be its whole vocabulary
         return f"tokenize({name}, key={self.key!r}, out={self.out!r}{special})"
 
+    aioloader_executor = "thread"  # what executor="auto" picks for it, without a log line
+
     def __reduce__(self) -> Any:
         raise TypeError(
             "aioloader.tokenize(...) runs in the loader's decode threads, not in worker "
