@@ -41,7 +41,6 @@ from support.workerfuncs import (
 
 import aioloader
 from aioloader._executors.process.arena import SLAB_LINKS
-from aioloader._executors.process.config import RELEASES_STOP_S
 from aioloader._executors.process.executor import ProcessExecutor
 from aioloader._util.rng import call_seeded
 
@@ -288,15 +287,12 @@ def test_whole_batches_kept_by_the_consumer_past_the_budget_are_pickled_not_wait
     for i in range(4):
         assert int(pool.submit(batch_of_17_mib, i).result(WAIT_S)[0, 0]) == i  # and let go
     futures = [pool.submit(batch_of_17_mib, i) for i in range(10)]
-    start = time.monotonic()
     held = [f.result(WAIT_S) for f in futures]
-    waited = time.monotonic() - start
     assert [int(b[0, 0]) for b in held] == list(range(10))
     stats = pool.stats()
     assert stats["results_pickled"] >= 4
     assert stats["results_in_shm"] > 4
     assert stats["arena_mapped"] <= 100 << 20
-    # once: the pool's wait for a consumer that frees nothing is `RELEASES_STOP_S`, or three of its
-    # usual gaps between frees where longer (here, the time the first batches took to be made)
-    once = max(RELEASES_STOP_S, 3 * pool._pool._state.free_gap)
-    assert waited < 3 * once, (waited, once)
+    # once: the pool waited (`PoolState.keeps_from`) for a consumer that frees nothing, then sent
+    # the rest pickled without waiting again (counted by the pool, not timed: a busy machine)
+    assert stats["consumer_waits"] == 1

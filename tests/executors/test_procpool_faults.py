@@ -31,6 +31,7 @@ from support.workerfuncs import (
     note_cancel,
     snooze,
     stall,
+    stall_once,
     wait_for_file,
 )
 
@@ -117,14 +118,6 @@ def test_a_crash_costs_the_task_that_causes_it_alone(make: Any) -> None:
     assert outcomes[:3] + outcomes[4:] == [0, 1, 2, 4, 5, 6, 7]  # its neighbours were retried
     assert "running that task alone" in outcomes[3]
     assert "the task killed it" in outcomes[3]
-
-
-def stall_once(folder: str) -> str:
-    marker = Path(folder, "stalled")
-    if not marker.exists():
-        marker.touch()
-        time.sleep(WAIT_S)  # a transient stall: the first try only
-    return "done"
 
 
 def test_within_restarts_a_stalled_task_runs_again_alone_and_fails_only_if_it_stalls_again(

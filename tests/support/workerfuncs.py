@@ -74,6 +74,17 @@ def stall(how: str) -> None:
         pass
 
 
+def stall_once(folder: str) -> str:
+    """Stalls at its first try only (a transient stall). Here, not in the test module: a fresh
+    worker finds it without importing pytest and the test's other imports, which on a busy
+    machine took longer than the test's 0.5 s timeout."""
+    marker = Path(folder, "stalled")
+    if not marker.exists():
+        marker.touch()
+        time.sleep(WAIT_S)
+    return "done"
+
+
 def die_once_at(arg: tuple[str, int, int]) -> int:
     folder, i, fatal = arg
     marker = Path(folder, f"died-{fatal}")

@@ -34,6 +34,7 @@ class Sender:
         # by `Pool._register` on the caller's thread, under the pool's lock, before its first task
         self.fn_blobs: dict[int, bytes | int] = {}
         self._send_waits = False  # a task waits to be sent until a slot is freed (`_releasing`)
+        self._kept_waits = False  # ... and that wait is for a consumer that may be keeping
 
     def queue(self, task: Task) -> None:
         """Queue `task` behind the others."""
@@ -161,7 +162,12 @@ class Sender:
                 # freed none for a while keeps what it has (`keeps_from`), and the batch goes without
                 if task.out_slot is None and grow and (self._slots.busy() or self._releasing()):
                     self._send_waits = True  # `deadlines` looks again by `keeps_from`
+                    self._kept_waits = self._kept_waits or not self._slots.busy()
                     return False
+                if task.out_slot is None and grow and self._kept_waits:
+                    # the wait ran out: the consumer keeps its batches, this one goes pickled
+                    self._state.counts["consumer_waits"] += 1
+                    self._kept_waits = False
                 self._state.slot_waits = bool(self._slots.wants)
         if task.out_slot is not None:
             h.share(arena, task.out_slot.slab_id)

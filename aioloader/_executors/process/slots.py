@@ -27,6 +27,7 @@ class Slots:
         self._workers = workers
         self.wants: list[tuple[Handle, int, float]] = []  # (worker, task id, since): slot asks
         self.consumer_keeps = False  # a slot ask waited `SLOT_WAIT_S` in vain
+        self._kept_wait = False  # an ask waits for a consumer that may keep its batches
 
     def out_slot(self, h: Handle, nbytes: int | None = None) -> Slot | None:
         """An output slot for a task sent to `h` (for whole batches: `free_slot`, else
@@ -160,7 +161,11 @@ class Slots:
                 if slot is None and alone and now >= self._state.keeps_from():
                     task.out_slot = None  # the consumer keeps what it has, so none would come
                     self._grant(h, task_id, None)
+                    if self._kept_wait:  # an ask waited for that: count the wait, once
+                        self._state.counts["consumer_waits"] += 1
+                        self._kept_wait = False
                     continue
+                self._kept_wait = self._kept_wait or (slot is None and alone)
             if slot is None:
                 self.wants.append((h, task_id, since))
                 continue
