@@ -45,6 +45,7 @@ from .parquet_bytes import (
 )
 from .parquet_order import epoch_rows, remaining, share
 from .parquet_readahead import Ahead, RowGroup, Runs, Turns, cores, runs_of
+from .parquet_take import take_rows
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -411,7 +412,7 @@ class Parquet:
         tables = []
         for group, rows in ref.parts:
             table = await group.value(self)
-            tables.append(_take(table, rows))
+            tables.append(take_rows(table, rows))
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         batches = table.to_batches()
         return batches[0] if len(batches) == 1 else table.combine_chunks().to_batches()[0]
@@ -446,19 +447,6 @@ class Parquet:
         self._early.clear()
         for remote in self._remotes.values():
             await remote.aclose()
-
-
-def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
-    """`rows` of `table`: a slice when they run in order, else a gather."""
-    import pyarrow as pa
-
-    n = len(rows)
-    # a sample's rows are distinct: n of them spanning n places are a run, in order when each is
-    # above the one before
-    run = n and int(rows[-1]) - int(rows[0]) == n - 1
-    if run and (n < 3 or bool((rows[1:] > rows[:-1]).all())):
-        return table.slice(int(rows[0]), n)
-    return table.take(pa.array(rows))
 
 
 def _python_columns(table: pa.Table) -> dict[str, list[Any]]:
