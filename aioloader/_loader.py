@@ -310,6 +310,12 @@ class Loader(Generic[T]):
         self._ledger.set_epoch(epoch)
         self._hooks.set_epoch(epoch)
 
+    def _start_epoch_afresh(self, epoch: int) -> None:
+        """`set_epoch(epoch)`, the iteration from the epoch's start even where a loaded state
+        pointed into it (a mix starting its next epoch, its loaders' states taken mid-way)."""
+        self.set_epoch(epoch)
+        self._ledger.set_epoch(epoch, afresh=True)
+
     # -- closing -----------------------------------------------------------------------------------
 
     @property

@@ -10,7 +10,8 @@ position and every loader's own state, and `load_state_dict()` continues the exa
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -66,20 +67,47 @@ class MixedLoaders:
         self._epoch = check_int("epoch", epoch, minimum=0)
 
     def __iter__(self) -> Iterator[Any]:
-        return self._items(self._start())
+        return self._resumed(self._start())
 
     def __aiter__(self) -> AsyncIterator[Any]:
         """`async for item in mixed`: the same items, from the loaders' `async for`."""
-        return self._aitems(self._start())
+        return self._aresumed(self._start())
+
+    def _resumed(self, progress: _Progress) -> Iterator[Any]:
+        """The epoch's items; a resume saved after the last of them (found when the epoch ends
+        before a first item) goes on with the next epoch, as the run it was saved from would."""
+        resumed, out = progress.position > 0, 0
+        for item in self._items(progress):
+            out += 1
+            yield item
+        if resumed and not out:
+            yield from self._items(self._start())
+
+    async def _aresumed(self, progress: _Progress) -> AsyncIterator[Any]:
+        resumed, out = progress.position > 0, 0
+        async with contextlib.aclosing(self._aitems(progress)) as items:
+            async for item in items:
+                out += 1
+                yield item
+        if resumed and not out:
+            async with contextlib.aclosing(self._aitems(self._start())) as items:
+                async for item in items:
+                    yield item
 
     def _start(self) -> _Progress:
         """Take the next epoch: where a load left it, else from its start (every loader's too)."""
         epoch, self._epoch = self._epoch, self._epoch + 1
         progress, self._resume = self._resume, None
-        if progress is None or progress.epoch != epoch:
+        # a resume at position 0 (saved between epochs) starts the epoch afresh: its loaders' own
+        # states may be those of the epoch before, where one ended it and the others had not
+        if (
+            progress is None
+            or progress.epoch != epoch
+            or not (progress.position or progress.ran_out)
+        ):
             progress = _Progress(epoch, 0, [epoch] * len(self.loaders))
             for loader in self.loaders:
-                loader.set_epoch(epoch)
+                loader._start_epoch_afresh(epoch)
         self._progress = progress
         return progress
 
@@ -102,7 +130,7 @@ class MixedLoaders:
             for it in running.values():
                 it.close()  # type: ignore[attr-defined]
 
-    async def _aitems(self, progress: _Progress) -> AsyncIterator[Any]:
+    async def _aitems(self, progress: _Progress) -> AsyncGenerator[Any, None]:
         choices = Choices(self.weights, self.seed, progress.epoch)
         running: dict[int, AsyncIterator[Any]] = {}
         try:

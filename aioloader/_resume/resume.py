@@ -40,8 +40,12 @@ class Ledger:
         """The epoch the next iteration will run."""
         return self._epoch
 
-    def set_epoch(self, epoch: int) -> None:
-        self._epoch = epoch
+    def set_epoch(self, epoch: int, afresh: bool = False) -> None:
+        """The epoch the next iteration runs; `afresh`: from its start, whatever a load left."""
+        with self._lock:
+            self._epoch = epoch
+            if afresh:
+                self._resume = None
 
     def begin(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
         """Take the next epoch number and its groups (in the caller's thread: a plan may draw from

@@ -3,6 +3,7 @@ exact resume, `async for`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
@@ -74,3 +75,33 @@ async def test_loaders_mixed_with_async_for_give_the_same_items() -> None:
     with two_loaders("all_exhausted") as both:
         both.load_state_dict(state)
         assert head + list(both) == expected
+
+
+@pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
+@pytest.mark.parametrize("saved", ["after the epoch", "at its last item"])
+def test_a_state_saved_at_an_epochs_end_resumes_with_the_next_epoch(stop: str, saved: str) -> None:
+    # The run it was saved from goes on with epoch 1: so does the resumed one, whether the state
+    # was taken once the epoch had ended (the loaders then at different points of epoch 0) or
+    # beside its last item (the end not yet found).
+    with two_loaders(stop) as both:
+        first, second = list(both), list(both)
+    with two_loaders(stop) as both:
+        state = None
+        for _ in both:
+            if saved == "at its last item":
+                state = both.state_dict()
+        if saved == "after the epoch":
+            state = both.state_dict()
+    assert state is not None
+    with two_loaders(stop) as both:
+        both.load_state_dict(state)
+        assert list(both) == second
+        assert list(both) != second  # and epoch 2 after it
+    with two_loaders(stop) as both:
+        both.load_state_dict(state)
+
+        async def drain() -> list[object]:
+            return [batch async for batch in both]
+
+        assert asyncio.run(drain()) == second
+    assert first != second
