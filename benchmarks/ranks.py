@@ -13,7 +13,10 @@ requests and the bytes that answer each kind. Each rank runs a `Loader` (batch 6
 Per R and source it prints the requests by kind, the slowest rank's first batch (from the process
 group's start to the first batch), the batches per rank (min-max, "=" when every rank took the same
 number: under DDP a rank with more steps hangs in its all-reduce), and whether every sample came
-(and how many twice: the padding that makes the steps equal). The throttled variant repeats the
+(and how many twice: the padding that makes the steps equal), the CPU seconds the ranks spent up to
+their first batches (summed over the ranks: "CPU->1st") and the CPU seconds of the store (SeaweedFS
+and the proxy) over the whole job: R ranks and the store share this machine's cores, so these, not
+the store's latency, bound the slowest first batch at large R. The throttled variant repeats the
 largest R's run with the store answering 503 SlowDown above 20 requests per second for 5 s from the
 job's first request: how many ranks of R finish. Last, it extrapolates from the measured counts to
 1,000 ranks x 10 M objects: LIST requests per job and listing bytes per rank, shared as this job
@@ -71,6 +74,7 @@ def rank_main(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     dist.barrier()  # every rank starts at once, as a job does
     start = time.perf_counter()
+    cpu0, cpu_first = time.process_time(), None
     src = make_source(args.rank_run, args)
     keys: list[str] = []
     first = None
@@ -80,12 +84,22 @@ def rank_main(args: argparse.Namespace) -> None:
     try:
         with Loader(src, batch_size=BATCH, collate=None, **named) as loader:
             for batch in loader:
-                first = first if first is not None else time.perf_counter() - start
+                if first is None:
+                    first = time.perf_counter() - start
+                    cpu_first = time.process_time() - cpu0
                 steps += 1
                 keys += [name_of(sample) for sample in batch]
     except Exception as exc:  # reported, so that the parent counts the ranks that failed
         error = f"{type(exc).__name__}: {exc}"[:300]
-    record = {"rank": rank, "first_s": first, "steps": steps, "keys": keys, "error": error}
+    record = {
+        "rank": rank,
+        "first_s": first,
+        "steps": steps,
+        "keys": keys,
+        "error": error,
+        "cpu_first": cpu_first,
+        "cpu_all": time.process_time() - cpu0,
+    }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(record))
     # a rank's part ends with its record: at R = 64 on two cores, gloo's teardown of 64 ranks took
     # minutes after every record was written, so a rank leaves without it (a job's ranks exit alike)
@@ -176,6 +190,9 @@ def run_job(
         "finished": len(finished),
         "errors": sorted({rec["error"] for rec in records if rec.get("error")})[:3],
         "first_batch_s": max((rec["first_s"] or 0.0) for rec in finished) if finished else None,
+        # what the ranks' first batches cost: the CPU of every rank to its first batch, summed
+        # (R rank processes share this machine's cores with the store: the time bound this sets)
+        "first_cpu_s": sum(rec["cpu_first"] or 0.0 for rec in finished),
         "steps": [min(steps), max(steps)] if steps else None,
         "equal_steps": len(set(steps)) == 1 and len(finished) == ranks,
         "every_sample": len(finished) == ranks and expected <= set(seen),
@@ -192,6 +209,15 @@ def expected_samples(source: str, names: list[str]) -> set[str]:
     return {f"{i}:0:{name}" for i in (0, 1) for name in names}
 
 
+def cpu_of(pid: int) -> float:
+    """CPU seconds of process `pid` and its live descendants (the store: SeaweedFS, the proxy)."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+
 def print_row(row: dict[str, Any]) -> None:
     tag = f"{row['source']}{' (503s)' if row['throttle'] else ''}"
     steps = "-".join(map(str, row["steps"])) if row["steps"] else "-"
@@ -200,7 +226,8 @@ def print_row(row: dict[str, Any]) -> None:
     every = "yes" if row["every_sample"] else f"no ({row['missing']} missing)"
     print(f"{row['ranks']:>4} {tag:<17} {row['list']:>6} {row['get']:>7} {row['head']:>5} "
           f"{first:>8} {steps:>11} {every:>17} {row['twice']:>6} "
-          f"{row['finished']:>4}/{row['ranks']}")  # fmt: skip
+          f"{row['finished']:>4}/{row['ranks']} {row['first_cpu_s']:>9.1f} "
+          f"{row['store_cpu_s']:>9.1f}")  # fmt: skip
     for error in row["errors"]:
         print(f"      error: {error}")
 
@@ -266,14 +293,17 @@ def main() -> None:
               f"20 ms per request; manifest {manifest_bytes} bytes; throttled: 503s above "
               f"{THROTTLE.replace(':', ' requests/s for ')} s")  # fmt: skip
         print(f"{'R':>4} {'source':<17} {'LIST':>6} {'GET':>7} {'HEAD':>5} {'first s':>8} "
-              f"{'steps':>11} {'every sample':>17} {'twice':>6} {'done':>6}")  # fmt: skip
+              f"{'steps':>11} {'every sample':>17} {'twice':>6} {'done':>6} {'CPU->1st':>9} "
+              f"{'store CPU':>9}")  # fmt: skip
         rows: list[dict[str, Any]] = []
         runs = [(r, src, "") for r in world for src in chosen]
         runs += [(max(world), src, THROTTLE) for src in chosen]
         for ranks, source, throttle in runs:
             proxy = Proxy(server.endpoint, 20, throttle=throttle)
             try:
+                store0 = cpu_of(server.proc.pid) + cpu_of(proxy.proc.pid)
                 row = run_job(source, ranks, server, proxy.url, manifest, expected[source], shards)
+                row["store_cpu_s"] = cpu_of(server.proc.pid) + cpu_of(proxy.proc.pid) - store0
                 counts = proxy.counts()
             finally:
                 proxy.stop()

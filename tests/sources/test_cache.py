@@ -389,6 +389,38 @@ def test_a_download_goes_on_while_its_reader_waits_for_another_process(tmp_path:
 
 
 @pytest.mark.asyncio
+async def test_a_reader_far_behind_its_download_reads_the_rest_from_the_file(
+    tmp_path: Path,
+) -> None:
+    # The download keeps FRESH_BYTES for its reader in memory; a reader that falls further behind
+    # (here: it waits, after its first sample, until the whole shard is in the cache) takes the
+    # rest from the file being written. That file was opened write-only once: EBADF at the first
+    # read from it (a shard over 4 MiB read through a cache by a reader slower than the wire).
+    from aioloader.sources.cache.handles import FRESH_BYTES
+
+    body = {
+        f"s-{i:03d}.bin": bytes([i]) * (200 << 10) for i in range(3 * FRESH_BYTES // (200 << 10))
+    }
+    origin = Origin({"shard.tar": _tar(body)})
+    url = f"{origin.url}/shard.tar"
+    src = sources.tar_shards([url], shuffle=False, cache_dir=tmp_path)
+    try:
+        samples = src.samples(0)
+        got = [await samples.__anext__()]
+        # the download goes on without its reader, until its file is in place (a file: polled)
+        while not data_file(tmp_path, url).exists():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        got += [s async for s in samples]
+    finally:
+        await src.aclose()
+        origin.stop()
+    assert [s["__key__"] for s in got] == [name.removesuffix(".bin") for name in body]
+    assert all(s["bin"] == body[s["__key__"] + ".bin"] for s in got)
+    assert origin.hits == {"shard.tar": 1}
+    assert not parts(tmp_path)
+
+
+@pytest.mark.asyncio
 async def test_cancelled_download_leaves_no_file(
     proxy: FaultProxy, objects: dict[str, bytes], tmp_path: Path
 ) -> None:

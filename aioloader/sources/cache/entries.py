@@ -205,7 +205,8 @@ def try_lock(fd: int, paths: Paths) -> bool:
 def create_temp(paths: Paths) -> tuple[int, str]:
     """A new temporary file beside the object (its folder made if need be): (descriptor, path)."""
     path = f"{paths.data}.{secrets.token_hex(8)}.part"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    # read and write: a reader behind its download reads what was written (cache/disk.py)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         return os.open(path, flags, 0o644), path
     except FileNotFoundError:  # the first object of its folder
