@@ -228,11 +228,24 @@ async def test_ranks_count_together_each_shard_once_and_pass_a_failure_on(
         await asyncio.sleep(0)
         return await asyncio.to_thread(count_local, shard, sample_key)
 
-    ranks = [count_together(shards, count, store, r * len(shards) // 3, 2) for r in range(3)]
+    asked: Counter[str] = Counter()
+
+    class Counting:  # the store's requests, by kind
+        def __getattr__(self, name: str) -> Any:
+            asked[name] += 1
+            return getattr(store, name)
+
+    ranks = [count_together(shards, count, Counting(), 2) for r in range(3)]
     results = await asyncio.gather(*ranks)
     assert [counts for counts, _ in results] == [SIZES] * 3
     assert sum(n for _, n in results) == len(shards)
     assert set(calls.values()) == {1}
+    # tickets from one counter: a draw per shard and a last one per drawing task, not a claim
+    # per shard and rank (3 x 10); then each rank waits once and reads every count at once
+    assert asked["add"] == len(shards) + 3 * 2
+    assert asked["set"] == len(shards)
+    assert asked["wait"] == asked["multi_get"] == 3
+    assert asked["get"] == 0
 
     broken = HashStore()
 
@@ -242,15 +255,15 @@ async def test_ranks_count_together_each_shard_once_and_pass_a_failure_on(
         return await count(shard)
 
     outcomes = await asyncio.gather(
-        count_together(shards, failing, broken, 4, 2),  # claims shard 4 first
-        count_together(shards, failing, broken, 0, 2),
+        count_together(shards, failing, broken, 2),
+        count_together(shards, failing, broken, 2),
         return_exceptions=True,
     )
-    assert isinstance(outcomes[0], FetchError)
-    assert "truncated" in str(outcomes[0])
-    assert isinstance(outcomes[1], FetchError)
-    assert "failed on the rank that counted it" in str(outcomes[1])
-    assert outcomes[1].key == shards[4]
+    assert all(isinstance(outcome, FetchError) for outcome in outcomes)
+    texts = sorted(str(outcome) for outcome in outcomes)  # whichever rank drew shard 4's ticket
+    assert "failed on the rank that counted it" in texts[0]
+    assert "truncated" in texts[1]
+    assert all(outcome.key == shards[4] for outcome in outcomes)  # type: ignore[union-attr]
 
 
 def test_positions_replay_the_real_stream(tmp_path: Path) -> None:

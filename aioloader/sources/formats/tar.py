@@ -286,8 +286,7 @@ class TarShards:
             async with contextlib.aclosing(members):
                 return await count_members(members, sample_key)
 
-        first = self.slot * len(self.shards) // self.slots
-        counts, self.counted = await count_all(self.shards, one, first, max(self.parallel, 8))
+        counts, self.counted = await count_all(self.shards, one, max(self.parallel, 8))
         return counts
 
     def rank_and_world(self) -> tuple[int, int]:
