@@ -110,9 +110,13 @@ def run_mosaic(spec: dict[str, Any]) -> tuple[Iterable[Any], Callable[[], None]]
     ds = StreamingDataset(remote=f"s3://{data['bucket']}/{data['mosaic']}", local=local,
                           shuffle=True, batch_size=64)  # fmt: skip
     # its index was fetched here, in the parent, with a boto3 client that forked workers would
-    # share (and corrupt shards through): drop it before they fork
+    # share (and corrupt shards through: "Relative sample index 62 is not present in the shard"):
+    # drop it before they fork. 0.13 keeps it in each stream's downloader (`clean_up` drops it)
     for stream in getattr(ds, "streams", []):
-        if hasattr(stream, "_client"):
+        downloader = getattr(stream, "_downloader", None)
+        if downloader is not None:
+            downloader.clean_up()
+        if hasattr(stream, "_client"):  # where older releases kept it
             stream._client = None
     loader = DataLoader(ds, batch_size=64, num_workers=spec["workers"], collate_fn=collate)
     return loader, lambda: None
