@@ -34,10 +34,13 @@ Contenders:
   traps, on record: litdata's obstore client refuses an http endpoint unless `allow_http` is set,
   and 0.2.76 takes it from no argument (it is set in the client options its downloader module
   gives every store); mosaic 0.13 fetches its index in the parent and its forked workers then
-  share that boto3 connection, which corrupts shards unless the parent's client is dropped before
-  the fork; PyPI's torchvision may not load with the CPU torch ("operator torchvision::nms does
-  not exist": 0.28.0 with torch 2.13.0+cpu here), and mosaic imports it (and transformers), so
-  mosaic is skipped where no CPU torchvision can be installed.
+  share that boto3 connection, which corrupts shards ("Relative sample index 62 is not present in
+  the shard") unless the parent's client is dropped before the fork (0.13 keeps it in each
+  stream's `_downloader`); PyPI's torchvision may not load with the CPU torch ("operator
+  torchvision::nms does not exist": 0.28.0 with torch 2.13.0+cpu here), and mosaic imports it
+  (and transformers), so mosaic is skipped where no matching torchvision can be installed (a
+  peers environment with torch 2.14.1 and torchvision 0.29.1 loads it); litdata 0.2.76's cached
+  epoch sometimes stops with `ChunkWaitTimeoutError` after 120 s (its row is then skipped).
   A peers environment that keeps aioloader's torch: `python -m venv P`, a .pth file in P's
   site-packages naming this environment's site-packages, then `P/bin/pip install --no-deps
   litdata==0.2.76 mosaicml-streaming==0.13.0` and their small dependencies (lightning-utilities,
