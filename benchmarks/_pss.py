@@ -1,4 +1,5 @@
-"""Peak memory of a benchmark's child process tree: PSS (each shared page divided among its users).
+"""Peak memory of a benchmark's child process tree: PSS (each shared page divided among its users);
+and the tree's CPU time (`tree_cpu`).
 
 `with PeakPss(pid) as pss: ...` samples the PSS of the process `pid` and all its descendants every
 `period` seconds until the block ends; `pss.peak` is the largest sum seen, in bytes. `run_measured`
@@ -18,6 +19,17 @@ from typing import Any
 import psutil
 
 PSS_PERIOD_S = 0.25
+
+
+def tree_cpu(root: psutil.Process) -> float:
+    """CPU seconds (user and system) of `root` and its live descendants now (processes that end
+    meanwhile count 0)."""
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            t = proc.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 def tree_pss(root: psutil.Process) -> int:

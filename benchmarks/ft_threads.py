@@ -31,7 +31,6 @@ contender was skipped.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -42,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import psutil
-from _pss import run_measured
+from _pss import run_measured, tree_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH = 32
@@ -115,16 +114,6 @@ class Records:
 def gil_enabled() -> bool:
     probe = getattr(sys, "_is_gil_enabled", None)
     return True if probe is None else bool(probe())
-
-
-def tree_cpu(root: psutil.Process) -> float:
-    """CPU seconds of `root` and its live descendants (workers persist across the epochs timed)."""
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            t = proc.cpu_times()
-            total += t.user + t.system
-    return total
 
 
 def run_one(mode: str, n: int, epochs: int) -> dict[str, Any]:

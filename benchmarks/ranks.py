@@ -98,7 +98,6 @@ def rank_main(args: argparse.Namespace) -> None:
         "keys": keys,
         "error": error,
         "cpu_first": cpu_first,
-        "cpu_all": time.process_time() - cpu0,
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(record))
     # a rank's part ends with its record: at R = 64 on two cores, gloo's teardown of 64 ranks took
@@ -212,10 +211,9 @@ def expected_samples(source: str, names: list[str]) -> set[str]:
 def cpu_of(pid: int) -> float:
     """CPU seconds of process `pid` and its live descendants (the store: SeaweedFS, the proxy)."""
     import psutil
+    from _pss import tree_cpu
 
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    return sum(sum(p.cpu_times()[:2]) for p in procs)
+    return tree_cpu(psutil.Process(pid))
 
 
 def print_row(row: dict[str, Any]) -> None:
