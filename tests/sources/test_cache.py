@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -570,3 +571,31 @@ def test_bad_cache_arguments_name_the_argument(tmp_path: Path) -> None:
         sources.tar_shards(["a.tar"], cache_dir=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"cache_dir .* is not a directory"):
         sources.tar_shards(["a.tar"], cache_dir=tmp_path / "file")
+
+
+def test_connections_opening_a_new_index_at_once_all_open_it(tmp_path: Path) -> None:
+    # Each opener converts a new index to WAL first; where two do it at once, SQLite fails the
+    # second at once ("database is locked", its busy timeout not asked), which stopped one of the
+    # cache benchmark's two processes in CI. Connections of one process race alike (threads).
+    from aioloader.sources.cache.index import Index
+
+    for trial in range(100):
+        root = tmp_path / str(trial)
+        root.mkdir()
+        start, errors = threading.Barrier(4), []
+
+        def open_index(
+            root: Path = root, start: threading.Barrier = start, errors: list[str] = errors
+        ) -> None:
+            start.wait()
+            try:
+                Index(root).reconcile([], lambda _id: True)
+            except Exception as exc:  # every opener's failure is the finding
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=open_index) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == [], (trial, errors)

@@ -28,6 +28,22 @@ INSERT OR IGNORE INTO total VALUES (0, 0);
 """
 
 
+def _write_ahead(db: sqlite3.Connection) -> None:
+    """Put `db` in WAL mode. Where processes open a new index at once, one converts it and the
+    others' conversion fails at once with "database is locked" (SQLite's busy timeout does not
+    cover it), so they try again, polled (another process holds it), for up to `_BUSY_S`."""
+    deadline, delay = time.monotonic() + _BUSY_S, 0.001
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+
+
 class Index:
     """The entries of one cache directory. Thread-safe (one connection, used under a lock)."""
 
@@ -41,7 +57,7 @@ class Index:
             db = sqlite3.connect(
                 self.path, timeout=_BUSY_S, isolation_level=None, check_same_thread=False
             )
-            db.execute("PRAGMA journal_mode=WAL")
+            _write_ahead(db)
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(_SCHEMA)
             self._db = db
