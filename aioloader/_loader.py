@@ -50,6 +50,7 @@ from ._util.validate import check_callable, check_int, check_timeout
 from .sources import Source
 from .sources.protocol import (
     Bindable,
+    HandsOver,
     HasSize,
     HasStats,
     ReadsAhead,
@@ -246,7 +247,10 @@ class Loader(Generic[T]):
         self._plan = plan
         pool_bytes = self._pool.max_bytes or 0 if self._pool is not None else 0
         self._stages = Stages(
-            fetch=Fetcher(fetch, concurrency, read.fetch_initializer),
+            fetch=Fetcher(fetch, concurrency, read.fetch_initializer, now=(
+                parts.source.fetch_now
+                if isinstance(parts.source, HandsOver) and fetch == parts.source.fetch else None
+            )),
             size_of=parts.source.size if isinstance(parts.source, HasSize) else None,
             decode=decode,
             decoder=resolve_decoder(executor, read.workers, budget.arena_bytes(pool_bytes))

@@ -40,10 +40,19 @@ STAGES = ("fetch", "decode", "collate", "transfer")
 _LATENCY_WINDOW = 2048  # latencies kept per stage for the percentiles
 _SKIPPED_LISTED = 100  # skipped keys listed with their reasons (all are counted)
 _clock = time.perf_counter
+_BUFFERS = (bytes, bytearray, memoryview)  # exact types: their len() is their bytes
+_NO_BYTES = (str, int, float, bool, type(None))  # exact types that hold no buffer
 
 
 def nbytes(obj: Any) -> int:
     """Bytes held by a sample: buffers, arrays and tensors, summed through containers."""
+    kind = type(obj)
+    if kind in _BUFFERS:
+        return len(obj)
+    if kind in _NO_BYTES:
+        return 0
+    if kind is dict:
+        return sum([nbytes(v) for v in obj.values()])
     if isinstance(obj, bytes | bytearray | memoryview):
         return len(obj)
     size = getattr(obj, "nbytes", None)

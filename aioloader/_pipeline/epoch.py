@@ -28,12 +28,12 @@ from collections.abc import AsyncIterable, Awaitable, Iterable
 from typing import Any, cast
 
 from .._exceptions import DecodeError, LoaderClosedError
-from .._executors.base import RowWriter
+from .._executors.base import InlineExecutor, RowWriter
 from .._observe.stats import Recorder, nbytes
 from .._tuning.bounds import ByteBudget, Gate, HeldBound
 from .._util.aiters import closing
 from .._util.loops import is_async_callable
-from .._util.rng import derive_seed
+from .._util.rng import call_seeded, derive_seed
 from .collate import RowPlan
 from .order import Group
 from .reorder import Item, reorder
@@ -228,6 +228,7 @@ class Epoch:
         self._out.put_nowait(Item(-1, END, 0, 0, None))
 
     async def _launch(self) -> None:
+        eager = self._eager()
         async with asyncio.TaskGroup() as tasks, closing(_each(self._groups)) as groups:
             async for group in groups:
                 if self._order.failed is not None:
@@ -242,7 +243,25 @@ class Epoch:
                     self._bytes.launched(expected)
                     self._rec.reserved_bytes = self._bytes.reserved
                     self._rec.held_samples += 1
-                    tasks.create_task(self._sample(state, slot, key, expected))
+                    if not eager:
+                        tasks.create_task(self._sample(state, slot, key, expected))
+                        continue
+                    failed = self._sample_now(state, slot, key, expected)
+                    if failed is not None:
+                        tasks.create_task(self._failed(state, slot, key, *failed))
+                    elif state.remaining == 0:
+                        tasks.create_task(self._collate(state))
+
+    def _eager(self) -> bool:
+        """Whether each sample is fetched and decoded as it is launched, in the launcher's own
+        step, with no task of its own: where its source hands over samples it holds already
+        (`Fetcher.now`: tar shards' streamed samples) and decode, if any, runs on the loop."""
+        stages = self._stages
+        if stages.fetch.now is None or self._decoding is not None:
+            return False
+        return stages.decode is None or (
+            isinstance(stages.decoder, InlineExecutor) and not is_async_callable(stages.decode)
+        )
 
     def _size_of(self, key: Any) -> int | None:
         """The bytes `key` will be fetched as, where its source knows without asking (else None)."""
@@ -293,12 +312,7 @@ class Epoch:
                 stages.tuner.throttled()
             self._bytes.measured(None, expected)
             return await self._failed(state, slot, key, "fetch", exc)
-        size = nbytes(raw)
-        self._bytes.measured(size, expected)
-        self._hold(state, size)
-        rec.stop("fetch", t0, size, key=key)
-        assert stages.tuner is not None
-        stages.tuner.completed(rec.stages["fetch"].last)
+        size = self._fetched(state, key, raw, expected, t0)
         if stages.decode is not None:
             seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
             self._active[where] = ("decode", key, time.monotonic())
@@ -309,23 +323,79 @@ class Epoch:
                 raw, exc = await _attempt(rec, "decode", t0, work, key)
             finally:
                 self._bytes.decode_ended()
+            if exc is None:
+                raw, exc = self._decoded(state, key, raw, size, t0)
             if exc is not None:
                 return await self._failed(state, slot, key, "decode", exc)
-            if raw is None and stages.errors.on_error == "skip":  # "no sample": this one alone
-                rec.stop("decode", t0, error=True, key=key)
-                error = DecodeError(
-                    f"decode returned None for key {key!r}", key=key, stage="decode"
-                )
-                return await self._failed(state, slot, key, "decode", error)
-            decoded = nbytes(raw)
-            rec.stop("decode", t0, decoded, key=key)
-            if stages.rows is not None:
-                stages.rows.observe(raw)
-            grown = max(0, decoded - size)
-            self._hold(state, grown)
-            self._bytes.grew(grown, size)  # what a launch reserves covers what decode adds
         state.samples[slot] = raw
         await self._done(state)
+
+    def _sample_now(
+        self, state: _GroupState, slot: int, key: Any, expected: int | None
+    ) -> tuple[str, BaseException] | None:
+        """`_sample_at` in one step, for `_eager` stages: the sample is in `state` when it returns
+        None, else (the stage, the error) to hand to `_failed`."""
+        stages, rec = self._stages, self._rec
+        t0 = rec.start("fetch")
+        try:
+            raw = stages.fetch.now(key)  # type: ignore[misc]
+        except BaseException as exc:  # as `_attempt`: the consumer's, SystemExit & co. too
+            rec.stop("fetch", t0, error=True, key=key)
+            self._bytes.measured(None, expected)
+            return "fetch", exc
+        finally:
+            self._in_flight.release()
+        size = self._fetched(state, key, raw, expected, t0)
+        if stages.decode is not None:
+            seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
+            t0 = rec.start("decode")
+            self._bytes.decode_started()
+            try:
+                raw = call_seeded(stages.decode, (key, raw) if stages.keyed else raw, seed)
+            except BaseException as exc:
+                rec.stop("decode", t0, error=True, key=key)
+                return "decode", exc
+            finally:
+                self._bytes.decode_ended()
+            raw, error = self._decoded(state, key, raw, size, t0)
+            if error is not None:
+                return "decode", error
+        state.samples[slot] = raw
+        state.remaining -= 1
+        return None
+
+    def _fetched(
+        self, state: _GroupState, key: Any, raw: Any, expected: int | None, t0: float
+    ) -> int:
+        """Count a sample fetched (from `t0`) as held by its batch; its bytes."""
+        stages, rec = self._stages, self._rec
+        size = nbytes(raw)
+        self._bytes.measured(size, expected)
+        self._hold(state, size)
+        rec.stop("fetch", t0, size, key=key)
+        assert stages.tuner is not None
+        stages.tuner.completed(rec.stages["fetch"].last)
+        return size
+
+    def _decoded(
+        self, state: _GroupState, key: Any, raw: Any, size: int, t0: float
+    ) -> tuple[Any, BaseException | None]:
+        """Count a sample decoded (from `t0`; `size` bytes as fetched): (the sample, None), or
+        (None, the error) where decode gave None under `on_error="skip"` (no sample)."""
+        stages, rec = self._stages, self._rec
+        if raw is None and stages.errors.on_error == "skip":  # "no sample": this one alone
+            rec.stop("decode", t0, error=True, key=key)
+            return None, DecodeError(
+                f"decode returned None for key {key!r}", key=key, stage="decode"
+            )
+        decoded = nbytes(raw)
+        rec.stop("decode", t0, decoded, key=key)
+        if stages.rows is not None:
+            stages.rows.observe(raw)
+        grown = max(0, decoded - size)
+        self._hold(state, grown)
+        self._bytes.grew(grown, size)  # what a launch reserves covers what decode adds
+        return raw, None
 
     async def _fetch(self, key: Any) -> Any:
         try:

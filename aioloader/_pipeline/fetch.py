@@ -24,6 +24,9 @@ class Fetcher:
         fn: key -> raw sample; a coroutine function or a plain function.
         concurrency: the most threads the pool for a plain function may grow to.
         initializer: run once in each fetch thread as it starts (plain functions only).
+        now: where the keys carry their samples (a source's `fetch_now`: `HandsOver`), `fn` for
+            such a key done at once, without a wait: the pipeline then calls it in place of `fn`
+            (`epoch.py`, `Epoch._eager`).
     """
 
     def __init__(
@@ -31,8 +34,10 @@ class Fetcher:
         fn: Callable[[Any], Any],
         concurrency: int,
         initializer: Callable[[], None] | None = None,
+        now: Callable[[Any], Any] | None = None,
     ) -> None:
         self.fn = fn
+        self.now = now
         self.is_async = is_async_callable(fn)
         self._threads = LazyThreadPool(concurrency, "aioloader-fetch", initializer)
 

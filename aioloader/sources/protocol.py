@@ -16,6 +16,7 @@ from .._util.ranges import Ranges
 
 __all__ = [
     "Bindable",
+    "HandsOver",
     "HasAclose",
     "HasDigest",
     "HasEtag",
@@ -81,6 +82,15 @@ class HasSize(Protocol):
     """Knows the bytes `fetch(key)` will return without I/O (None where it does not)."""
 
     def size(self, key: Any) -> int | None: ...
+
+
+@runtime_checkable
+class HandsOver(Protocol):
+    """Its keys carry their samples (tar shards' streamed samples): `fetch_now(key)` is `fetch(key)`
+    done at once, a plain call that never waits, so a loader fetches such a key in place, with no
+    task of its own for it."""
+
+    def fetch_now(self, key: Any) -> Any: ...
 
 
 @runtime_checkable

@@ -329,3 +329,44 @@ def test_an_early_break_closes_the_shard_streams_without_an_error(
                     assert len(batch) == 64
                     break
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+def test_a_loader_takes_streamed_samples_in_place_under_the_same_error_policy(
+    shards: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioloader._pipeline.epoch import Epoch
+
+    tasks = 0
+    sample_task = Epoch._sample
+
+    async def counted(self: Epoch, *args: Any) -> None:
+        nonlocal tasks
+        tasks += 1
+        await sample_task(self, *args)
+
+    monkeypatch.setattr(Epoch, "_sample", counted)
+    keys = [s["__key__"] for s in reference(shards)]
+    raising, empty = set(keys[3::7]), set(keys[5::11])
+
+    def decode(sample: dict[str, Any]) -> str | None:
+        if sample["__key__"] in raising:
+            raise ValueError(f"bad {sample['__key__']}")
+        return None if sample["__key__"] in empty else sample["__key__"]
+
+    def run(executor: str) -> tuple[list[str], int]:
+        source = tar_shards(shards, shuffle=False)
+        with Loader(source, decode=decode, executor=executor, batch_size=4, collate=None,
+                    on_error="skip", max_skipped=None) as loader:  # fmt: skip
+            got = [key for batch in loader for key in batch]
+            return got, loader.stats().skipped_count
+
+    inline, skipped = run("inline")
+    assert tasks == 0  # each sample fetched and decoded as it was launched
+    assert sorted(inline) == sorted(set(keys) - raising - empty)
+    assert skipped == len(raising | empty)
+    assert run("thread") == (inline, skipped)  # a task each, the same batches
+    assert tasks == len(keys)
+    loader = Loader(tar_shards(shards, shuffle=False), decode=decode, executor="inline")
+    with loader, pytest.raises(ValueError, match="bad") as caught:
+        list(loader)
+    assert any("raised in stage 'decode' for key" in note for note in caught.value.__notes__)

@@ -27,6 +27,16 @@ def many(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return write_bin_shards(tmp_path_factory.mktemp("many"), 16, 50)
 
 
+async def flat(chunks: AsyncGenerator[list[Any], None]) -> AsyncGenerator[Any, None]:
+    """A stream of chunks, an item at a time (closing it when closed)."""
+    try:
+        async for chunk in chunks:
+            for item in chunk:
+                yield item
+    finally:
+        await chunks.aclose()
+
+
 def keys_of(src: TarShards, epoch: int = 0) -> list[str]:
     async def run() -> list[str]:
         try:
@@ -54,11 +64,11 @@ def test_the_order_is_the_same_whatever_is_read_ahead(many: list[str], parallel:
 
 def counted(
     name: str, items: list[bytes], log: dict[str, Any], gate: asyncio.Event | None = None
-) -> AsyncGenerator[bytes, None]:
-    """A stream of `items` that records how many streams are open at once and what it yielded;
-    after its first item it waits for `gate` (when given)."""
+) -> AsyncGenerator[list[bytes], None]:
+    """A stream of `items`, a chunk of one each, that records how many streams are open at once
+    and what it yielded; after its first item it waits for `gate` (when given)."""
 
-    async def gen() -> AsyncGenerator[bytes, None]:
+    async def gen() -> AsyncGenerator[list[bytes], None]:
         log["open"] += 1
         log["most_open"] = max(log["most_open"], log["open"])
         try:
@@ -66,7 +76,7 @@ def counted(
                 if n == 1 and gate is not None:
                     await gate.wait()
                 log["yielded"][name] = log["yielded"].get(name, 0) + 1
-                yield item
+                yield [item]
         finally:
             log["open"] -= 1
 
@@ -84,7 +94,7 @@ async def test_streams_read_ahead_are_bounded_in_number() -> None:
     log: dict[str, Any] = {"open": 0, "most_open": 0, "yielded": {}}
     gate = asyncio.Event()
     streams = [counted(f"s{i}", [b"x%d" % i] * 5, log, gate) for i in range(12)]
-    merged = interleave(streams, 2, ahead=2)
+    merged = flat(interleave(streams, 2, ahead=2))
     got = [await anext(merged)]
     await settle()
     assert log["open"] == 4  # the 2 taken from and the next 2, each past its first item
@@ -102,7 +112,7 @@ async def test_streams_read_ahead_hold_no_more_bytes_than_allowed() -> None:
     log: dict[str, Any] = {"open": 0, "most_open": 0, "yielded": {}}
     sample = bytes(1000)
     streams = [counted(f"s{i}", [sample] * 40, log) for i in range(4)]
-    merged = interleave(streams, 1, ahead=3, max_bytes_ahead=2500)
+    merged = flat(interleave(streams, 1, ahead=3, max_bytes_ahead=2500))
     first = await anext(merged)
     await settle()
     # the one taken from fills its queue (32 samples, over the bound: it never waits); each one
@@ -114,7 +124,9 @@ async def test_streams_read_ahead_hold_no_more_bytes_than_allowed() -> None:
     assert log["open"] == 0
 
     log = {"open": 0, "most_open": 0, "yielded": {}}
-    unbounded = interleave([counted(f"s{i}", [sample] * 40, log) for i in range(4)], 1, ahead=3)
+    unbounded = flat(
+        interleave([counted(f"s{i}", [sample] * 40, log) for i in range(4)], 1, ahead=3)
+    )
     await anext(unbounded)
     await settle()
     # without a byte bound: a few samples each (4 queued, 1 in hand), not a reader's 32
@@ -263,18 +275,18 @@ def test_an_early_break_leaves_no_task_and_no_connection(
 async def test_the_shuffle_buffer_starts_after_a_small_fill_and_grows() -> None:
     pulled = 0
 
-    async def numbers() -> AsyncGenerator[int, None]:
+    async def numbers() -> AsyncGenerator[list[int], None]:
         nonlocal pulled
         for i in range(5000):
             pulled += 1
-            yield i
+            yield [i]
 
-    out = shuffled(numbers(), 1000, random.Random(1))
+    out = flat(shuffled(numbers(), 1000, random.Random(1)))
     first = [await anext(out) for _ in range(64)]
     assert pulled == 100 + 2 * 63  # a fill of 100, then two read per one out
     rest = [i async for i in out]
     assert sorted(first + rest) == list(range(5000))
-    whole = shuffled(numbers(), 1000, random.Random(1), initial=1000)
+    whole = flat(shuffled(numbers(), 1000, random.Random(1), initial=1000))
     await anext(whole)
     assert pulled == 5000 + 1000  # the whole buffer first
     await whole.aclose()
@@ -321,3 +333,53 @@ def test_resume_after_the_buffer_has_grown_is_exact(many: list[str]) -> None:
     first, state = run_from(many, None, 30)
     rest, _ = run_from(many, state, None)
     assert first + rest == whole
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cut", [1, 3, 17, 1000])
+async def test_the_merged_and_shuffled_order_does_not_depend_on_the_chunks(cut: int) -> None:
+    def chunked(items: list[int], rng: random.Random) -> AsyncGenerator[list[int], None]:
+        async def gen() -> AsyncGenerator[list[int], None]:
+            at = 0
+            while at < len(items):
+                n = rng.randint(1, cut)
+                yield items[at : at + n]
+                at += n
+
+        return gen()
+
+    async def order(rng: random.Random | None) -> list[int]:
+        streams = [list(range(s * 100, s * 100 + 40 + s)) for s in range(9)]
+        if rng is None:
+            inputs = [counted(f"s{i}", items, {"open": 0, "most_open": 0, "yielded": {}})
+                      for i, items in enumerate(streams)]  # fmt: skip
+        else:
+            inputs = [chunked(items, rng) for items in streams]
+        merged = interleave(inputs, 3, ahead=2)
+        return [i async for chunk in shuffled(merged, 50, random.Random(7)) for i in chunk]
+
+    one_by_one = await order(None)  # a chunk of one item each: the order item by item
+    assert sorted(one_by_one) == sorted(
+        i for s in range(9) for i in range(s * 100, s * 100 + 40 + s)
+    )
+    assert await order(random.Random(cut)) == one_by_one
+
+
+@pytest.mark.asyncio
+async def test_what_is_merged_before_a_stream_fails_comes_out_before_its_error() -> None:
+    async def good() -> AsyncGenerator[list[str], None]:
+        yield [f"a{i}" for i in range(10)]
+
+    async def broken() -> AsyncGenerator[list[str], None]:
+        yield ["b0", "b1", "b2"]
+        raise OSError("cut")
+
+    got: list[str] = []
+
+    async def run() -> None:
+        async for chunk in interleave([good(), broken()], 2):
+            got.extend(chunk)
+
+    with pytest.raises(OSError, match="cut"):
+        await run()
+    assert got == ["a0", "b0", "a1", "b1", "a2", "b2", "a3"]  # up to the broken stream's turn

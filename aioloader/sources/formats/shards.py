@@ -8,9 +8,14 @@ the source's `attempts`), so a reset costs a reconnect, not a re-read of the who
 ahead (`ahead` shards, within `max_bytes_ahead`) so that their first bytes are on their way while the
 current ones are read; `shuffled` mixes the merged stream through a buffer that starts small and grows.
 
-`ReadMeter` counts what the readers of `interleave` do as a pipeline stage: each sample read is an
-item, timed from when its reader asked for it to when it had it, so the time a reader waits for room
-ahead of the merge (the consumer is slower) is not reading time; samples read ahead count, untimed.
+The streams carry their samples in chunks (lists: the samples parsed from the bytes at hand), so
+that each layer of the pipeline costs a step per chunk, not per sample; the order of the samples does
+not depend on how they are chunked.
+
+`ReadMeter` counts what the readers of `interleave` do as a pipeline stage: each chunk read is timed
+from when its reader asked for it to when it had it (its samples counted as items), so the time a
+reader waits for room ahead of the merge (the consumer is slower) is not reading time; samples read
+ahead count, untimed.
 """
 
 from __future__ import annotations
@@ -53,12 +58,14 @@ log = logging.getLogger("aioloader")
 
 T = TypeVar("T")
 CHUNK = 1 << 20
-# Samples each shard reader may run ahead of the merge.
+# Samples each shard reader may run ahead of the merge (a chunk more while it holds fewer).
 _READ_AHEAD = 32
-# Samples a reader read ahead of its turn holds at most (its request is out, its first bytes in: the
-# wait it is there to hide is over; reading further would only take the cores and the wire from the
-# readers the merge takes from).
+# Samples a reader read ahead of its turn holds at most, beyond its first chunk (its request is out,
+# its first bytes in: the wait it is there to hide is over; reading further would only take the
+# cores and the wire from the readers the merge takes from).
 _AHEAD_OF_TURN = 4
+# Samples the merge hands on at once at most (fewer where it would wait on a stream first).
+_MERGED = 64
 # The samples a shuffle buffer holds before its first one goes out, by default (at most the buffer).
 INITIAL_FILL = 100
 
@@ -250,19 +257,19 @@ class ReadMeter:
         self.stage.enter(now)
         return now
 
-    def stop(self, t0: float, size: int | None = None) -> None:
-        """The read begun at `t0` ended: with an item of `size` bytes read, or (None) without one."""
+    def stop(self, t0: float, size: int | None = None, items: int = 1) -> None:
+        """The read begun at `t0` ended: with `items` of `size` bytes read, or (None) without one."""
         now = time.perf_counter()
         s = self.stage
         s.leave(now, t0)
         if size is not None:
-            s.items += 1
+            s.items += items
             s.bytes += size
             s.latencies.append(now - t0)
 
-    def count(self, size: int) -> None:
-        """An item of `size` bytes was read, untimed (by a reader read ahead)."""
-        self.stage.items += 1
+    def count(self, size: int, items: int = 1) -> None:
+        """`items` of `size` bytes were read, untimed (by a reader read ahead)."""
+        self.stage.items += items
         self.stage.bytes += size
 
     def stats(self) -> dict[str, float | None]:
@@ -287,8 +294,8 @@ _END = _End()
 
 class _Room:
     """The bytes the shard readers hold ahead of the merge (in their queues), and the readers read
-    ahead that wait for room: a reader read ahead holds at least its first sample, and more (up to
-    `_AHEAD_OF_TURN`) only while all of them together hold less than `limit` (None: no byte
+    ahead that wait for room: a reader read ahead holds at least its first chunk, and more (up to
+    `_AHEAD_OF_TURN` items) only while all of them together hold less than `limit` (None: no byte
     bound). The readers the merge takes from (`parallel` of them) never wait here; their bytes
     count all the same."""
 
@@ -299,7 +306,7 @@ class _Room:
 
     async def admit(self, reader: _Reader, size: int) -> None:
         """Wait until `reader` may queue `size` bytes more, then count them."""
-        while reader.ahead and self._full(reader.queue.qsize(), size):
+        while reader.ahead and self._full(reader.queued, size):
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -329,54 +336,69 @@ class _Room:
 
 
 class _Reader:
-    """Runs one stream ahead into a bounded queue, on its own task: `_READ_AHEAD` items at most,
-    and, while it is `ahead` (the merge does not take from it yet), what `room` allows. Each item
-    is sized once (`nbytes`), as it is read, and queued with its size."""
+    """Runs one stream of chunks (lists of items) ahead into a queue, on its own task: a chunk
+    more while it holds fewer than `_READ_AHEAD` items, and, while it is `ahead` (the merge does
+    not take from it yet), what `room` allows. Each chunk is sized once (`nbytes`), as it is read,
+    and queued with its size. The merge takes its items through `chunk` and `at` (the next one)."""
 
     def __init__(
         self,
-        stream: AsyncGenerator[Any, None],
+        stream: AsyncGenerator[list[Any], None],
         meter: ReadMeter | None = None,
         room: _Room | None = None,
         ahead: bool = False,
     ) -> None:
-        self.queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue(_READ_AHEAD)
+        self.queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue()
+        self.queued = 0  # items in `queue`
+        self._taken = asyncio.Event()  # set when the merge takes a chunk
         self.meter = meter
         self.room = room or _Room(None)
         self.ahead = ahead
+        self.chunk: list[Any] = []
+        self.at = 0
         self.task = asyncio.get_running_loop().create_task(self._run(stream))
 
-    async def _run(self, stream: AsyncGenerator[Any, None]) -> None:
+    async def _run(self, stream: AsyncGenerator[list[Any], None]) -> None:
         try:
             while (read := await self._read(stream))[0] is not _END:
-                await self.room.admit(self, read[1])
-                await self.queue.put(read)
+                chunk, size = read
+                if not chunk:
+                    continue
+                while self.queued >= _READ_AHEAD:
+                    self._taken.clear()
+                    await self._taken.wait()
+                await self.room.admit(self, size)
+                self.queued += len(chunk)
+                self.queue.put_nowait(read)
         except Exception as exc:
-            await self.queue.put((exc, 0))
+            self.queue.put_nowait((exc, 0))
             return
         finally:
             await stream.aclose()
-        await self.queue.put((_END, 0))
+        self.queue.put_nowait((_END, 0))
 
-    async def _read(self, stream: AsyncGenerator[Any, None]) -> tuple[Any, int]:
-        """The stream's next item and its bytes (`_END` after its last), timed by the meter; read
+    async def _read(self, stream: AsyncGenerator[list[Any], None]) -> tuple[Any, int]:
+        """The stream's next chunk and its bytes (`_END` after its last), timed by the meter; read
         ahead, it is counted but not timed (the merge's `parallel` readers set the stage's pace)."""
         meter = self.meter
         if meter is None or self.ahead:
-            item = await anext(stream, _END)
-            size = 0 if item is _END else nbytes(item)
-            if meter is not None and item is not _END:
-                meter.count(size)
-            return item, size
+            chunk: list[Any] | _End = await anext(stream, _END)
+            if isinstance(chunk, _End):
+                return chunk, 0
+            size = nbytes(chunk)
+            if meter is not None:
+                meter.count(size, len(chunk))
+            return chunk, size
         t0 = meter.start()
         read: int | None = None
+        items = 0
         try:
-            item = await anext(stream, _END)
-            if item is not _END:
-                read = nbytes(item)
-            return item, read or 0
+            chunk = await anext(stream, _END)
+            if not isinstance(chunk, _End):
+                read, items = nbytes(chunk), len(chunk)
+            return chunk, read or 0
         finally:
-            meter.stop(t0, read)
+            meter.stop(t0, read, items)
 
     def take_turns(self) -> None:
         """The merge takes from this reader now: it reads on without waiting for room."""
@@ -384,12 +406,15 @@ class _Reader:
         self.room.wake()
 
     async def get(self) -> Any:
-        item, size = await self.queue.get()
-        if isinstance(item, Exception):
-            raise item
-        if item is not _END:
+        """The next chunk (`_END` after the last)."""
+        chunk, size = await self.queue.get()
+        if isinstance(chunk, Exception):
+            raise chunk
+        if chunk is not _END:
+            self.queued -= len(chunk)
+            self._taken.set()
             self.room.free(size)
-        return item
+        return chunk
 
     async def aclose(self) -> None:
         self.task.cancel()
@@ -399,19 +424,21 @@ class _Reader:
 
 
 async def interleave(
-    streams: list[AsyncGenerator[T, None]],
+    streams: list[AsyncGenerator[list[T], None]],
     parallel: int,
     meter: ReadMeter | None = None,
     *,
     ahead: int = 0,
     max_bytes_ahead: int | None = None,
-) -> AsyncGenerator[T, None]:
-    """Items of `streams`, `parallel` taken from at once, round-robin (a fixed order, whatever the
-    timing); `meter` counts the reads.
+) -> AsyncGenerator[list[T], None]:
+    """The items of `streams` (each a stream of chunks: lists of items), `parallel` taken from at
+    once, round-robin one item at a time (a fixed order, whatever the timing and however the
+    streams cut their items into chunks), handed on in chunks: the items merged until the merge
+    next takes a chunk from a stream (which may wait, or raise). `meter` counts the reads.
 
     Besides those, the next `ahead` streams (in the order they will be taken from) are read
     already, so that their first bytes are on their way while the current ones are read; together
-    the readers read ahead hold at most `max_bytes_ahead` bytes beyond their first items (None: no
+    the readers read ahead hold at most `max_bytes_ahead` bytes beyond their first chunks (None: no
     byte bound). A stream read ahead that fails raises at the point its items would have come."""
     pending = iter(streams)
     room = _Room(max_bytes_ahead)
@@ -419,23 +446,36 @@ async def interleave(
     upcoming = collections.deque(
         _Reader(s, meter, room, ahead=True) for s in itertools.islice(pending, ahead)
     )
+    out: list[T] = []
     try:
         turn = 0
         while readers:
             turn %= len(readers)
-            item = await readers[turn].get()
-            if item is _END:  # its place goes to the next stream, read ahead or not yet begun
-                nxt = next(pending, None)
-                if nxt is not None:
-                    upcoming.append(_Reader(nxt, meter, room, ahead=True))
-                if upcoming:
-                    readers[turn] = upcoming.popleft()
-                    readers[turn].take_turns()
-                else:
-                    readers.pop(turn)
-                continue
-            yield item
+            reader = readers[turn]
+            if reader.at == len(reader.chunk):
+                if out:  # hand on what is merged before a wait, or an error at its place
+                    yield out
+                    out = []
+                chunk = await reader.get()
+                if chunk is _END:  # its place goes to the next stream, read ahead or not yet begun
+                    nxt = next(pending, None)
+                    if nxt is not None:
+                        upcoming.append(_Reader(nxt, meter, room, ahead=True))
+                    if upcoming:
+                        readers[turn] = upcoming.popleft()
+                        readers[turn].take_turns()
+                    else:
+                        readers.pop(turn)
+                    continue
+                reader.chunk, reader.at = chunk, 0
+            out.append(reader.chunk[reader.at])
+            reader.at += 1
             turn += 1
+            if len(out) == _MERGED:
+                yield out
+                out = []
+        if out:
+            yield out
     finally:
         for reader in (*readers, *upcoming):
             await reader.aclose()
@@ -449,28 +489,33 @@ def initial_fill(size: int) -> int:
 
 
 async def shuffled(
-    stream: AsyncGenerator[T, None], size: int, rng: random.Random, initial: int | None = None
-) -> AsyncGenerator[T, None]:
-    """`stream` mixed through a buffer of up to `size` items: each item out is a random one held.
+    stream: AsyncGenerator[list[T], None], size: int, rng: random.Random, initial: int | None = None
+) -> AsyncGenerator[list[T], None]:
+    """`stream` (chunks: lists of items) mixed through a buffer of up to `size` items: each item
+    out is a random one held; out in chunks, one for each chunk in (once the buffer has filled).
 
     The first goes out once `initial` items are held (None: `initial_fill(size)`); from there the
     buffer grows by one item for each item out (two read per one out) until it holds `size`, so
     a first batch waits for a small fill, not the whole buffer. Which item goes out when depends
-    only on the stream's order and `rng`, never on timing."""
+    only on the stream's order and `rng`, never on timing or on how the stream is chunked."""
     cap = initial_fill(size) if initial is None else max(1, min(size, initial))
     held: list[T] = []
     try:
-        async for item in stream:
-            held.append(item)
-            if len(held) < cap:
-                continue
-            i = rng.randrange(len(held))
-            held[i], held[-1] = held[-1], held[i]
-            yield held.pop()
-            if cap < size:
-                cap += 1
+        async for chunk in stream:
+            out: list[T] = []
+            for item in chunk:
+                held.append(item)
+                if len(held) < cap:
+                    continue
+                i = rng.randrange(len(held))
+                held[i], held[-1] = held[-1], held[i]
+                out.append(held.pop())
+                if cap < size:
+                    cap += 1
+            if out:
+                yield out
         rng.shuffle(held)
-        for item in held:
-            yield item
+        if held:
+            yield held
     finally:
         await stream.aclose()

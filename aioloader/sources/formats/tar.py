@@ -13,7 +13,10 @@ shuffle buffer. The next `read_ahead` shards of each of the `parallel` are reque
 current ones end (within the loader's read-ahead share of its memory budget), so one shard's
 first-byte wait overlaps another's reading. A shard on this machine (a local file, or a remote
 shard's copy in `cache_dir`) is read by position in a thread (`tar_file.py`): the loop receives its
-members whole, a batch at a time.
+members whole, a batch at a time. From the members to the merge and the shuffle buffer, samples move
+in chunks (the samples of one batch of members), so each step of that chain is taken once a chunk;
+the order does not depend on the chunks. A loader takes each streamed sample in place
+(`fetch_now`), with no task of its own for it.
 
 Since samples exist only once a shard is read, the keys of this source are produced while streaming:
 `keys()` is an async iterable of `SampleRef`s (each full iteration is one epoch) that carry their sample,
@@ -44,7 +47,7 @@ from .options import ShardOptions
 from .shards import SCHEMES, ReadMeter, cached_name, initial_fill, interleave, open_shard, shuffled
 from .tar_counts import count_all, count_local, count_members
 from .tar_file import Run, file_members
-from .tar_members import Members, tar_members
+from .tar_members import Members, member_batches, tar_members
 from .tar_share import Segment, check_counts, given, kept, segments, shard_order
 
 __all__ = ["SampleRef", "TarShards", "count_samples", "tar_shards"]
@@ -203,11 +206,12 @@ class TarShards:
         read (missing, truncated, corrupt) raises FetchError naming it and the offset; with
         `keep_going` it yields `{"__error__": that error, ...}` in its place and the others go on
         (how a Loader skips it under `on_error="skip"`)."""
-        return self._samples(epoch, keep_going, consumed or Ranges(), drop_last)
+        return _flat(self._chunks(epoch, keep_going, consumed or Ranges(), drop_last))
 
-    async def _samples(
+    async def _chunks(
         self, epoch: int, keep_going: bool, consumed: Ranges, drop_last: bool
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """`samples`, in chunks (lists of samples: those that came without a wait)."""
         order = shard_order(len(self.shards), self.shuffle, self.seed, epoch)
         if self.sample_counts is None and self.slots == 1 and not len(consumed):
             mine = [Segment(i, None, None) for i in order]  # all of every shard: no count needed
@@ -219,15 +223,15 @@ class TarShards:
         streams = [self._segment(seg, keep_going) for seg in mine]
         merged = self._merged(streams, epoch, self.slot, self._reads)
         async with contextlib.aclosing(merged):
-            async for sample in merged:
-                yield sample
+            async for chunk in merged:
+                yield chunk
 
     def _merged(
-        self, streams: list[AsyncGenerator[Any, None]], epoch: int, slot: int,
+        self, streams: list[AsyncGenerator[list[Any], None]], epoch: int, slot: int,
         meter: ReadMeter | None = None,
-    ) -> AsyncGenerator[Any, None]:  # fmt: skip
-        """Reader `slot`'s streams of `epoch` as one: interleaved, then through the shuffle buffer
-        (the same for samples and for the positions they stand for: `positions`)."""
+    ) -> AsyncGenerator[list[Any], None]:  # fmt: skip
+        """Reader `slot`'s streams of `epoch` (in chunks) as one: interleaved, then through the
+        shuffle buffer (the same for samples and for the positions they stand for: `positions`)."""
         merged = interleave(
             streams, self.parallel, meter, ahead=self.parallel * self.read_ahead,
             max_bytes_ahead=self.max_bytes_ahead,
@@ -237,8 +241,11 @@ class TarShards:
         rng = random.Random(f"{self.seed}/{epoch}/{slot}")
         return shuffled(merged, self.shuffle_buffer, rng, self.shuffle_initial)
 
-    def _segment(self, seg: Segment, keep_going: bool) -> AsyncGenerator[dict[str, Any], None]:
-        """The samples of one shard this reader keeps (`seg.members`; None: all of them)."""
+    def _segment(
+        self, seg: Segment, keep_going: bool
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The samples of one shard this reader keeps (`seg.members`; None: all of them), in
+        chunks."""
         shard = self.shards[seg.shard]
         read = self._shard_or_its_rest if keep_going else self._shard_samples
         expected = None if self.sample_counts is None else self.sample_counts[seg.shard]
@@ -315,10 +322,10 @@ class TarShards:
             streams = [given(seg.positions) for seg in cut if seg.positions is not None]
             out: list[int] = []
             async with contextlib.aclosing(self._merged(streams, epoch, rank)) as merged:
-                async for p in merged:
-                    out.append(p)
-                    if len(out) == stop:
-                        break
+                async for chunk in merged:
+                    out += chunk
+                    if stop is not None and len(out) >= stop:
+                        return out[:stop]
             return out
 
         return run_to_end(first(), "aioloader-tar-positions")
@@ -326,32 +333,32 @@ class TarShards:
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self.samples(self._next_epoch())
 
-    async def _shard_or_its_rest(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+    async def _shard_or_its_rest(self, shard: str) -> AsyncGenerator[list[dict[str, Any]], None]:
         """`_shard_samples`, then, if the shard breaks, one `{"__error__": ...}` for its rest."""
         done = 0
         try:
             async with contextlib.aclosing(self._shard_samples(shard)) as samples:
-                async for sample in samples:
-                    yield sample
-                    done += 1
+                async for chunk in samples:
+                    yield chunk
+                    done += len(chunk)
         except Exception as exc:  # the rest of this shard is lost; the other shards go on
             error = exc if isinstance(exc, FetchError) else FetchError(
                 f"tar shard {redact_url(shard)}: {type(exc).__name__}: {exc}",
                 key=redact_url(shard),
             )  # fmt: skip
             error.add_note(f"aioloader: after {done} whole samples of the shard")
-            yield {
+            yield [{
                 "__error__": error,
                 "__url__": shard,
                 "__key__": f"<rest of {redact_url(shard)}>",
-            }
+            }]  # fmt: skip
 
-    async def _shard_samples(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+    async def _shard_samples(self, shard: str) -> AsyncGenerator[list[dict[str, Any]], None]:
         samples = self._parsed(shard)
         try:
             async with contextlib.aclosing(samples):
-                async for sample in samples:
-                    yield sample
+                async for chunk in samples:
+                    yield chunk
         except FetchError:
             if self._cache is not None:  # a cached copy that does not parse is fetched again
                 name = cached_name(shard, self._remotes, self._options_of)
@@ -359,36 +366,47 @@ class TarShards:
                     await self._cache.forget(name)
             raise
 
-    async def _parsed(self, shard: str) -> AsyncGenerator[dict[str, Any], None]:
+    async def _parsed(self, shard: str) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The samples of `shard`, in chunks: those whose members came in one batch of members (a
+        sample is handed on once its last member is in: when the next sample's first one is, or
+        the shard ends)."""
         label = redact_url(shard)
         current: dict[str, Any] | None = None
+        suffixes = self.suffixes
 
         def read_file(run: Run, fd: int, size: int) -> AsyncGenerator[Members, None]:
             return file_members(run, fd, size, label)
 
-        members = tar_members(
+        members = member_batches(
             open_shard(shard, self._remotes, self._options_of, self._cache, read_file), label
         )
         async with contextlib.aclosing(members):
-            async for name, data in members:
-                if _META.match(name) or name.rpartition("/")[2].startswith("__"):
-                    continue
-                key, ext = split_name(name)
-                if key is None:
-                    continue
-                ext = ext.lower()
-                if current is None or key != current["__key__"]:
-                    if current is not None:
-                        yield current
-                    current = {"__key__": key, "__url__": shard}
-                if ext in current:
-                    raise FetchError(
-                        f"tar shard {label}: {name!r} twice in one sample", key=redact_url(shard)
-                    )
-                if self.suffixes is None or ext in self.suffixes:
-                    current[ext] = data
+            async for batch in members:
+                done: list[dict[str, Any]] = []
+                for name, data in batch:
+                    if _META.match(name) or name.rpartition("/")[2].startswith("__"):
+                        continue
+                    key, ext = split_name(name)
+                    if key is None:
+                        continue
+                    ext = ext.lower()
+                    if current is None or key != current["__key__"]:
+                        if current is not None:
+                            done.append(current)
+                        current = {"__key__": key, "__url__": shard}
+                    if ext in current:
+                        if done:  # the samples before it come out first
+                            yield done
+                        raise FetchError(
+                            f"tar shard {label}: {name!r} twice in one sample",
+                            key=redact_url(shard),
+                        )
+                    if suffixes is None or ext in suffixes:
+                        current[ext] = data
+                if done:
+                    yield done
         if current is not None:
-            yield current
+            yield [current]
 
     def _options_of(self, kind: str) -> dict[str, Any]:
         stores = self._store_options
@@ -400,10 +418,12 @@ class TarShards:
         index = 0
         # closed here, in this task: left to the garbage collector, it and the generators it reads
         # would be closed at once by tasks of their own, each finding the next one still running
-        async with contextlib.aclosing(self.samples(epoch, True, consumed, drop_last)) as samples:
-            async for sample in samples:
-                yield SampleRef(sample["__url__"], index, sample)  # a broken shard: fetch raises
-                index += 1
+        chunks = self._chunks(epoch, True, consumed or Ranges(), drop_last)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                for sample in chunk:  # a broken shard's rest: its fetch raises
+                    yield SampleRef(sample["__url__"], index, sample)
+                    index += 1
 
     def keys(self) -> _Epochs:
         """An async iterable of the `SampleRef`s of one epoch per iteration (streamed, no length)."""
@@ -411,6 +431,10 @@ class TarShards:
 
     async def fetch(self, ref: SampleRef) -> dict[str, Any]:
         """The sample `ref` carries (handed over once)."""
+        return self.fetch_now(ref)
+
+    def fetch_now(self, ref: SampleRef) -> dict[str, Any]:
+        """`fetch`, as a plain call: the sample is here already (`HandsOver`)."""
         sample, ref.sample = ref.sample, None
         if sample is None:
             raise FetchError(f"{ref!r} was already fetched", key=ref, stage="fetch")
@@ -532,3 +556,11 @@ def count_samples(shards: str | Sequence[str], **options: Any) -> list[int]:
         >>> counts = count_samples(["/data/train-000.tar", "/data/train-001.tar"])  # doctest: +SKIP
     """
     return tar_shards(shards, **options)._counts_now()
+
+
+async def _flat(chunks: AsyncGenerator[list[Any], None]) -> AsyncGenerator[Any, None]:
+    """The items of a stream of chunks, one at a time."""
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            for item in chunk:
+                yield item

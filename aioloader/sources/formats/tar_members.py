@@ -8,6 +8,7 @@ blocks, or a header that fails its checksum, raises `FetchError` naming the shar
 from __future__ import annotations
 
 import collections
+import contextlib
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from ..._exceptions import FetchError
 from ..transport.redact import redact_url
 
-__all__ = ["BLOCK", "Members", "Names", "tar_members"]
+__all__ = ["BLOCK", "Members", "Names", "member_batches", "tar_members"]
 
 BLOCK = 512
 _REGULAR = (b"0", b"\x00", b"7")
@@ -129,7 +130,22 @@ def _pax(data: bytes) -> dict[str, str]:
 async def tar_members(
     chunks: AsyncGenerator[bytes | bytearray | memoryview | Members, None], shard: str
 ) -> AsyncGenerator[tuple[str, bytes], None]:
-    """(name, contents) of each regular file in the tar archive that `chunks` carries, in order.
+    """(name, contents) of each regular file in the tar archive that `chunks` carries, in order:
+    `member_batches`, one member at a time."""
+    batches = member_batches(chunks, shard)
+    async with contextlib.aclosing(batches):
+        async for batch in batches:
+            for member in batch:
+                yield member
+
+
+async def member_batches(
+    chunks: AsyncGenerator[bytes | bytearray | memoryview | Members, None], shard: str
+) -> AsyncGenerator[list[tuple[str, bytes]], None]:
+    """The regular files of the tar archive that `chunks` carries, in order, in lists of
+    (name, contents): each list holds the members parsed from the bytes at hand, handed on before
+    the stream is waited on for more (so a member never waits for a later one), and before an
+    error is raised (so the members before a broken point all come out).
 
     `chunks` may carry, instead of the archive's bytes, its members already read, in `Members`
     batches (a file read by position: `tar_file.py`); they are handed on as they are.
@@ -143,8 +159,8 @@ async def tar_members(
         if isinstance(first, Members):
             batch: Any = first
             while batch is not None:
-                for member in batch:
-                    yield member
+                if batch:
+                    yield batch
                 batch = await anext(chunks, None)
             return
         buf = _Buffer(chunks)
@@ -152,8 +168,8 @@ async def tar_members(
             buf.eof = True
         else:
             buf.push(first)
-        async for member in _members(buf, shard):
-            yield member
+        async for members in _member_batches(buf, shard):
+            yield members
         padding = 0
         async for chunk in chunks:
             padding += len(chunk)
@@ -168,29 +184,45 @@ class Members(list[tuple[str, bytes]]):
     place of its bytes (`open_shard(read_file=...)`, `tar_file.py`)."""
 
 
-async def _members(buf: _Buffer, shard: str) -> AsyncGenerator[tuple[str, bytes], None]:
+async def _member_batches(
+    buf: _Buffer, shard: str
+) -> AsyncGenerator[list[tuple[str, bytes]], None]:
     names = Names(shard)
-    while True:
-        at = buf.offset
-        if not await buf.fill(BLOCK):
-            raise names.broken(
-                f"stream ended without the end-of-archive blocks ({buf.available()} left)", at
-            )
-        header = buf.take(BLOCK)
-        head = names.header(header, at)
-        if head is None:
-            return  # end of archive (the second zero block and any padding are not needed)
-        kind, size = head
-        padded = -(-size // BLOCK) * BLOCK
-        if not await buf.fill(padded):
-            raise names.broken(
-                f"stream ended inside a member of {size} bytes (truncated shard)", at
-            )
-        data = buf.take(size)
-        buf.skip(padded - size)
-        name = names.member(kind, header, data, at)
-        if name is not None:
-            yield name, data
+    batch: list[tuple[str, bytes]] = []
+    try:
+        while True:
+            at = buf.offset
+            if buf.available() < BLOCK and batch:  # about to wait: hand over what is parsed
+                yield batch
+                batch = []
+            if not await buf.fill(BLOCK):
+                raise names.broken(
+                    f"stream ended without the end-of-archive blocks ({buf.available()} left)", at
+                )
+            header = buf.take(BLOCK)
+            head = names.header(header, at)
+            if head is None:
+                break  # end of archive (the second zero block and any padding are not needed)
+            kind, size = head
+            padded = -(-size // BLOCK) * BLOCK
+            if buf.available() < padded and batch:
+                yield batch
+                batch = []
+            if not await buf.fill(padded):
+                raise names.broken(
+                    f"stream ended inside a member of {size} bytes (truncated shard)", at
+                )
+            data = buf.take(size)
+            buf.skip(padded - size)
+            name = names.member(kind, header, data, at)
+            if name is not None:
+                batch.append((name, data))
+    except FetchError:
+        if batch:  # the members before the broken point come out first
+            yield batch
+        raise
+    if batch:
+        yield batch
 
 
 class Names:

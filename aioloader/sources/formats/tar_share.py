@@ -101,26 +101,40 @@ def segments(
 
 
 async def kept(
-    samples: AsyncGenerator[dict[str, Any], None], members: np.ndarray | None,
+    samples: AsyncGenerator[list[dict[str, Any]], None], members: np.ndarray | None,
     expected: int | None, shard: str, keep_going: bool,
-) -> AsyncGenerator[dict[str, Any], None]:  # fmt: skip
-    """The samples of one shard's stream that a segment keeps (`members`; None: all of them),
-    closing the stream after the last; a shard with fewer samples than `expected` (or than the
-    members need) is a FetchError naming it (with `keep_going`: yielded as the rest's error)."""
+) -> AsyncGenerator[list[dict[str, Any]], None]:  # fmt: skip
+    """The samples of one shard's stream (in chunks) that a segment keeps (`members`; None: all of
+    them), in chunks, closing the stream after the last; a shard with fewer samples than
+    `expected` (or than the members need) is a FetchError naming it (with `keep_going`: yielded
+    as the rest's error)."""
     member, k = 0, 0
+    wanted = None if members is None else members.tolist()
     async with contextlib.aclosing(samples):
-        async for sample in samples:
-            if "__error__" in sample:  # the rest of a broken shard
-                yield sample
-                return
-            if members is None:
-                yield sample
-            elif member == members[k]:
-                yield sample
-                k += 1
-                if k == len(members):
-                    return  # the rest of the shard is other readers'
-            member += 1
+        async for chunk in samples:
+            if not chunk:
+                continue
+            if wanted is None and "__error__" not in chunk[-1]:
+                member += len(chunk)
+                yield chunk
+                continue
+            out = []
+            for sample in chunk:
+                if "__error__" in sample:  # the rest of a broken shard
+                    out.append(sample)
+                    yield out
+                    return
+                if wanted is None:
+                    out.append(sample)
+                elif member == wanted[k]:
+                    out.append(sample)
+                    k += 1
+                    if k == len(wanted):
+                        yield out
+                        return  # the rest of the shard is other readers'
+                member += 1
+            if out:
+                yield out
     if members is None and (expected is None or member == expected):
         return
     label = redact_url(shard)
@@ -129,11 +143,10 @@ async def kept(
     )
     if not keep_going:
         raise error
-    yield {"__error__": error, "__url__": shard, "__key__": f"<rest of {label}>"}
+    yield [{"__error__": error, "__url__": shard, "__key__": f"<rest of {label}>"}]
 
 
-async def given(values: np.ndarray) -> AsyncGenerator[int, None]:
-    """`values` as a stream: the positions a segment stands for, where `TarShards.positions`
-    replays a reader's merge."""
-    for v in values.tolist():
-        yield v
+async def given(values: np.ndarray) -> AsyncGenerator[list[int], None]:
+    """`values` as a stream (one chunk): the positions a segment stands for, where
+    `TarShards.positions` replays a reader's merge."""
+    yield values.tolist()
