@@ -53,6 +53,8 @@ def nbytes(obj: Any) -> int:
         return 0
     if kind is dict:
         return sum([nbytes(v) for v in obj.values()])
+    if kind is tuple or kind is list:
+        return sum([nbytes(v) for v in obj])
     if isinstance(obj, bytes | bytearray | memoryview):
         return len(obj)
     size = getattr(obj, "nbytes", None)

@@ -347,7 +347,7 @@ class Epoch:
             self._in_flight.release()
         size = self._fetched(state, key, raw, expected, t0)
         if stages.decode is not None:
-            seed = derive_seed(stages.seed, self._epoch, state.group.items[slot][0])
+            seed = (stages.seed, self._epoch, state.group.items[slot][0])  # derived if asked for
             t0 = rec.start("decode")
             self._bytes.decode_started()
             try:

@@ -45,21 +45,31 @@ def derive_seed(seed: int, epoch: int, position: int) -> int:
 
 
 class _Current:
-    """The seed of the running decode call, and the generators made from it (one of each per call)."""
+    """The seed of the running decode call, and the generators made from it (one of each per call).
+    Given as (seed, epoch, position), the seed is derived when it is first asked for."""
 
-    __slots__ = ("numpy", "seed", "torch")
+    __slots__ = ("_parts", "_seed", "numpy", "torch")
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
+    def __init__(self, seed: int | tuple[int, int, int]) -> None:
+        self._seed: int | None = None if isinstance(seed, tuple) else seed
+        self._parts: tuple[int, int, int] | None = seed if isinstance(seed, tuple) else None
         self.torch: torch.Generator | None = None
         self.numpy: np.random.Generator | None = None
+
+    @property
+    def seed(self) -> int:
+        if self._seed is None:
+            assert self._parts is not None
+            self._seed = derive_seed(*self._parts)
+        return self._seed
 
 
 _current: ContextVar[_Current | None] = ContextVar("aioloader_sample_seed", default=None)
 
 
-def call_seeded(fn: Callable[[Any], T], arg: Any, seed: int | None) -> T:
-    """Call `fn(arg)` with `seed` as the current sample's seed (None: no seed for this call).
+def call_seeded(fn: Callable[[Any], T], arg: Any, seed: int | tuple[int, int, int] | None) -> T:
+    """Call `fn(arg)` with `seed` as the current sample's seed (None: no seed for this call; a
+    tuple: `derive_seed`'s (seed, epoch, position), derived only if the call asks for it).
 
     The seed is set in the calling context only (thread, task or worker process) and reset after the
     call, whatever it raises.

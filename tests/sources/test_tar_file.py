@@ -17,8 +17,8 @@ import pytest
 from support.shardfiles import write_bin_shards
 
 from aioloader import FetchError
-from aioloader.sources.formats.tar_file import file_members
-from aioloader.sources.formats.tar_members import Members
+from aioloader.sources.formats.tar_file import Indexes, TarFile, file_members
+from aioloader.sources.formats.tar_members import Members, Names
 from aioloader.sources.tar import tar_shards
 
 
@@ -137,3 +137,69 @@ def test_a_cut_local_shard_gives_its_whole_samples_then_a_fetch_error(
     assert "byte offset" in str(error)
     assert keys == [f"s000-{i:04d}" for i in range(len(keys))]
     assert 10 < len(keys) < 15
+
+
+def read_all(path: str | Path, indexes: Indexes | None) -> tuple[Members, FetchError | None]:
+    """Every member of the file at `path` by `TarFile` with `indexes`, and the error it ends with."""
+    fd = os.open(path, os.O_RDONLY)
+    got: Members = Members()
+    try:
+        tar = TarFile(fd, os.fstat(fd).st_size, str(path), indexes=indexes)
+        while not tar.done:
+            got += tar.read(100_000)
+    except FetchError as exc:
+        return got, exc
+    finally:
+        os.close(fd)
+    return got, None
+
+
+def test_a_file_read_again_is_read_by_its_index_to_the_same_members(
+    shards: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    indexes = Indexes()
+    first, _ = read_all(shards[1], indexes)
+    assert indexes.members == len(first) == 60
+    parsed = 0
+    header = Names.header
+
+    def counted(self: Names, *args: Any) -> Any:
+        nonlocal parsed
+        parsed += 1
+        return header(self, *args)
+
+    monkeypatch.setattr(Names, "header", counted)
+    again, error = read_all(shards[1], indexes)
+    assert error is None
+    assert again == first
+    assert parsed == 0  # no header parsed: each member read at its place
+    # the same path with other contents is another file: parsed anew, its own members
+    other = tmp_path / "other.tar"
+    other.write_bytes(Path(shards[2]).read_bytes())
+    read_all(other, indexes)
+    other.write_bytes(Path(shards[3]).read_bytes())
+    os.utime(other, ns=(1, 1))
+    parsed = 0
+    changed, _ = read_all(other, indexes)
+    assert parsed > 0
+    assert changed == read_all(shards[3], None)[0]
+
+
+def test_a_broken_file_leaves_no_index_and_the_index_keeps_the_recently_used(
+    shards: list[str], tmp_path: Path
+) -> None:
+    indexes = Indexes(max_members=130)
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(Path(shards[0]).read_bytes()[:50_000])
+    _, error = read_all(cut, indexes)
+    assert error is not None
+    assert "truncated shard" in str(error)
+    assert indexes.members == 0
+    for shard in (shards[0], shards[1], shards[0], shards[2]):  # 60 members each
+        read_all(shard, indexes)
+    assert indexes.members == 120  # the two most recently read: shards[2] and shards[0]
+    ident = [(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+             for st in map(os.stat, shards)]  # fmt: skip
+    assert indexes.get(ident[0]) is not None
+    assert indexes.get(ident[2]) is not None
+    assert indexes.get(ident[1]) is None

@@ -10,24 +10,76 @@ hands the current one on.
 
 The members, and the errors of a shard that is not a whole archive (`FetchError` naming the shard
 and the byte offset), are those `tar_members` gives for the same bytes streamed.
+
+A file read to its end leaves its members' names, offsets and sizes in `INDEXES` (by the file's
+device, inode, size, modification and change times; the most recently used kept, up to `INDEXED_MEMBERS`
+members in all): a later read of the same file (the next epoch of a cached or local shard) reads
+each member at its offset and parses no header.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..._exceptions import FetchError
 from .tar_members import BLOCK, Members, Names
 
-__all__ = ["BATCH_BYTES", "DIRECT", "REGION", "TarFile", "file_members"]
+__all__ = ["BATCH_BYTES", "DIRECT", "INDEXES", "REGION", "Indexes", "TarFile", "file_members"]
 
 T = TypeVar("T")
 REGION = 64 << 10  # bytes read at a header: the headers and small members that follow it
 DIRECT = 32 << 10  # a member of at least this many bytes is read on its own, into its bytes
 BATCH_BYTES = 2 << 20  # the members' bytes of one batch, about (one read in a thread each)
+INDEXED_MEMBERS = 1 << 18  # members whose places `INDEXES` keeps at most (~25 MB at most)
+
+# a file's identity: (device, inode, size, modification and change times in ns); a file rewritten in
+# place that keeps all five (within the file system's time resolution) is not told apart
+Identity = tuple[int, int, int, int, int]
+# a file's regular members: their names, the offsets of their data, their sizes
+Index = tuple[list[str], list[int], list[int]]
+
+
+class Indexes:
+    """The member indexes of files read to their end, by identity: the most recently used, up to
+    `max_members` members in all. Thread-safe."""
+
+    def __init__(self, max_members: int = INDEXED_MEMBERS) -> None:
+        self.max_members = max_members
+        self.members = 0
+        self._by: collections.OrderedDict[Identity, Index] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, identity: Identity) -> Index | None:
+        with self._lock:
+            index = self._by.get(identity)
+            if index is not None:
+                self._by.move_to_end(identity)
+            return index
+
+    def put(self, identity: Identity, index: Index) -> None:
+        n = len(index[0])
+        if n > self.max_members:
+            return
+        with self._lock:
+            old = self._by.pop(identity, None)
+            self.members -= 0 if old is None else len(old[0])
+            while self._by and self.members + n > self.max_members:
+                self.members -= len(self._by.popitem(last=False)[1][0])
+            self._by[identity] = index
+            self.members += n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by.clear()
+            self.members = 0
+
+
+INDEXES = Indexes()
 
 # runs a blocking call in a thread and returns its result (cancelling the caller leaves that
 # thread to finish with the descriptor still open: `Held.run`)
@@ -42,8 +94,9 @@ class TarFile:
     """
 
     def __init__(
-        self, fd: int, size: int, shard: str, region: int = REGION, direct: int = DIRECT
-    ) -> None:
+        self, fd: int, size: int, shard: str, region: int = REGION, direct: int = DIRECT,
+        indexes: Indexes | None = INDEXES,
+    ) -> None:  # fmt: skip
         self.fd, self.size = fd, size
         self.region, self.direct = region, direct
         self.pos = 0  # the next header's offset
@@ -52,6 +105,11 @@ class TarFile:
         self._region = b""  # the file's bytes from `_at`
         self._at = 0
         self._error: FetchError | None = None  # raised by the next `read`
+        self._indexes = indexes
+        self._identity: Identity | None = None  # found at the first `read`
+        self._known: Index | None = None  # the file's index, from an earlier read
+        self._made: Index | None = None  # the index this read makes
+        self._member = 0  # the next member of `_known`
 
     def read(self, limit: int = BATCH_BYTES) -> Members:
         """The next members, until their data holds `limit` bytes or the archive ends (then
@@ -59,6 +117,13 @@ class TarFile:
         then the next call raises FetchError."""
         if self._error is not None:
             raise self._error
+        if self._identity is None and self._indexes is not None:
+            st = os.fstat(self.fd)
+            self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            self._known = self._indexes.get(self._identity)
+            self._made = None if self._known is not None else ([], [], [])
+        if self._known is not None:
+            return self._read_known(self._known, limit)
         out: Members = Members()
         got = 0
         try:
@@ -71,6 +136,33 @@ class TarFile:
             if not out:
                 raise
             self._error = exc
+            self._made = None
+        if self.done and self._made is not None and self._indexes is not None:
+            assert self._identity is not None
+            self._indexes.put(self._identity, self._made)
+            self._made = None
+        return out
+
+    def _read_known(self, index: Index, limit: int) -> Members:
+        """`read` by the file's index: each member at its offset, no header parsed."""
+        names, starts, sizes = index
+        out: Members = Members()
+        got, i = 0, self._member
+        while got < limit and i < len(names):
+            at, size = starts[i], sizes[i]
+            data = self._bytes(at, size)
+            if len(data) < size:  # the file was cut while it was read
+                self._error = self._names.broken(
+                    f"stream ended inside a member of {size} bytes (truncated shard)", at - BLOCK
+                )
+                if not out:
+                    raise self._error
+                break
+            out.append((names[i], data))
+            got += size + BLOCK
+            i += 1
+        self._member = i
+        self.done = i == len(names)
         return out
 
     def _next(self) -> tuple[str, bytes] | None:
@@ -99,7 +191,13 @@ class TarFile:
             )
         self.pos = end
         name = names.member(kind, header, data, at)
-        return None if name is None else (name, data)
+        if name is None:
+            return None
+        if self._made is not None:
+            self._made[0].append(name)
+            self._made[1].append(at + BLOCK)
+            self._made[2].append(size)
+        return name, data
 
     def _bytes(self, at: int, n: int) -> bytes:
         """The file's `n` bytes from `at` (fewer where it ends): from the region read last, by a
