@@ -56,7 +56,7 @@ printed is a JSON summary (ratios: the best aioloader row against the best peer'
 "cached": the best cached epochs against each other). A cached row also prints the CPU seconds of its
 fastest cached epoch and "cores", that CPU time over its wall time: how many cores the cached epoch
 kept busy (aioloader reads a cached shard by position in a thread, `tar_file.py`, so its loop is
-not the one core it runs on).
+not the one core it runs on; from the second cached epoch on, by the index the first one left).
 """
 
 from __future__ import annotations

