@@ -70,8 +70,9 @@ soak: setup
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-# Free-threaded CPython 3.13t (optional, not in the default CI): built from source into build/ft/, with
-# its own venv .venv-ft (torch 2.12.0 cp313t). `make ft-env` takes minutes the first time.
+# Free-threaded CPython (optional, not in the default CI): 3.14t where its sources can be fetched, else
+# 3.13t, built from source into build/ft/<version>/, with its own venv .venv-ft (torch 2.14.1 cp314t or
+# 2.12.0 cp313t). `make ft-env` takes minutes the first time.
 FTVENV  := .venv-ft
 FTPY    := $(FTVENV)/bin/python
 FTCHECK := import sys, importlib.util as u; [__import__(m) for m in ("numpy", "torch", "aiohttp", \
