@@ -10,10 +10,10 @@ that closing the outermost generator closes the chain in order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from typing import TypeVar
 
-__all__ = ["closing"]
+__all__ = ["closing", "flattened"]
 
 T = TypeVar("T")
 
@@ -28,3 +28,11 @@ async def closing(items: AsyncIterable[T]) -> AsyncIterator[AsyncIterator[T]]:
         close = getattr(it, "aclose", None)
         if close is not None:
             await close()
+
+
+async def flattened(chunks: AsyncIterable[list[T]]) -> AsyncGenerator[T, None]:
+    """The items of a stream of chunks (lists of items), one at a time; closes the stream."""
+    async with closing(chunks) as each:
+        async for chunk in each:
+            for item in chunk:
+                yield item

@@ -48,19 +48,17 @@ class _Current:
     """The seed of the running decode call, and the generators made from it (one of each per call).
     Given as (seed, epoch, position), the seed is derived when it is first asked for."""
 
-    __slots__ = ("_parts", "_seed", "numpy", "torch")
+    __slots__ = ("_seed", "numpy", "torch")
 
     def __init__(self, seed: int | tuple[int, int, int]) -> None:
-        self._seed: int | None = None if isinstance(seed, tuple) else seed
-        self._parts: tuple[int, int, int] | None = seed if isinstance(seed, tuple) else None
+        self._seed = seed
         self.torch: torch.Generator | None = None
         self.numpy: np.random.Generator | None = None
 
     @property
     def seed(self) -> int:
-        if self._seed is None:
-            assert self._parts is not None
-            self._seed = derive_seed(*self._parts)
+        if isinstance(self._seed, tuple):
+            self._seed = derive_seed(*self._seed)
         return self._seed
 
 

@@ -17,6 +17,7 @@ from support.faultproxy import ServerThread
 from support.shardfiles import write_bin_shards
 
 from aioloader import FetchError, Loader
+from aioloader._util.aiters import flattened as flat
 from aioloader.sources.formats.shards import interleave, shuffled
 from aioloader.sources.tar import TarShards, tar_shards
 
@@ -25,16 +26,6 @@ from aioloader.sources.tar import TarShards, tar_shards
 def many(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """16 shards of 50 small samples: 800 in all."""
     return write_bin_shards(tmp_path_factory.mktemp("many"), 16, 50)
-
-
-async def flat(chunks: AsyncGenerator[list[Any], None]) -> AsyncGenerator[Any, None]:
-    """A stream of chunks, an item at a time (closing it when closed)."""
-    try:
-        async for chunk in chunks:
-            for item in chunk:
-                yield item
-    finally:
-        await chunks.aclose()
 
 
 def keys_of(src: TarShards, epoch: int = 0) -> list[str]:

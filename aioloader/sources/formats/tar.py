@@ -37,6 +37,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from ..._exceptions import FetchError
+from ..._util.aiters import flattened
 from ..._util.loops import run_to_end
 from ..._util.ranges import Ranges
 from ..._util.validate import check_int
@@ -206,7 +207,7 @@ class TarShards:
         read (missing, truncated, corrupt) raises FetchError naming it and the offset; with
         `keep_going` it yields `{"__error__": that error, ...}` in its place and the others go on
         (how a Loader skips it under `on_error="skip"`)."""
-        return _flat(self._chunks(epoch, keep_going, consumed or Ranges(), drop_last))
+        return flattened(self._chunks(epoch, keep_going, consumed or Ranges(), drop_last))
 
     async def _chunks(
         self, epoch: int, keep_going: bool, consumed: Ranges, drop_last: bool
@@ -556,11 +557,3 @@ def count_samples(shards: str | Sequence[str], **options: Any) -> list[int]:
         >>> counts = count_samples(["/data/train-000.tar", "/data/train-001.tar"])  # doctest: +SKIP
     """
     return tar_shards(shards, **options)._counts_now()
-
-
-async def _flat(chunks: AsyncGenerator[list[Any], None]) -> AsyncGenerator[Any, None]:
-    """The items of a stream of chunks, one at a time."""
-    async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            for item in chunk:
-                yield item

@@ -73,11 +73,6 @@ class Indexes:
             self._by[identity] = index
             self.members += n
 
-    def clear(self) -> None:
-        with self._lock:
-            self._by.clear()
-            self.members = 0
-
 
 INDEXES = Indexes()
 

@@ -8,12 +8,12 @@ blocks, or a header that fails its checksum, raises `FetchError` naming the shar
 from __future__ import annotations
 
 import collections
-import contextlib
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ..._exceptions import FetchError
+from ..._util.aiters import flattened
 from ..transport.redact import redact_url
 
 __all__ = ["BLOCK", "Members", "Names", "member_batches", "tar_members"]
@@ -127,16 +127,12 @@ def _pax(data: bytes) -> dict[str, str]:
     return fields
 
 
-async def tar_members(
+def tar_members(
     chunks: AsyncGenerator[bytes | bytearray | memoryview | Members, None], shard: str
 ) -> AsyncGenerator[tuple[str, bytes], None]:
     """(name, contents) of each regular file in the tar archive that `chunks` carries, in order:
     `member_batches`, one member at a time."""
-    batches = member_batches(chunks, shard)
-    async with contextlib.aclosing(batches):
-        async for batch in batches:
-            for member in batch:
-                yield member
+    return flattened(member_batches(chunks, shard))
 
 
 async def member_batches(
