@@ -13,13 +13,19 @@ __all__ = ["is_async_callable", "new_event_loop", "run_to_end"]
 T = TypeVar("T")
 
 
+_uvloop: Any
+try:  # loaded with the package: a first loader's first batch would wait for it (~7 ms)
+    import uvloop as _uvloop
+except ImportError:
+    _uvloop = None
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A uvloop loop when uvloop is installed, else asyncio's default."""
-    try:
-        import uvloop
-    except ImportError:
+    if _uvloop is None:
         return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    loop: asyncio.AbstractEventLoop = _uvloop.new_event_loop()
+    return loop
 
 
 def is_async_callable(fn: object) -> bool:

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import dataclasses
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,31 @@ def test_long_footer_takes_a_second_request(tmp_path: Path) -> None:
         assert len(origin.served) == 3  # the tail, the rest of the footer, the one column chunk
     finally:
         origin.stop()
+
+
+def test_local_footers_are_read_in_the_calling_thread(
+    tmp_path: Path, files: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a few local files: no loop and no thread of their own (they cost more than the reads);
+    # a footer longer than the first read takes a second one there too
+    table = pa.table({f"column_{i:04d}_{'x' * 40}": [i] for i in range(1500)})
+    wide = tmp_path / "wide.parquet"
+    pq.write_table(table, wide)
+    assert int.from_bytes(wide.read_bytes()[-8:-4], "little") > FOOTER_GUESS
+
+    def no_loop(coro: Any, name: str) -> Any:
+        coro.close()
+        raise AssertionError(f"a loop of its own ({name}) for local footers")
+
+    monkeypatch.setattr("aioloader.sources.formats.parquet.run_to_end", no_loop)
+    before = set(threading.enumerate())
+    source = parquet(files, ["id"])
+    column = "column_0007_" + "x" * 40
+    long_footer = parquet(str(wide), [column])
+    assert set(threading.enumerate()) == before
+    assert source.num_rows == sum(pq.read_metadata(f).num_rows for f in files)
+    assert long_footer.metas[0].metadata.num_columns == 1500
+    assert rows_of(long_footer) == [{column: 7}]
 
 
 @pytest.mark.parametrize("engine", ["aiohttp", "fast"])

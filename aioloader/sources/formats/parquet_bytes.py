@@ -198,24 +198,45 @@ async def read_footer(store: Store) -> FileMeta:
     """The footer of `store`'s file: one request, or two when it is longer than `FOOTER_GUESS`."""
     tail: Bytes
     tail, size = await store.tail(FOOTER_GUESS)
+    length = _footer_length(store, tail, size)
+    if length > len(tail):
+        tail = await store.read(size - length, length)
+    return _footer(store, tail, size, length)
+
+
+def read_local_footer(store: Store) -> FileMeta:
+    """`read_footer` of a local file, in this thread (no loop, no thread: a few reads of the
+    page cache, where a loop and its threads would cost more than the reads)."""
+    tail: Bytes
+    tail, size = store._local_tail(FOOTER_GUESS)
+    length = _footer_length(store, tail, size)
+    if length > len(tail):
+        tail = store._local_read(size - length, length)
+    return _footer(store, tail, size, length)
+
+
+def _footer_length(store: Store, tail: Bytes, size: int) -> int:
+    """The bytes the footer takes at the file's end (its length field and magic included)."""
     if size < 12 or tail[-4:] != _MAGIC:
         raise ParquetError(
             f"parquet {store.label}: not a Parquet file (no PAR1 at its end; {size} bytes)",
             url=store.label,
         )
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    (length,) = struct.unpack("<I", tail[-8:-4])
+    length: int = struct.unpack("<I", tail[-8:-4])[0]
     if length + 8 > size - 4:
         raise ParquetError(
             f"parquet {store.label}: corrupt footer (says {length} bytes in a file of {size})",
             url=store.label,
         )
-    if length + 8 > len(tail):
-        tail = await store.read(size - length - 8, length + 8)
+    return length + 8
+
+
+def _footer(store: Store, tail: Bytes, size: int, length: int) -> FileMeta:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
-        metadata = pq.read_metadata(pa.BufferReader(tail[-(length + 8) :]))
+        metadata = pq.read_metadata(pa.BufferReader(tail[-length:]))
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ParquetError(
             f"parquet {store.label}: corrupt footer: {exc}", url=store.label
