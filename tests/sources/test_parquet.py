@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import inspect
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,36 @@ def test_local_footers_are_read_in_the_calling_thread(
     assert source.num_rows == sum(pq.read_metadata(f).num_rows for f in files)
     assert long_footer.metas[0].metadata.num_columns == 1500
     assert rows_of(long_footer) == [{column: 7}]
+
+
+def test_sources_on_one_loop_share_its_decode_turns(
+    files: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a mix of two Parquet sources decodes one row group per core at once, not one per core
+    # each: on a core each, the first row group of each would wait for the other's read ahead
+    from aioloader import mix
+    from aioloader.sources.formats import parquet as module
+
+    decode, lock = module.decode_row_group, threading.Lock()
+    inside, most = [0], [0]
+
+    def counted(*args: Any) -> Any:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.02)  # (widens the window in which a second decode could come in)
+            return decode(*args)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(module, "decode_row_group", counted)
+    monkeypatch.setattr(module, "cores", lambda: 1)
+    both = mix({"a": parquet(files[:2], ["id"]), "b": parquet(files[2:], ["id"])}, [1, 1])
+    with Loader(both, batch_size=None, collate=None) as loader:
+        assert len(list(loader)) > 0
+    assert most[0] == 1
 
 
 @pytest.mark.parametrize("engine", ["aiohttp", "fast"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,8 @@ __all__ = ["Parquet", "ParquetError", "RowRef", "RowsRef", "parquet"]
 # (about 0.4 ms each from the page cache, where a loop and threads of its own cost ~20 ms); more
 # (or any remote one) are read at once on a loop.
 _LOCAL_FOOTERS_HERE = 64
+# Each loop's decode turns (`Parquet._decode_turns`), gone with the loop.
+_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Turns] = weakref.WeakKeyDictionary()
 
 
 class RowRef:
@@ -156,7 +159,6 @@ class Parquet:
         self._epoch = 0
         self._live: dict[int, RowGroup] = {}
         self._reads: set[asyncio.Task[Any]] = set()  # row groups being read
-        self._turns: tuple[asyncio.AbstractEventLoop, Turns] | None = None
         self._orders: dict[int, np.ndarray] = {}  # the epochs' orders: this one's and the next's
         self._all_rows = np.arange(self.num_rows)  # a fresh epoch's indices (shares are views)
         self._all_rows.setflags(write=False)
@@ -223,13 +225,15 @@ class Parquet:
         return value
 
     def _decode_turns(self) -> Turns:
-        """This loop's decode turns: one decode per core at a time, the row group needed first
-        going first (row groups read ahead arrive together; decoded all at once, each would take
-        as long as all of them, and the first batch would wait for the last of them)."""
+        """This loop's decode turns, shared by every Parquet source it reads (a mix of them):
+        one decode per core at a time, the row group needed first going first (row groups read
+        ahead arrive together; decoded all at once, each would take as long as all of them, and
+        the first batch would wait for the last of them)."""
         loop = asyncio.get_running_loop()
-        if self._turns is None or self._turns[0] is not loop:
-            self._turns = (loop, Turns(cores()))
-        return self._turns[1]
+        turns = _TURNS.get(loop)
+        if turns is None:
+            turns = _TURNS[loop] = Turns(cores())
+        return turns
 
     def _decode(
         self, meta: FileMeta, rg: int, pieces: list[tuple[int, Bytes]] | None, path: Path | None
