@@ -22,6 +22,7 @@ from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
 from ._mix.loaders import MixedLoaders as MixedLoaders
 from ._mix.mix import mix as mix
+from ._mix.rows import MixedRows as MixedRows
 from ._mix.source import Mix as Mix
 from ._mix.source import MixKey as MixKey
 from ._observe.diagnose import Diagnosis as Diagnosis
@@ -59,6 +60,7 @@ __all__ = [
     "Mix",
     "MixKey",
     "MixedLoaders",
+    "MixedRows",
     "Packed",
     "ProcessExecutor",
     "SampleError",

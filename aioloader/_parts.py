@@ -20,7 +20,7 @@ DataLoader's reads its attributes through a weak proxy): a loader that is droppe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -190,13 +190,22 @@ class KeyPlanState:
 
     def __init__(self, plan: Plan) -> None:
         self._plan = plan
+        self._digest: tuple[Any, int, str] | None = None  # (keys, their length, their digest)
+
+    def _keys_digest(self, keys: Any) -> str:
+        """`keys_digest(keys)`, worked out again only for other keys or another length (a state
+        is asked for often: a mix by rows asks at every item, and a digest reads 64 keys)."""
+        n = len(keys) if isinstance(keys, Sequence) else -1
+        if self._digest is None or self._digest[0] is not keys or self._digest[1] != n:
+            self._digest = (keys, n, keys_digest(keys))
+        return self._digest[2]
 
     def state_config(self) -> dict[str, Any]:
         plan = self._plan
         assert isinstance(plan, KeyPlan)
         order = plan.order
         return {
-            "keys": keys_digest(order.keys), "batch_size": plan.batch_size,
+            "keys": self._keys_digest(order.keys), "batch_size": plan.batch_size,
             "drop_last": plan.drop_last, "shuffle": order.shuffle, "seed": order.seed,
         }  # fmt: skip
 

@@ -62,7 +62,7 @@ SEQ_LEN, BATCH, EOS = 2048, 8, 0
 WEIGHTS = {"web": 0.7, "code": 0.3}
 ROWS_PER_FILE, ROW_GROUP = 10_000, 1_000
 CHECKED = 20  # batches compared after the resume
-OURS = ("aioloader", "aioloader-per-doc", "aioloader-text")
+OURS = ("aioloader", "aioloader-rows", "aioloader-per-doc", "aioloader-text")
 IMPORTS = {
     "litdata": ["litdata"], "grain": ["grain", "grain.experimental"],
     "hf": ["datasets", "torchdata.stateful_dataloader"], "aioloader-text": ["aioloader", "tokenizers"],
@@ -149,12 +149,27 @@ def warm(files: dict[str, list[str]]) -> int:
 
 
 def aioloader_packed(
-    files: dict[str, list[str]], rows_per_sample: int | None, tokenizer: Any = None
+    files: dict[str, list[str]],
+    rows_per_sample: int | None,
+    tokenizer: Any = None,
+    rows_per_item: int | None = None,
 ) -> Any:
     """The mix packed; with a `tokenizer`, over the text copy, tokenized in the decode threads."""
     from aioloader import Loader, mix, pack, sources, tokenize
 
     column = "tokens" if tokenizer is None else "text"
+    if rows_per_item:  # a loader per source, mixed row by row
+        loaders = [
+            Loader(
+                sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i),
+                batch_size=None,
+                collate=None,
+            )
+            for i, paths in enumerate(files.values())
+        ]
+        rows = mix(dict(zip(files, loaders, strict=True)), WEIGHTS, seed=1,
+                   rows_per_item=rows_per_item)  # fmt: skip
+        return pack(rows, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens")
     parts = {
         name: sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i)
         for i, (name, paths) in enumerate(files.items())
@@ -181,12 +196,15 @@ class Ours:
     """A contender's three steps, for aioloader: make, iterate, save and load state."""
 
     def __init__(
-        self, files: dict[str, list[str]], rows_per_sample: int | None, tokenizer: Any = None
-    ) -> None:
+        self, files: dict[str, list[str]], rows_per_sample: int | None, tokenizer: Any = None,
+        rows_per_item: int | None = None,
+    ) -> None:  # fmt: skip
         self.files, self.rows_per_sample, self.tokenizer = files, rows_per_sample, tokenizer
+        self.rows_per_item = rows_per_item
 
     def make(self) -> Any:
-        return aioloader_packed(self.files, self.rows_per_sample, self.tokenizer)
+        return aioloader_packed(self.files, self.rows_per_sample, self.tokenizer,
+                                self.rows_per_item)  # fmt: skip
 
     def batches(self, packed: Any) -> Iterator[np.ndarray]:
         for batch in packed:
@@ -280,6 +298,8 @@ def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int)
         importlib.import_module(module)
     if name == "aioloader-text":
         contender: Any = Ours(text_of(files), 256, word_level())
+    elif name == "aioloader-rows":
+        contender = Ours(files, 256, rows_per_item=256)
     elif name in OURS:
         contender = Ours(files, 256 if name == "aioloader" else None)
     else:

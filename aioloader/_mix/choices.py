@@ -13,6 +13,7 @@ __all__ = ["BLOCK", "STOPS", "Choices", "check_stop", "check_weights"]
 STOPS = ("first_exhausted", "all_exhausted", "cycle")
 BLOCK = 4096  # positions drawn at once; a block's generator is seeded from (seed, epoch, block)
 _CHOICE_SALT = 0x6D6978  # keeps the choice draws apart from the parts' permutations
+_NONE = np.zeros(0, dtype=np.intp)
 
 
 class Choices:
@@ -24,6 +25,7 @@ class Choices:
         cum[last:] = 1.0  # rounding never lets a draw past the last source that has weight
         self._cum, self._seed, self._epoch = cum, seed, epoch
         self._block, self._picks = -1, [0]
+        self._block_array: tuple[int, np.ndarray[Any, np.dtype[np.intp]]] = (-1, _NONE)
 
     def at(self, position: int) -> int:
         """The source that `position` draws."""
@@ -32,6 +34,18 @@ class Choices:
             self._picks = self._draw(block).tolist()
             self._block = block
         return self._picks[offset]
+
+    def span(self, start: int, n: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The sources drawn by positions `start` .. `start + n - 1`, as an array."""
+        out = []
+        block, offset = divmod(start, BLOCK)
+        while n > 0:
+            if block != self._block_array[0]:
+                self._block_array = (block, self._draw(block))
+            picks = self._block_array[1][offset : offset + n]
+            out.append(picks)
+            n, block, offset = n - len(picks), block + 1, 0
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def iter_from(self, start: int) -> Iterator[int]:
         """The sources drawn by positions `start`, `start + 1`, ... (endless)."""

@@ -32,6 +32,7 @@ from .._loader import Loader
 from .._util.validate import check_int
 from .choices import check_stop, check_weights
 from .loaders import MixedLoaders
+from .rows import MixedRows
 from .source import Mix, label
 
 __all__ = ["mix"]
@@ -44,6 +45,7 @@ def mix(
     seed: int = 0,
     stop: str = "first_exhausted",
     shuffle: bool = True,
+    rows_per_item: int | None = None,
 ) -> Any:
     """Interleave sources (or loaders) in the proportions `weights`, deterministically.
 
@@ -60,11 +62,16 @@ def mix(
             "all_exhausted" (inputs that run out start their next epoch until every one has run
             out once) or "cycle" (inputs restart forever: an endless epoch).
         shuffle: permute each input that has a length, per its own epoch (streams order themselves).
+        rows_per_item: mix loaders of columnar items (pyarrow RecordBatches or Tables, e.g.
+            `Loader(sources.parquet(..., rows_per_sample=M), batch_size=None, collate=None)`)
+            row by row: each position is one row (one document), and the mix yields Tables of
+            this many rows (see `rows.py`). None (default): items are mixed whole.
 
     Returns:
         For sources, a `Mix`: a source for `Loader(mix(...), batch_size=..., ...)`, whose batches
         hold the sources in proportion and whose `state_dict()` resumes it exactly. For loaders, a
-        `MixedLoaders` to iterate, with its own `state_dict()` / `load_state_dict()`.
+        `MixedLoaders` to iterate, with its own `state_dict()` / `load_state_dict()` (with
+        `rows_per_item`, a `MixedRows`).
 
     Example:
         >>> both = mix({"a": list(range(6)), "b": ["x", "y"]}, {"a": 3, "b": 1}, seed=1)
@@ -90,6 +97,15 @@ def mix(
     if not isinstance(shuffle, bool):
         raise TypeError(f"shuffle: expected True or False, got {shuffle!r}")
     loaders = [isinstance(x, Loader) for x in inputs]
+    if rows_per_item is not None:
+        check_int("rows_per_item", rows_per_item, minimum=1)
+        if not all(loaders):
+            raise TypeError(
+                "rows_per_item: a mix by rows takes loaders of columnar items (Loader("
+                "sources.parquet(..., rows_per_sample=N), batch_size=None, collate=None)), not "
+                "sources"
+            )
+        return MixedRows(inputs, names, checked, seed=seed, stop=stop, rows_per_item=rows_per_item)
     if all(loaders):
         return MixedLoaders(inputs, names, checked, seed=seed, stop=stop)
     if any(loaders):

@@ -1,0 +1,217 @@
+"""Loaders of columnar items mixed row by row: `mix(loaders, weights, rows_per_item=N)`.
+
+Each loader yields pyarrow RecordBatches or Tables (`sources.parquet(..., rows_per_sample=M)`:
+many documents a sample, the fast path), and the mix follows the rule of `mix.py` per *row*:
+position `p` of the mix's epoch is one row (one document), drawn from loader `i` by (seed, epoch,
+p) alone; each loader's rows are taken in its own order. The mix yields Tables of `N` rows (the
+last of an epoch may have fewer), each the rows of `N` positions in order: the proportions hold
+per document, as a mix of one document per sample would give them, with no Python step per row
+(a slice per run of rows drawn from one loader).
+
+Exact resume: what a loader has delivered and the mix not yet used is the rest of its current
+item. `state_dict()` holds, per loader, its state from before that item and how many of its rows
+were used; `load_state_dict()` puts that state back, and the item, delivered again, is taken from
+that row on. So a state is small (no rows in it) and the batches after a resume are those of the
+run it was saved from.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._exceptions import StateError
+from .._loader import Loader
+from .choices import Choices
+from .loaders import MixedLoaders, _Progress
+
+__all__ = ["MixedRows"]
+
+_END: Any = object()
+
+
+class _Need:
+    """The core asks its driver for the next item of loader `i` (`again`: from its next epoch's
+    fresh iteration)."""
+
+    __slots__ = ("again", "i")
+
+    def __init__(self, i: int, again: bool = False) -> None:
+        self.i, self.again = i, again
+
+
+class _Held:
+    """A loader's current item: its rows as a Table, how many the mix used, and the loader's
+    state from before it was delivered."""
+
+    __slots__ = ("before", "rows", "table", "used")
+
+    def __init__(self) -> None:
+        self.table: Any = None
+        self.rows = self.used = 0
+        self.before: Any = None
+
+
+class MixedRows(MixedLoaders):
+    """Loaders of RecordBatches or Tables mixed row by row; made by `aioloader.mix(...,
+    rows_per_item=N)`. Iterate with `for` or `async for` (one epoch per iteration): Tables of
+    `N` rows. `state_dict()` / `load_state_dict()` resume exactly (same loaders, same ranks).
+    """
+
+    def __init__(
+        self, loaders: Sequence[Loader[Any]], names: Sequence[str | None], weights: Sequence[float],
+        *, seed: int, stop: str, rows_per_item: int,
+    ) -> None:  # fmt: skip
+        super().__init__(loaders, names, weights, seed=seed, stop=stop)
+        self.rows_per_item = rows_per_item
+        self._held = [_Held() for _ in self.loaders]
+        self._skip: list[int] = [0] * len(self.loaders)  # rows of the next item already used
+        self._schema: Any = None
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", rows_per_item={self.rows_per_item})"
+
+    # -- iteration -----------------------------------------------------------------------------------
+
+    def _start(self) -> _Progress:
+        resume = self._resume
+        progress = super()._start()
+        if progress is not resume:  # a fresh epoch: nothing held, nothing to skip
+            self._held = [_Held() for _ in self.loaders]
+            self._skip = [0] * len(self.loaders)
+        return progress
+
+    def _items(self, progress: _Progress) -> Iterator[Any]:
+        core = self._core(progress)
+        running: dict[int, Iterator[Any]] = {}
+        try:
+            ask = next(core)
+            while True:
+                if type(ask) is _Need:
+                    if ask.again:
+                        running.pop(ask.i).close()  # type: ignore[attr-defined]
+                    it = running.get(ask.i) or running.setdefault(ask.i, iter(self.loaders[ask.i]))
+                    ask = core.send(next(it, _END))
+                else:
+                    box, ask = [ask], None
+                    yield box.pop()  # not held here while the consumer has it
+                    ask = next(core)
+        except StopIteration:
+            return
+        finally:
+            core.close()
+            for it in running.values():
+                it.close()  # type: ignore[attr-defined]
+
+    async def _aitems(self, progress: _Progress) -> AsyncIterator[Any]:  # type: ignore[override]
+        core = self._core(progress)
+        running: dict[int, AsyncIterator[Any]] = {}
+        try:
+            ask = next(core)
+            while True:
+                if type(ask) is _Need:
+                    if ask.again:
+                        await running.pop(ask.i).aclose()  # type: ignore[attr-defined]
+                    it = running.get(ask.i) or running.setdefault(ask.i, aiter(self.loaders[ask.i]))
+                    ask = core.send(await anext(it, _END))
+                else:
+                    box, ask = [ask], None
+                    yield box.pop()
+                    ask = next(core)
+        except StopIteration:
+            return
+        finally:
+            core.close()
+            for it in running.values():
+                await it.aclose()  # type: ignore[attr-defined]
+
+    def _core(self, progress: _Progress) -> Generator[Any, Any, None]:
+        """The epoch's Tables, asking for the loaders' items (`_Need`) as it runs out of rows:
+        the same steps for `for` and `async for`, which only differ in how they draw items."""
+        import pyarrow as pa
+
+        choices = Choices(self.weights, self.seed, progress.epoch)
+        size = self.rows_per_item
+        while True:
+            picks = choices.span(progress.position, size)
+            cuts = np.flatnonzero(picks[1:] != picks[:-1]) + 1
+            bounds = [0, *cuts.tolist(), size]
+            pieces: list[Any] = []
+            taken, ended = 0, False
+            for a, b in itertools.pairwise(bounds):
+                i, want = int(picks[a]), b - a
+                while want:
+                    held = self._held[i]
+                    if held.used >= held.rows:
+                        before = self.loaders[i].state_dict()
+                        item = yield _Need(i)
+                        if item is _END:
+                            if self._ends(i, progress):
+                                ended = True
+                                break
+                            before = self.loaders[i].state_dict()
+                            item = self._first(i, progress, (yield _Need(i, again=True)))
+                        self._hold(i, item, before)
+                        continue
+                    k = min(want, held.rows - held.used)
+                    pieces.append(held.table.slice(held.used, k))
+                    held.used, want, taken = held.used + k, want - k, taken + k
+                if ended:
+                    break
+            if pieces:
+                progress.position += taken
+                yield pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
+            if ended:
+                return
+
+    def _hold(self, i: int, item: Any, before: Any) -> None:
+        """Make `item` loader `i`'s current one (its rows already used skipped, after a load)."""
+        import pyarrow as pa
+
+        if isinstance(item, pa.RecordBatch):
+            item = pa.Table.from_batches([item])
+        elif not isinstance(item, pa.Table):
+            raise TypeError(
+                f"rows_per_item: loader {self._label(i)} gave a {type(item).__name__}; a mix by "
+                "rows takes loaders of pyarrow RecordBatches or Tables (sources.parquet(..., "
+                "rows_per_sample=N), batch_size=None, collate=None)"
+            )
+        if self._schema is None:
+            self._schema = item.schema
+        elif not item.schema.equals(self._schema):
+            raise TypeError(
+                f"rows_per_item: loader {self._label(i)} gave columns {item.schema.names} "
+                f"({item.schema.types}), another {self._schema.names} ({self._schema.types}); "
+                "a mix by rows needs the same columns from every loader"
+            )
+        held = self._held[i]
+        held.table, held.rows, held.before = item, item.num_rows, before
+        held.used, self._skip[i] = self._skip[i], 0
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {**super()._config(), "rows_per_item": self.rows_per_item}
+
+    def state_dict(self) -> dict[str, Any]:
+        """`MixedLoaders.state_dict()` with, per loader, its state from before its current item
+        and the rows of that item used (`"used"`). JSON-ready; safe between any two items."""
+        state = super().state_dict()
+        for own, held, skip in zip(state["sources"], self._held, self._skip, strict=True):
+            if held.table is not None and held.used < held.rows:
+                own["state"], own["used"] = held.before, held.used
+            else:
+                own["used"] = skip  # (a loaded state not yet run: its rows to skip still)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state`; StateError naming the field when it does not fit this mix."""
+        super().load_state_dict(state)
+        used = [own.get("used", 0) for own in state["sources"]]
+        if not all(type(u) is int and u >= 0 for u in used):
+            raise StateError(f"sources: each 'used' must be an int >= 0, got {used}", field="used")
+        self._held = [_Held() for _ in self.loaders]
+        self._skip = list(used)
