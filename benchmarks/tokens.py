@@ -15,15 +15,17 @@ fresh interpreter and reports:
 - exact resume: the 20 batches after the resume equal those of the uninterrupted run.
 
 Contenders:
-- "aioloader": `sources.parquet(..., rows_per_sample=256)` in `aioloader.mix`, `aioloader.pack`:
-  the columnar fast path (a RecordBatch of 256 documents per sample; the mix draws per record
-  batch, so the proportions hold per 256 documents, not per document);
+- "aioloader": a `Loader` of `sources.parquet(..., rows_per_sample=256)` per source (RecordBatches
+  of 256 documents: the columnar fast path), mixed row by row (`aioloader.mix(loaders, weights,
+  rows_per_item=256)`: the mix's rule per document), then `aioloader.pack`;
+- "aioloader-batches": the same sources in one `Loader` over `aioloader.mix(sources, ...)`, which
+  draws per record batch (the proportions hold per 256 documents, not per document);
 - "aioloader-per-doc": one document per sample (the mix draws per document);
-- "aioloader-text": "aioloader" over a copy of the corpus whose `text` column holds each document
+- "aioloader-text": "aioloader-batches" over a copy of the corpus whose `text` column holds each document
   as words ("w123 w45 ..." for token ids 123, 45, ...; `id`, `url`, `raw` as they were), tokenized
   on the fly by `aioloader.tokenize` (a word-level `tokenizers.Tokenizer`, made before the clock
   starts) in the loader's decode threads, then mixed and packed alike: its batches are those of
-  "aioloader" (`same_batches`, checked on the first 20 after the run); needs `tokenizers`.
+  "aioloader-batches" (`same_batches`, checked on the first 20 after the run); needs `tokenizers`.
   `tokenizer_cpu_s_per_m_tokens` is what the tokenizer alone costs (one `encode_batch_fast` of a
   record batch's text, in this process): the rest of its CPU per M tokens is the loader's;
 - peers, only when installed (`pip install 'aioloader[bench]'`), else skipped with the reason:
@@ -62,7 +64,7 @@ SEQ_LEN, BATCH, EOS = 2048, 8, 0
 WEIGHTS = {"web": 0.7, "code": 0.3}
 ROWS_PER_FILE, ROW_GROUP = 10_000, 1_000
 CHECKED = 20  # batches compared after the resume
-OURS = ("aioloader", "aioloader-rows", "aioloader-per-doc", "aioloader-text")
+OURS = ("aioloader", "aioloader-batches", "aioloader-per-doc", "aioloader-text")
 IMPORTS = {
     "litdata": ["litdata"], "grain": ["grain", "grain.experimental"],
     "hf": ["datasets", "torchdata.stateful_dataloader"], "aioloader-text": ["aioloader", "tokenizers"],
@@ -298,10 +300,10 @@ def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int)
         importlib.import_module(module)
     if name == "aioloader-text":
         contender: Any = Ours(text_of(files), 256, word_level())
-    elif name == "aioloader-rows":
+    elif name == "aioloader":
         contender = Ours(files, 256, rows_per_item=256)
     elif name in OURS:
-        contender = Ours(files, 256 if name == "aioloader" else None)
+        contender = Ours(files, 256 if name == "aioloader-batches" else None)
     else:
         from _tokens_peers import peer  # benchmarks/ is on sys.path: this script's folder
 
@@ -375,7 +377,8 @@ def main() -> None:
     parser.add_argument("--resume-at", type=int, default=100)
     parser.add_argument("--folder", type=Path, default=None)
     parser.add_argument(
-        "--contenders", default="aioloader,aioloader-per-doc,aioloader-text,litdata,grain,hf"
+        "--contenders",
+        default="aioloader,aioloader-batches,aioloader-per-doc,aioloader-text,litdata,grain,hf",
     )
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -411,13 +414,33 @@ def main() -> None:
     if isinstance(ours, dict) and isinstance(per_doc, dict):
         summary["columnar_speedup"] = round(ours["m_tokens_per_s"] / per_doc["m_tokens_per_s"], 2)
         print(f"columnar fast path / one document per sample: {summary['columnar_speedup']:.2f}x")
-    text = summary.get("aioloader-text")
-    if isinstance(ours, dict) and isinstance(text, dict):
-        summary["text_over_tokens"] = round(text["m_tokens_per_s"] / ours["m_tokens_per_s"], 2)
+    if isinstance(ours, dict):
+        summary["vs"] = versus(ours, summary)
+    batches, text = summary.get("aioloader-batches"), summary.get("aioloader-text")
+    if isinstance(batches, dict) and isinstance(text, dict):
+        summary["text_over_tokens"] = round(text["m_tokens_per_s"] / batches["m_tokens_per_s"], 2)
         print(f"text tokenized on the fly / tokens read: {summary['text_over_tokens']:.2f}x "
               f"tokens/s (the tokenizer alone: {text['tokenizer_cpu_s_per_m_tokens']:.4f} CPU "
               f"s/M); the same batches: {text['same_batches']}")  # fmt: skip
     print(json.dumps(summary))
+
+
+def versus(ours: dict[str, Any], summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """aioloader's figures over each peer's of this run (printed): tokens/s (higher is better),
+    CPU per token, first batch and restore (lower is better)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, theirs in summary.items():
+        if name in OURS or name in ("workload", "docs", "batches") or not isinstance(theirs, dict):
+            continue
+        out[name] = {
+            key: round(ours[key] / theirs[key], 2) if theirs[key] else float("inf")
+            for key in ("m_tokens_per_s", "cpu_s_per_m_tokens", "first_batch_s", "restore_s")
+        }
+        r = out[name]
+        print(f"aioloader / {name}: tokens/s {r['m_tokens_per_s']:.2f}x, CPU per token "
+              f"{r['cpu_s_per_m_tokens']:.2f}x, first batch {r['first_batch_s']:.2f}x, restore "
+              f"{r['restore_s']:.2f}x")  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -119,15 +119,16 @@ def test_streams_reads_every_sample_once_and_its_cached_epoch_without_a_request(
     assert summary["ratios"]["cached"] > 0
 
 
-def test_tokens_runs_aioloaders_two_contenders_and_resumes_exactly(tmp_path: Path) -> None:
-    # The quick set, aioloader only (the peers are optional): the corpus is written, both read it.
+def test_tokens_runs_aioloaders_contenders_and_resumes_exactly(tmp_path: Path) -> None:
+    # The quick set, aioloader only (the peers are optional): the corpus is written, each reads it.
     out = run_benchmark(
         [sys.executable, str(BENCHMARKS / "tokens.py"), "--quick", "--batches", "120",
-         "--contenders", "aioloader,aioloader-per-doc", "--folder", str(tmp_path)], 180
+         "--contenders", "aioloader,aioloader-batches,aioloader-per-doc", "--folder",
+         str(tmp_path)], 180
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["workload"] == "tokens"
-    for name in ("aioloader", "aioloader-per-doc"):
+    for name in ("aioloader", "aioloader-batches", "aioloader-per-doc"):
         assert summary[name]["exact_resume"] is True
         assert summary[name]["batches"] == 120
         assert summary[name]["m_tokens_per_s"] > 0

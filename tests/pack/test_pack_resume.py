@@ -316,3 +316,53 @@ def test_loaders_mixed_whole_pack_and_resume(corpora: dict[str, list[str]]) -> N
     # (not the next epoch: loaders mixed whole resume a state saved at an epoch's end wrongly, the
     # loader that had not run out going on with its old epoch; a fault of `MixedLoaders`)
     assert_resumes(make, [random.Random(11).randint(1, 40), 3], next_epoch_too=False)
+
+
+def rows_packer(
+    corpora: dict[str, list[str]], *, stop: str = "all_exhausted", rank: int = 0,
+    world_size: int = 1, **kwargs: Any,
+) -> Callable[[], Packed]:  # fmt: skip
+    """A 0.7 / 0.3 mix by rows (per document) of loaders of RecordBatches of 20 documents."""
+
+    def make() -> Packed:
+        loaders = [
+            Loader(sources.parquet(corpora[name], ["tokens"], rows_per_sample=20, seed=i),
+                   batch_size=None, collate=None, rank=rank, world_size=world_size, **kwargs)
+            for i, name in enumerate(("web", "code"))
+        ]  # fmt: skip
+        rows = mix(loaders, [0.7, 0.3], seed=2, stop=stop, rows_per_item=16)
+        return pack(rows, 64, batch_size=2, eos=EOS, key="tokens", boundaries=True)
+
+    return make
+
+
+@pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
+def test_loaders_mixed_by_rows_resume_at_random_steps_and_at_90_percent(
+    corpora: dict[str, list[str]], stop: str
+) -> None:
+    make = rows_packer(corpora, stop=stop)
+    whole, _ = run(make, None, None)
+    batches = len(whole) // 2
+    assert batches > 20
+    rng = random.Random(stop)
+    # (not the next epoch: see test_loaders_mixed_whole_pack_and_resume)
+    assert_resumes(make, [rng.randint(1, 40), rng.randint(0, 5)], next_epoch_too=False)
+    assert_resumes(make, [batches * 9 // 10], next_epoch_too=False)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_loaders_mixed_by_rows_on_ranks_resume(corpora: dict[str, list[str]], rank: int) -> None:
+    mine = assert_resumes(
+        rows_packer(corpora, rank=rank, world_size=2), [random.Random(rank).randint(1, 20)],
+        next_epoch_too=False,
+    )  # fmt: skip
+    other, _ = run(rows_packer(corpora, rank=1 - rank, world_size=2), None, None)
+    assert mine[0] != other[0]  # each rank its own documents
+
+
+def test_loaders_mixed_by_rows_resume_with_process_decode(corpora: dict[str, list[str]]) -> None:
+    whole, _ = run(rows_packer(corpora), None, None)
+    head, state = run(rows_packer(corpora), None, 13)
+    processes = rows_packer(corpora, decode=same_rows, executor="process", workers=2)
+    rest, _ = run(processes, state, None)
+    assert head + rest == whole
