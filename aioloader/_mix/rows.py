@@ -17,8 +17,10 @@ run it was saved from.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,16 @@ class _Need:
 
     def __init__(self, i: int, again: bool = False) -> None:
         self.i, self.again = i, again
+
+
+class _First:
+    """The core asks its driver for the first item of each of loaders `ids` at once (an epoch's
+    start: one loader's first row group would otherwise wait for the other's)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
 
 
 class _Held:
@@ -95,6 +107,12 @@ class MixedRows(MixedLoaders):
                         running.pop(ask.i).close()  # type: ignore[attr-defined]
                     it = running.get(ask.i) or running.setdefault(ask.i, iter(self.loaders[ask.i]))
                     ask = core.send(next(it, _END))
+                elif type(ask) is _First:
+                    for i in ask.ids:
+                        running[i] = iter(self.loaders[i])
+                    with ThreadPoolExecutor(len(ask.ids), "aioloader-mix-first") as pool:
+                        firsts = list(pool.map(lambda i: next(running[i], _END), ask.ids))
+                    ask = core.send(dict(zip(ask.ids, firsts, strict=True)))
                 else:
                     box, ask = [ask], None
                     yield box.pop()  # not held here while the consumer has it
@@ -117,6 +135,11 @@ class MixedRows(MixedLoaders):
                         await running.pop(ask.i).aclose()  # type: ignore[attr-defined]
                     it = running.get(ask.i) or running.setdefault(ask.i, aiter(self.loaders[ask.i]))
                     ask = core.send(await anext(it, _END))
+                elif type(ask) is _First:
+                    for i in ask.ids:
+                        running[i] = aiter(self.loaders[i])
+                    firsts = await asyncio.gather(*(anext(running[i], _END) for i in ask.ids))
+                    ask = core.send(dict(zip(ask.ids, firsts, strict=True)))
                 else:
                     box, ask = [ask], None
                     yield box.pop()
@@ -135,6 +158,16 @@ class MixedRows(MixedLoaders):
 
         choices = Choices(self.weights, self.seed, progress.epoch)
         size = self.rows_per_item
+        ready: dict[int, Any] = {}  # loader -> its state, where its first pull found no item
+        ids = [i for i, w in enumerate(self.weights) if w > 0]
+        if len(ids) > 1:  # every loader's first item at once, each held from then on
+            befores = {i: self.loaders[i].state_dict() for i in ids}
+            firsts = yield _First(ids)
+            for i in ids:
+                if firsts[i] is _END:  # (the epoch ends where it is drawn, as below)
+                    ready[i] = befores[i]
+                else:
+                    self._hold(i, firsts[i], befores[i])
         while True:
             picks = choices.span(progress.position, size)
             cuts = np.flatnonzero(picks[1:] != picks[:-1]) + 1
@@ -146,8 +179,11 @@ class MixedRows(MixedLoaders):
                 while want:
                     held = self._held[i]
                     if held.used >= held.rows:
-                        before = self.loaders[i].state_dict()
-                        item = yield _Need(i)
+                        if i in ready:
+                            before, item = ready.pop(i), _END
+                        else:
+                            before = self.loaders[i].state_dict()
+                            item = yield _Need(i)
                         if item is _END:
                             if self._ends(i, progress):
                                 ended = True
