@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from .parquet_bytes import (
     store_for,
 )
 from .parquet_order import epoch_rows, remaining, share
-from .parquet_readahead import Ahead, RowGroup, Runs, decode_turns, runs_of
+from .parquet_readahead import Ahead, RowGroup, Runs, Turns, cores, runs_of
 from .parquet_take import take_rows
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ __all__ = ["Parquet", "ParquetError", "RowRef", "RowsRef", "parquet"]
 # (about 0.4 ms each from the page cache, where a loop and threads of its own cost ~20 ms); more
 # (or any remote one) are read at once on a loop.
 _LOCAL_FOOTERS_HERE = 64
+# Each loop's decode turns (`Parquet._decode_turns`), gone with the loop.
+_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Turns] = weakref.WeakKeyDictionary()
 
 
 class RowRef:
@@ -213,13 +216,24 @@ class Parquet:
         pieces = None
         if store.path is None:  # remote: the chunks first; a local file is read by pyarrow
             pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
-        async with decode_turns().turn(group.order):
+        async with self._decode_turns().turn(group.order):
             value, group.nbytes = await asyncio.to_thread(
                 self._decode, meta, rg, pieces, store.path
             )
         self._counts["row_groups_read"] += 1
         self._counts["bytes_read"] += sum(n for _, n in meta.ranges(rg, self._leaves[file]))
         return value
+
+    def _decode_turns(self) -> Turns:
+        """This loop's decode turns, shared by every Parquet source it reads (a mix of them):
+        one decode per core at a time, the row group needed first going first (row groups read
+        ahead arrive together; decoded all at once, each would take as long as all of them, and
+        the first batch would wait for the last of them)."""
+        loop = asyncio.get_running_loop()
+        turns = _TURNS.get(loop)
+        if turns is None:
+            turns = _TURNS[loop] = Turns(cores())
+        return turns
 
     def _decode(
         self, meta: FileMeta, rg: int, pieces: list[tuple[int, Bytes]] | None, path: Path | None

@@ -14,7 +14,6 @@ import contextlib
 import heapq
 import itertools
 import os
-import threading
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Protocol
 
@@ -183,27 +182,20 @@ class Ahead:
 
 
 class Turns:
-    """At most `n` holders at once, from any loop of the process; waiters are let in lowest
-    `order` first. (Thread-safe: a turn ended on one loop is handed to a waiter on another
-    through that loop.)"""
+    """At most `n` holders at once; waiters are let in lowest `order` first."""
 
     def __init__(self, n: int) -> None:
         self.free = n
-        self._waiting: list[tuple[int, int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._arrived = itertools.count()  # equal orders: first come, first served
-        self._lock = threading.Lock()
 
     @contextlib.asynccontextmanager
     async def turn(self, order: int) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            fut = None
-            if self.free > 0 and not self._waiting:
-                self.free -= 1
-            else:
-                fut = loop.create_future()
-                heapq.heappush(self._waiting, (order, next(self._arrived), loop, fut))
-        if fut is not None:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (order, next(self._arrived), fut))
             try:
                 await fut
             except asyncio.CancelledError:
@@ -216,43 +208,12 @@ class Turns:
             self._release()
 
     def _release(self) -> None:
-        with self._lock:
-            if not self._waiting:
-                self.free += 1
+        while self._waiting:
+            fut = heapq.heappop(self._waiting)[2]
+            if not fut.done():  # else: its waiter was cancelled
+                fut.set_result(None)
                 return
-            _, _, loop, fut = heapq.heappop(self._waiting)
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if loop is running:
-            self._grant(fut)
-            return
-        try:
-            loop.call_soon_threadsafe(self._grant, fut)
-        except RuntimeError:  # its loop is closed: the turn goes on to the next
-            self._release()
-
-    def _grant(self, fut: asyncio.Future[None]) -> None:
-        """On the waiter's loop: its turn, or the next waiter's where it was cancelled."""
-        if fut.done():
-            self._release()
-        else:
-            fut.set_result(None)
-
-
-_DECODES: tuple[int, Turns] | None = None  # (this process, its decode turns)
-
-
-def decode_turns() -> Turns:
-    """The process's decode turns, shared by every Parquet source on every loop: one decode per
-    core at a time (a mix of sources, or loaders of their own, would otherwise decode a row group
-    per core each, and the one needed first would wait for those read ahead). Made anew in a
-    forked child, whose parent's holders do not exist there."""
-    global _DECODES
-    if _DECODES is None or _DECODES[0] != os.getpid():
-        _DECODES = (os.getpid(), Turns(cores()))
-    return _DECODES[1]
+        self.free += 1
 
 
 def cores() -> int:
