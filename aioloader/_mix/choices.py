@@ -24,25 +24,28 @@ class Choices:
         last = max(i for i, w in enumerate(weights) if w > 0)
         cum[last:] = 1.0  # rounding never lets a draw past the last source that has weight
         self._cum, self._seed, self._epoch = cum, seed, epoch
-        self._block, self._picks = -1, [0]
-        self._block_array: tuple[int, np.ndarray[Any, np.dtype[np.intp]]] = (-1, _NONE)
+        # the last block drawn, as an array and (once `at` asks) as a list: one draw serves both
+        self._block, self._array = -1, _NONE
+        self._list: list[int] | None = None
+
+    def _block_of(self, block: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+        if block != self._block:
+            self._block, self._array, self._list = block, self._draw(block), None
+        return self._array
 
     def at(self, position: int) -> int:
         """The source that `position` draws."""
         block, offset = divmod(position, BLOCK)
-        if block != self._block:
-            self._picks = self._draw(block).tolist()
-            self._block = block
-        return self._picks[offset]
+        if block != self._block or self._list is None:
+            self._list = self._block_of(block).tolist()
+        return self._list[offset]
 
     def span(self, start: int, n: int) -> np.ndarray[Any, np.dtype[np.intp]]:
         """The sources drawn by positions `start` .. `start + n - 1`, as an array."""
         out = []
         block, offset = divmod(start, BLOCK)
         while n > 0:
-            if block != self._block_array[0]:
-                self._block_array = (block, self._draw(block))
-            picks = self._block_array[1][offset : offset + n]
+            picks = self._block_of(block)[offset : offset + n]
             out.append(picks)
             n, block, offset = n - len(picks), block + 1, 0
         return out[0] if len(out) == 1 else np.concatenate(out)
