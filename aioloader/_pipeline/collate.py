@@ -50,15 +50,28 @@ DEFAULT_COLLATE: Any = _DefaultCollate()
 
 _CollateFnMap = dict[type | tuple[type, ...], Callable[..., Any]]
 
-# References to a pooled tensor while `_is_free` inspects it: the pool's list, the loop variable and
-# getrefcount's own argument.
-_REFS_WHEN_FREE = 3
-# StorageImpl uses of a tensor with no views: its TensorImpl and the temporary UntypedStorage object.
-_STORAGE_USES_WHEN_FREE = 2
-# References to that UntypedStorage object while `_storage_uses` inspects it: its local, getrefcount's
-# argument and the StorageImpl's own. torch hands out the same object while anyone keeps it (a consumer
-# holding `batch.untyped_storage()`), which adds a Python reference but no StorageImpl use.
-_STORAGE_REFS_WHEN_FREE = 3
+
+def _uses(buffers: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """For each pooled tensor: its Python references, its UntypedStorage object's, and the
+    StorageImpl's uses, counted the same way every time (`take` and the calibration below both call
+    this, so the references the counting itself holds are the same in both)."""
+    return [_counts(buf) for buf in buffers]
+
+
+def _counts(buf: torch.Tensor) -> tuple[int, int, int]:
+    storage = buf.untyped_storage()  # torch hands out the same object while anyone keeps it
+    return (
+        sys.getrefcount(buf),
+        sys.getrefcount(storage),
+        int(torch._C._storage_Use_Count(storage._cdata)),
+    )
+
+
+# The counts of a pooled tensor that nothing outside the pool refers to, measured at import on a fresh
+# tensor rather than written down: they depend on the interpreter (3.14 takes fewer references
+# for a call's arguments and a loop's variable than 3.11 does). A batch the consumer still holds, a
+# view of it, a numpy array over it or a kept `untyped_storage()` each raises one of them.
+_FREE: tuple[int, int, int] = _uses([torch.empty(1)])[0]
 
 
 class Buffers(Protocol):
@@ -66,12 +79,6 @@ class Buffers(Protocol):
     `process/slot_carver.Carver` (the output slot of a process worker's task)."""
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
-
-
-def _storage_uses(t: torch.Tensor) -> int:
-    storage = t.untyped_storage()
-    extra_refs = sys.getrefcount(storage) - _STORAGE_REFS_WHEN_FREE
-    return int(torch._C._storage_Use_Count(storage._cdata)) + extra_refs
 
 
 class BufferPool:
@@ -104,12 +111,10 @@ class BufferPool:
         """Return a buffer of `shape` and `dtype` that nobody else refers to."""
         with self._lock:
             buffers = self._buffers.setdefault((shape, dtype), [])
-            for buf in buffers:
-                if sys.getrefcount(buf) == _REFS_WHEN_FREE and (
-                    _storage_uses(buf) == _STORAGE_USES_WHEN_FREE
-                ):
+            for i, uses in enumerate(_uses(buffers)):
+                if uses == _FREE:
                     self.reused += 1
-                    return buf
+                    return buffers[i]
             self.allocated += 1
             fresh = torch.empty(shape, dtype=dtype)
             size = fresh.numel() * fresh.element_size()
