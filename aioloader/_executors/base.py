@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import torch
 
+from .._util.heap import keep_freed_blocks
 from .._util.rng import call_seeded
 from .._util.threads import LazyThreadPool
 from ..sources.protocol import HasStats
@@ -135,10 +136,15 @@ class InlineExecutor:
 
 
 class ThreadExecutor:
-    """Runs each call in a pool of `workers` threads."""
+    """Runs each call in a pool of `workers` threads.
+
+    Its results are freed by another thread (collate's) once they are stacked: the C heap is made to
+    keep what they free for the next results, rather than hand it back to the kernel and fault it in
+    again (`_util.heap.keep_freed_blocks`, once per process)."""
 
     def __init__(self, workers: int, name: str = "aioloader-decode") -> None:
         self.workers = workers
+        keep_freed_blocks()
         self._threads = LazyThreadPool(workers, name, grow_after=0.0)  # decode is CPU-bound
 
     async def run(self, fn: Callable[[Any], T], arg: Any, seed: int | None = None) -> T:
