@@ -41,11 +41,14 @@ class Ledger:
         return self._epoch
 
     def set_epoch(self, epoch: int, afresh: bool = False) -> None:
-        """The epoch the next iteration runs; `afresh`: from its start, whatever a load left."""
+        """The epoch the next iteration runs; `afresh`: from its start, whatever a load left, and
+        with nothing of it delivered until then (not what an iteration stopped midway had: a state
+        saved before the next iteration begins is of `epoch`, not of the epoch left)."""
         with self._lock:
             self._epoch = epoch
             if afresh:
                 self._resume = None
+                self._progress = None
 
     def begin(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
         """Take the next epoch number and its groups (in the caller's thread: a plan may draw from

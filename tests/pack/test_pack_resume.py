@@ -313,9 +313,7 @@ def test_loaders_mixed_whole_pack_and_resume(corpora: dict[str, list[str]]) -> N
         ]  # fmt: skip
         return pack(mix(loaders, [0.7, 0.3], seed=2), 64, batch_size=2, eos=EOS, key="tokens")
 
-    # (not the next epoch: loaders mixed whole resume a state saved at an epoch's end wrongly, the
-    # loader that had not run out going on with its old epoch; a fault of `MixedLoaders`)
-    assert_resumes(make, [random.Random(11).randint(1, 40), 3], next_epoch_too=False)
+    assert_resumes(make, [random.Random(11).randint(1, 40), 3])
 
 
 def rows_packer(
@@ -345,17 +343,15 @@ def test_loaders_mixed_by_rows_resume_at_random_steps_and_at_90_percent(
     batches = len(whole) // 2
     assert batches > 20
     rng = random.Random(stop)
-    # (not the next epoch: see test_loaders_mixed_whole_pack_and_resume)
-    assert_resumes(make, [rng.randint(1, 40), rng.randint(0, 5)], next_epoch_too=False)
-    assert_resumes(make, [batches * 9 // 10], next_epoch_too=False)
+    assert_resumes(make, [rng.randint(1, 40), rng.randint(0, 5)])
+    assert_resumes(make, [batches * 9 // 10])
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_loaders_mixed_by_rows_on_ranks_resume(corpora: dict[str, list[str]], rank: int) -> None:
     mine = assert_resumes(
-        rows_packer(corpora, rank=rank, world_size=2), [random.Random(rank).randint(1, 20)],
-        next_epoch_too=False,
-    )  # fmt: skip
+        rows_packer(corpora, rank=rank, world_size=2), [random.Random(rank).randint(1, 20)]
+    )
     other, _ = run(rows_packer(corpora, rank=1 - rank, world_size=2), None, None)
     assert mine[0] != other[0]  # each rank its own documents
 
