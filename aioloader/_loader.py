@@ -23,6 +23,7 @@ from collections.abc import (
 )
 from typing import Any, Generic, Self, TypeVar
 
+import numpy as np
 import torch
 
 from ._arguments import buffer_pool, executor_named, is_map_style, keyed, origin
@@ -41,10 +42,12 @@ from ._pipeline.own_order import OrdersItself, OwnPlan, StreamPlan
 from ._pipeline.stages import Stages
 from ._pipeline.transfer import make_device_stage
 from ._resume.resume import Ledger
+from ._resume.state import check_config
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import ErrorPolicy
 from ._tuning.memory import AUTO, MemoryBudget
 from ._util.loops import is_async_callable
+from ._util.ranges import Ranges
 from ._util.ranks import resolve_rank
 from ._util.validate import check_callable, check_int, check_timeout
 from .sources import Source
@@ -399,6 +402,30 @@ class Loader(Generic[T]):
         state does not fit this loader.
         """
         self._ledger.load_state_dict(state, type(self).__name__, self._state.state_config)
+
+    # -- a mix's side of resuming on another world size (`_mix/elastic.py`) --------------------
+
+    def _place(self) -> tuple[int, int]:
+        """(rank, world size) of this loader's share, as its state records them."""
+        return self._plan.rank_and_world()
+
+    def _check_state(self, state: Mapping[str, Any]) -> None:
+        """StateError naming the field where `state` (of any rank) does not fit this loader."""
+        check_config(state, type(self).__name__, self._state.state_config())
+
+    def _indices(
+        self, epoch: int, rank: int, world_size: int, consumed: Ranges,
+        groups: Iterable[int] | None,
+    ) -> np.ndarray:  # fmt: skip
+        """The permutation indices of `epoch` (less `consumed`) that rank `rank` of `world_size`
+        is dealt in its `groups` (None: all of them); see `Ledger.indices`."""
+        return self._ledger.indices(epoch, rank, world_size, consumed, groups)
+
+    def _resume_at(self, epoch: int, consumed: Ranges) -> None:
+        """`set_epoch(epoch)`, the epoch without the permutation indices in `consumed`: what a
+        mix counted delivered by every old rank, the rest shared among this loader's ranks."""
+        self.set_epoch(epoch)
+        self._ledger.resume_at(epoch, consumed)
 
     # -- what it is doing ---------------------------------------------------------------------------
 

@@ -6,6 +6,10 @@ the mix's and keeps its own; one that runs out ends the epoch (`"first_exhausted
 next epoch (`"all_exhausted"`, `"cycle"`). Every loader runs its own pipeline on its own thread, so
 all of them prefetch at once (with `for` or `async for`). `state_dict()` holds the mix's epoch and
 position and every loader's own state, and `load_state_dict()` continues the exact sequence.
+
+On another world size (every old rank's state, a list), each loader resumes from what all the old
+ranks delivered of it (`elastic.py`): each of its documents comes once, before the save or after
+the restore, and the new ranks' draws go on from the furthest old rank's position.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from typing import Any, Self
 from .._exceptions import StateError
 from .._loader import Loader
 from .._resume.state import STATE_VERSION, check_config
+from .._util.ranges import Ranges
 from .._util.validate import check_int
 from .choices import Choices
+from .elastic import Resumed, Seen, resume_loader
 
 __all__ = ["MixedLoaders"]
 
@@ -55,6 +61,9 @@ class MixedLoaders:
         self._epoch = 0
         self._progress: _Progress | None = None  # the epoch being iterated
         self._resume: _Progress | None = None  # where the next iteration starts, after a load
+        # per loader, the indices of its later epochs an elastic load found consumed (its epoch
+        # -> them), taken when the loader starts that epoch within this epoch of the mix
+        self._later: dict[int, dict[int, Ranges]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -106,6 +115,7 @@ class MixedLoaders:
             or not (progress.position or progress.ran_out)
         ):
             progress = _Progress(epoch, 0, [epoch] * len(self.loaders))
+            self._later = {}
             for loader in self.loaders:
                 loader._start_epoch_afresh(epoch)
         self._progress = progress
@@ -159,7 +169,11 @@ class MixedLoaders:
             self._progress = None
             return True
         progress.epochs[i] += 1
-        self.loaders[i].set_epoch(progress.epochs[i])
+        consumed = self._later.get(i, {}).pop(progress.epochs[i], None)
+        if consumed is None:
+            self.loaders[i].set_epoch(progress.epochs[i])
+        else:  # what the old ranks of an elastic load delivered of it
+            self.loaders[i]._resume_at(progress.epochs[i], consumed)
         return False
 
     def _first(self, i: int, progress: _Progress, item: Any) -> Any:
@@ -182,31 +196,80 @@ class MixedLoaders:
             "names": [str(n) if n is not None else i for i, n in enumerate(self.names)],
         }  # fmt: skip
 
+    def _place(self) -> tuple[int, int] | None:
+        """(rank, world size) of the loaders' shares: the mix's, where all of them agree."""
+        places = {loader._place() for loader in self.loaders}
+        return places.pop() if len(places) == 1 else None
+
     def state_dict(self) -> dict[str, Any]:
-        """The mix's epoch and next position, which loaders ran out, and every loader's own epoch
-        and `state_dict()` (JSON-ready). Safe between any two items."""
+        """The mix's epoch and next position, which loaders ran out, the rank and world size of
+        the loaders (where they agree), and every loader's own epoch and `state_dict()` (and,
+        after a load on another world size, its later epochs' consumed indices: `"later"`).
+        JSON-ready. Safe between any two items."""
         progress = self._progress or self._resume or _Progress(
             self._epoch, 0, [self._epoch] * len(self.loaders)
         )  # fmt: skip
+        place = self._place()
+        sources: list[dict[str, Any]] = []
+        for i, (e, loader) in enumerate(zip(progress.epochs, self.loaders, strict=True)):
+            own: dict[str, Any] = {"epoch": e, "state": loader.state_dict()}
+            later = self._later.get(i)
+            if later:
+                own["later"] = [[k, r.pairs] for k, r in sorted(later.items())]
+            sources.append(own)
         return {
             "version": STATE_VERSION, "kind": type(self).__name__, "config": self._config(),
             "epoch": progress.epoch, "position": progress.position,
             "ran_out": sorted(progress.ran_out),
-            "sources": [
-                {"epoch": e, "state": loader.state_dict()}
-                for e, loader in zip(progress.epochs, self.loaders, strict=True)
-            ],
+            **({} if place is None else {"rank": place[0], "world_size": place[1]}),
+            "sources": sources,
         }  # fmt: skip
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continue from `state`: the next iteration goes on with the item after the saved one.
 
-        Raises StateError naming the field when `state` does not fit this mix.
+        Given every rank's state (a list), this rank's own is used; on another world size, each
+        loader resumes from what every old rank delivered of it (`elastic.py`), and the draws go
+        on from the furthest old rank's position.
+
+        Raises StateError naming the field when a state does not fit this mix.
         """
-        check_config(state, type(self).__name__, self._config())
-        saved = state.get("sources")
-        if not isinstance(saved, list) or len(saved) != len(self.loaders):
-            raise StateError(f"sources: expected {len(self.loaders)} states", field="sources")
+        states = [state] if isinstance(state, Mapping) else list(state)
+        if not states:
+            raise StateError("state: no state given", field="state")
+        for s in states:
+            check_config(s, type(self).__name__, self._config())
+            saved = s.get("sources")
+            if not isinstance(saved, list) or len(saved) != len(self.loaders):
+                raise StateError(f"sources: expected {len(self.loaders)} states", field="sources")
+        here = self._place()
+        if here is None:  # (its loaders' own loads check their states)
+            if len(states) > 1:
+                raise StateError(
+                    "states: this mix's loaders are on different ranks or world sizes "
+                    f"({sorted({loader._place() for loader in self.loaders})}), so it resumes "
+                    "from its own state only (not from a list of states)",
+                    field="states",
+                )
+            self._load_own(states[0])
+            return
+        places = [_place_of(s) for s in states]
+        own = [s for s, place in zip(states, places, strict=True) if place == here]
+        if len(own) == 1:
+            self._load_own(own[0])
+            return
+        worlds = {place[1] for place in places if place is not None}
+        if own or None in places or len(worlds) != 1 or here[1] in worlds:
+            raise StateError(
+                f"states: {len(own)} of them are this rank's ({here[0]} of {here[1]}); pass "
+                "this rank's own state, or every rank's to resume on another world size",
+                field="states",
+            )
+        self._load_elastic(states, worlds.pop())
+
+    def _load_own(self, state: Mapping[str, Any]) -> None:
+        """Continue from this rank's own state."""
+        saved = state["sources"]
         for loader, own in zip(self.loaders, saved, strict=True):
             loader.load_state_dict(own["state"])
         epoch = int(state["epoch"])
@@ -215,6 +278,78 @@ class MixedLoaders:
             set(int(i) for i in state.get("ran_out", [])),
         )  # fmt: skip
         self._epoch, self._progress = epoch, None
+        self._later = {i: _later_of(own, self._label(i)) for i, own in enumerate(saved)}
+
+    def _load_elastic(self, states: list[Mapping[str, Any]], world_size: int) -> None:
+        """Continue from every old rank's state, saved on `world_size` ranks (`elastic.py`)."""
+        by_rank = sorted(states, key=lambda s: int(s["rank"]))
+        ranks = [int(s["rank"]) for s in by_rank]
+        if ranks != list(range(world_size)):
+            raise StateError(
+                f"states: resuming on another world size needs one state of each of the "
+                f"{world_size} ranks that saved them, got ranks {ranks}",
+                field="states",
+            )
+        epochs = sorted({int(s["epoch"]) for s in by_rank})
+        if len(epochs) != 1:
+            raise StateError(
+                f"epoch: the old ranks' states are from different epochs of the mix {epochs} "
+                "(one rank had ended its epoch): resume them on the saved world size",
+                field="epoch",
+            )
+        epoch = epochs[0]
+        # a rank that drew nothing of the epoch yet delivered nothing of it (whatever its
+        # loaders' states say: they may be those of the epoch before)
+        fresh = [not (int(s["position"]) or s.get("ran_out")) for s in by_rank]
+        resumed: dict[int, Resumed] = {}
+        if not all(fresh):  # (else the epoch from its start, afresh)
+            for i, loader in enumerate(self.loaders):
+                if self.weights[i] > 0:  # (one of weight 0 is never drawn)
+                    seen = [
+                        Seen(rank, epoch, None) if skip else self._seen(i, rank, s, world_size)
+                        for rank, (s, skip) in enumerate(zip(by_rank, fresh, strict=True))
+                    ]
+                    resumed[i] = resume_loader(loader, self._label(i), seen, world_size)
+        self._epoch, self._progress, self._resume, self._later = epoch, None, None, {}
+        if not resumed:
+            return
+        progress = _Progress(
+            epoch, max(int(s["position"]) for s in by_rank), [epoch] * len(self.loaders),
+            set.intersection(*(set(map(int, s.get("ran_out", []))) for s in by_rank)),
+        )  # fmt: skip
+        for i, where in resumed.items():
+            self.loaders[i]._resume_at(where.epoch, where.consumed)
+            progress.epochs[i] = where.epoch
+            if where.later:
+                self._later[i] = where.later
+        self._resume = progress
+
+    def _seen(self, i: int, rank: int, state: Mapping[str, Any], world_size: int) -> Seen:
+        """What old rank `rank`'s state says of loader `i`."""
+        label, own = self._label(i), state["sources"][i]
+        saved = own.get("state") if isinstance(own, Mapping) else None
+        if not isinstance(saved, Mapping):
+            raise StateError(f"sources: {label}: expected the loader's state", field="sources")
+        self.loaders[i]._check_state(saved)
+        if (saved.get("rank"), saved.get("world_size")) != (rank, world_size):
+            raise StateError(
+                f"sources: {label}: the state of rank {rank} of {world_size} holds its loader's "
+                f"of rank {saved.get('rank')} of {saved.get('world_size')}",
+                field="rank",
+            )
+        epoch = int(own["epoch"])
+        if saved.get("epoch") != epoch:
+            raise StateError(
+                f"sources: {label}: rank {rank}'s loader state is of its epoch "
+                f"{saved.get('epoch')}, the mix's says {epoch}",
+                field="epoch",
+            )
+        return Seen(rank, epoch, saved, self._part(i, own), _later_of(own, label))
+
+    def _part(self, i: int, own: Mapping[str, Any]) -> tuple[int, int, int] | None:
+        """A partly used item of loader `i` in a saved entry: (group, rows used, rows); loaders
+        mixed whole use their items whole."""
+        return None
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -228,3 +363,28 @@ class MixedLoaders:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _place_of(state: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(rank, world size) a mix's state was saved on: as it says, else as its loaders' states
+    agree (None where they do not)."""
+    if "rank" in state and "world_size" in state:
+        return int(state["rank"]), int(state["world_size"])
+    places = {
+        (own["state"].get("rank", 0), own["state"].get("world_size", 1))
+        for own in state["sources"]
+        if isinstance(own, Mapping) and isinstance(own.get("state"), Mapping)
+    }
+    return places.pop() if len(places) == 1 else None
+
+
+def _later_of(own: Mapping[str, Any], label: str) -> dict[int, Ranges]:
+    """A saved entry's `"later"`: [[epoch, consumed pairs], ...] as {epoch: Ranges}."""
+    later = own.get("later", [])
+    try:
+        return {int(k): Ranges(pairs) for k, pairs in later}
+    except (TypeError, ValueError) as e:
+        raise StateError(
+            f"sources: {label}: 'later' must be [[epoch, [[start, stop], ...]], ...], got {later!r}",
+            field="later",
+        ) from e

@@ -10,9 +10,16 @@ per document, as a mix of one document per sample would give them, with no Pytho
 
 Exact resume: what a loader has delivered and the mix not yet used is the rest of its current
 item. `state_dict()` holds, per loader, its state from before that item and how many of its rows
-were used; `load_state_dict()` puts that state back, and the item, delivered again, is taken from
-that row on. So a state is small (no rows in it) and the batches after a resume are those of the
-run it was saved from.
+were used (and, when some were, the item's group in the loader's epoch and its rows);
+`load_state_dict()` puts that state back, and the item, delivered again, is taken from that row
+on. So a state is small (no rows in it) and the batches after a resume are those of the run it was
+saved from.
+
+On another world size (every old rank's state), the rows used of a partly used item are counted
+delivered by their keys: the item's group has one index of its loader's epoch per row, in order
+(a Parquet source of `rows_per_sample` rows per key), so its first `used` indices are consumed
+and the rest are shared among the new ranks with whatever the old ranks were not delivered
+(`elastic.py`). Each row of each loader's epoch so comes once, before the save or after it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import numpy as np
 
 from .._exceptions import StateError
 from .._loader import Loader
+from .._util.ranges import Ranges
 from .choices import Choices
 from .loaders import MixedLoaders, _Progress
 
@@ -70,7 +78,8 @@ class _Held:
 class MixedRows(MixedLoaders):
     """Loaders of RecordBatches or Tables mixed row by row; made by `aioloader.mix(...,
     rows_per_item=N)`. Iterate with `for` or `async for` (one epoch per iteration): Tables of
-    `N` rows. `state_dict()` / `load_state_dict()` resume exactly (same loaders, same ranks).
+    `N` rows. `state_dict()` / `load_state_dict()` resume exactly (same loaders; on the same
+    ranks, or on another world size from every old rank's state).
     """
 
     def __init__(
@@ -80,7 +89,7 @@ class MixedRows(MixedLoaders):
         super().__init__(loaders, names, weights, seed=seed, stop=stop)
         self.rows_per_item = rows_per_item
         self._held = [_Held() for _ in self.loaders]
-        self._skip: list[int] = [0] * len(self.loaders)  # rows of the next item already used
+        self._skip = [_UNUSED] * len(self.loaders)  # of the next item, after a load: _Used
         self._schema: Any = None
 
     def __repr__(self) -> str:
@@ -93,7 +102,7 @@ class MixedRows(MixedLoaders):
         progress = super()._start()
         if progress is not resume:  # a fresh epoch: nothing held, nothing to skip
             self._held = [_Held() for _ in self.loaders]
-            self._skip = [0] * len(self.loaders)
+            self._skip = [_UNUSED] * len(self.loaders)
         return progress
 
     def _items(self, progress: _Progress) -> Iterator[Any]:
@@ -225,7 +234,7 @@ class MixedRows(MixedLoaders):
             )
         held = self._held[i]
         held.table, held.rows, held.before = item, item.num_rows, before
-        held.used, self._skip[i] = self._skip[i], 0
+        held.used, self._skip[i] = self._skip[i].count, _UNUSED
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -234,20 +243,85 @@ class MixedRows(MixedLoaders):
 
     def state_dict(self) -> dict[str, Any]:
         """`MixedLoaders.state_dict()` with, per loader, its state from before its current item
-        and the rows of that item used (`"used"`). JSON-ready; safe between any two items."""
+        and the rows of that item used (`"used"`; where some were, the item's group in the
+        loader's epoch, `"group"`, and its rows, `"rows"`). JSON-ready; safe between any two
+        items."""
         state = super().state_dict()
         for own, held, skip in zip(state["sources"], self._held, self._skip, strict=True):
             if held.table is not None and held.used < held.rows:
-                own["state"], own["used"] = held.before, held.used
+                used = _Used(held.used, _group_of(held.before, own["state"]), held.rows)
+                own["state"] = held.before
             else:
-                own["used"] = skip  # (a loaded state not yet run: its rows to skip still)
+                used = skip  # (a loaded state not yet run: its rows to skip still)
+            own["used"] = used.count
+            if used.count and used.group is not None:
+                own["group"] = used.group
+            if used.count and used.rows is not None:
+                own["rows"] = used.rows
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from `state`; StateError naming the field when it does not fit this mix."""
-        super().load_state_dict(state)
-        used = [own.get("used", 0) for own in state["sources"]]
-        if not all(type(u) is int and u >= 0 for u in used):
-            raise StateError(f"sources: each 'used' must be an int >= 0, got {used}", field="used")
+    def _load_own(self, state: Mapping[str, Any]) -> None:
+        """`MixedLoaders._load_own`, the rows of each loader's next item already used skipped."""
+        skip = [_used_of(own, self._label(i)) for i, own in enumerate(state["sources"])]
+        super()._load_own(state)
         self._held = [_Held() for _ in self.loaders]
-        self._skip = list(used)
+        self._skip = [_UNUSED if used is None else used for used in skip]
+
+    def _load_elastic(self, states: list[Mapping[str, Any]], world_size: int) -> None:
+        """`MixedLoaders._load_elastic`: the rows used of partly used items counted delivered,
+        so every new rank starts each loader at a fresh item."""
+        super()._load_elastic(states, world_size)
+        self._held = [_Held() for _ in self.loaders]
+        self._skip = [_UNUSED] * len(self.loaders)
+
+    def _part(self, i: int, own: Mapping[str, Any]) -> tuple[int, int, int] | None:
+        used = _used_of(own, self._label(i))
+        if used is None:
+            return None
+        if used.group is None or used.rows is None:
+            raise StateError(
+                f"sources: {self._label(i)}: {used.count} rows of its item were used and the state "
+                "does not say the item's group (saved by an older aioloader?), so it cannot "
+                "resume on another world size; resume it on the saved one",
+                field="group",
+            )
+        return used.group, used.count, used.rows
+
+
+class _Used:
+    """Rows of a loader's item the mix used: how many, the item's group in its loader's epoch
+    and its rows (None where not known)."""
+
+    __slots__ = ("count", "group", "rows")
+
+    def __init__(self, count: int, group: int | None, rows: int | None) -> None:
+        self.count, self.group, self.rows = count, group, rows
+
+
+_UNUSED = _Used(0, None, None)
+
+
+def _used_of(own: Mapping[str, Any], label: str) -> _Used | None:
+    """The rows used of a loader's item in a saved entry (None: none), checked."""
+    used, group, rows = own.get("used", 0), own.get("group"), own.get("rows")
+    if type(used) is not int or used < 0:
+        raise StateError(
+            f"sources: {label}: 'used' must be an int >= 0, got {used!r}", field="used"
+        )
+    if not used:
+        return None
+    if rows is not None and (type(rows) is not int or rows <= used):
+        raise StateError(
+            f"sources: {label}: 'used' ({used}) must be fewer than the item's rows ({rows!r})",
+            field="used",
+        )
+    return _Used(used, group if type(group) is int and group >= 0 else None, rows)
+
+
+def _group_of(before: Mapping[str, Any], after: Mapping[str, Any]) -> int | None:
+    """The group a loader delivered between its states `before` and `after` (the one item it
+    handed over in between), or None where they do not say one."""
+    if before.get("epoch") != after.get("epoch") or before.get("consumed") != after.get("consumed"):
+        return None
+    new = Ranges(after.get("delivered", [])).difference(Ranges(before.get("delivered", [])))
+    return new.pairs[0][0] if len(new) == 1 else None

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from itertools import count, islice
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from .._exceptions import StateError
 from .._util.aiters import closing
 from .._util.ranges import Ranges
 
-__all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "achunk", "chunk", "shard"]
+__all__ = ["Group", "KeyOrder", "KeyPlan", "Plan", "achunk", "chunk", "dealt", "shard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,14 @@ async def _aenumerate(keys: AsyncIterable[Any], start: int = 0) -> AsyncIterator
         async for key in each:
             yield i, key
             i += 1
+
+
+def dealt(share: np.ndarray, unit: int, groups: Iterable[int] | None) -> np.ndarray:
+    """The indices of `groups` (None: all) of a share cut into groups of `unit` indices."""
+    if groups is None:
+        return share
+    parts = [share[g * unit : (g + 1) * unit] for g in groups]
+    return np.concatenate(parts) if parts else share[:0]
 
 
 def permutation(n: int, shuffle: bool, seed: int, epoch: int) -> Sequence[int]:
@@ -260,6 +269,24 @@ class KeyPlan:
         )  # fmt: skip
         mine = other.mine(consumed)
         return mine[group * self.group_size : (group + 1) * self.group_size]
+
+    def share_indices(
+        self, rank: int, world_size: int, consumed: Ranges, groups: Iterable[int] | None = None
+    ) -> np.ndarray:
+        """The permutation indices the plan of `rank` of `world_size` deals to its `groups` (None:
+        to all of them, its whole share) in an epoch less `consumed`, in order; the share worked
+        out once (a mix resumed on another world size counts what each old rank delivered)."""
+        order = self.order
+        if not order.sized:
+            raise StateError(
+                "world_size: resuming on another world size needs keys with a length",
+                field="world_size",
+            )
+        other = KeyOrder(
+            order.keys, shuffle=order.shuffle, seed=order.seed, rank=rank,
+            world_size=world_size, drop_last=order.drop_last,
+        )  # fmt: skip
+        return dealt(np.asarray(other.mine(consumed), dtype=np.int64), self.group_size, groups)
 
     def __len__(self) -> int:
         n, size = len(self.order), self.group_size

@@ -20,10 +20,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._exceptions import StateError
 from .._util.aiters import closing
 from .._util.ranges import Ranges
 from ..sources.protocol import SharesItsKeys
-from .order import Group, KeyOrder, KeyPlan, achunk
+from .order import Group, KeyOrder, KeyPlan, achunk, dealt
 
 __all__ = ["OrdersItself", "OwnOrder", "OwnPlan", "StreamPlan"]
 
@@ -112,6 +113,13 @@ class OwnPlan(KeyPlan):
         rows = self._rows_per_group()
         return [int(i) for i in mine[group * rows : (group + 1) * rows]]
 
+    def share_indices(
+        self, rank: int, world_size: int, consumed: Ranges, groups: Iterable[int] | None = None
+    ) -> np.ndarray:
+        """`KeyPlan.share_indices`: the rows of reader `rank` of `world_size`."""
+        mine = self.order.source.share(consumed, self.drop_last, rank, world_size)
+        return dealt(np.asarray(mine, dtype=np.int64), self._rows_per_group(), groups)
+
 
 class StreamPlan(KeyPlan):
     """`KeyPlan` over the keys a `SharesItsKeys` source streams for this reader: its own shares,
@@ -150,6 +158,22 @@ class StreamPlan(KeyPlan):
                 self._epoch, consumed, self.drop_last, rank, world_size, most
             )
         return known[group * self.group_size : stop]
+
+    def share_indices(
+        self, rank: int, world_size: int, consumed: Ranges, groups: Iterable[int] | None = None
+    ) -> np.ndarray:
+        """The positions of `groups` of reader `rank` of `world_size` (`group_indices`); its
+        whole share (None) is not known before it is streamed: StateError."""
+        if groups is None:
+            raise StateError(
+                "world_size: a stream's whole share of another world size is not known before "
+                "it is read (what an old rank that went past an epoch delivered of it)",
+                field="world_size",
+            )
+        return np.asarray(
+            [i for g in groups for i in self.group_indices(rank, world_size, g, consumed)],
+            dtype=np.int64,
+        )
 
 
 async def _numbered(keys: AsyncIterable[Any], start: int) -> AsyncIterator[tuple[int, Any]]:

@@ -6,6 +6,8 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .._exceptions import StateError
 from .._pipeline.order import Group, Plan
 from .._util.ranges import Ranges
@@ -41,11 +43,14 @@ class Ledger:
         return self._epoch
 
     def set_epoch(self, epoch: int, afresh: bool = False) -> None:
-        """The epoch the next iteration runs; `afresh`: from its start, whatever a load left."""
+        """The epoch the next iteration runs; `afresh`: from its start, whatever a load left, and
+        with nothing of it delivered until then (not what an iteration stopped midway had: a state
+        saved before the next iteration begins is of `epoch`, not of the epoch left)."""
         with self._lock:
             self._epoch = epoch
             if afresh:
                 self._resume = None
+                self._progress = None
 
     def begin(self) -> tuple[Progress, Iterable[Group] | AsyncIterable[Group]]:
         """Take the next epoch number and its groups (in the caller's thread: a plan may draw from
@@ -108,6 +113,39 @@ class Ledger:
         with self._lock:
             self._resume, self._epoch = resume, resume.epoch
         self._progress = Progress(resume.epoch, resume.consumed, set(resume.skip))
+        self._plan_state = {}
+
+    # -- a mix's side of resuming on another world size (`_mix/elastic.py`) ----------------------
+
+    def indices(
+        self, epoch: int, rank: int, world_size: int, consumed: Ranges,
+        groups: Iterable[int] | None,
+    ) -> np.ndarray:  # fmt: skip
+        """The permutation indices of `epoch` (less `consumed`) that the plan of `rank` of
+        `world_size` deals to its `groups`, in order; or, for None, to all of its groups.
+        StateError (field "world_size") where the plan cannot say so."""
+        self._plan.restore({"epoch": epoch})  # (a stream's positions are of the epoch restored)
+        share = getattr(self._plan, "share_indices", None)
+        if share is not None:  # the share worked out once, not once per group
+            return np.asarray(share(rank, world_size, consumed, groups), dtype=np.int64)
+        if groups is None:
+            raise StateError(
+                f"world_size: a {type(self._plan).__name__} cannot say a whole share of another "
+                "world size (what an old rank that went past an epoch delivered of it)",
+                field="world_size",
+            )
+        return np.asarray(
+            [i for g in groups for i in self._plan.group_indices(rank, world_size, g, consumed)],
+            dtype=np.int64,
+        )
+
+    def resume_at(self, epoch: int, consumed: Ranges) -> None:
+        """Make the next iteration run `epoch` without the permutation indices in `consumed`,
+        shared among this plan's ranks as an elastic load shares what is left."""
+        resume = Resume(epoch, consumed, set())
+        with self._lock:
+            self._resume, self._epoch = resume, epoch
+        self._progress = Progress(epoch, consumed, set())
         self._plan_state = {}
 
 

@@ -72,6 +72,27 @@ class Ranges:
     def union(self, values: Iterable[int]) -> Ranges:
         return Ranges.of([*self, *values])
 
+    def difference(self, other: Ranges) -> Ranges:
+        """The ints in this set and not in `other` (a walk over both sets' ranges, not their ints).
+
+        Example:
+            >>> Ranges([[0, 10]]).difference(Ranges([[2, 4], [6, 7]])).pairs
+            [[0, 2], [4, 6], [7, 10]]
+        """
+        out = Ranges()
+        first = 0  # the first range of `other` that may overlap the range at hand
+        for a, b in zip(self._starts, self._stops, strict=True):
+            while first < len(other._stops) and other._stops[first] <= a:
+                first += 1
+            start, j = a, first
+            while j < len(other._starts) and other._starts[j] < b:
+                if other._starts[j] > start:
+                    out._append(start, other._starts[j])
+                start, j = max(start, other._stops[j]), j + 1
+            if start < b:
+                out._append(start, b)
+        return out
+
     def complement(self, n: int) -> list[int]:
         """The ints in [0, n) not in this set, ascending."""
         out: list[int] = []

@@ -105,6 +105,26 @@ def test_a_resume_at_any_item_gives_the_rest_of_the_run(
     assert rest == whole[at:]
 
 
+@pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
+def test_a_resume_in_the_second_epoch_gives_the_rest_of_it(
+    corpus: dict[str, list[str]], stop: str
+) -> None:
+    # the first epoch ended with a loader stopped midway: the state of its next epoch is that
+    # epoch's, not what its last iteration had delivered
+    with mixed(corpus, stop=stop, rows=37) as m:
+        list(m)
+        second = ids(list(m))
+    with mixed(corpus, stop=stop, rows=37) as m:
+        list(m)
+        it = iter(m)
+        head = ids([next(it) for _ in range(3)])
+        state = json.loads(json.dumps(m.state_dict()))
+        it.close()  # type: ignore[attr-defined]
+    with mixed(corpus, stop=stop, rows=37) as m:
+        m.load_state_dict(state)
+        assert head + ids(list(m)) == second
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_resume_before_a_loader_is_first_drawn_loses_none_of_its_rows(
     corpus: dict[str, list[str]], seed: int

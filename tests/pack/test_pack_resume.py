@@ -313,9 +313,7 @@ def test_loaders_mixed_whole_pack_and_resume(corpora: dict[str, list[str]]) -> N
         ]  # fmt: skip
         return pack(mix(loaders, [0.7, 0.3], seed=2), 64, batch_size=2, eos=EOS, key="tokens")
 
-    # (not the next epoch: loaders mixed whole resume a state saved at an epoch's end wrongly, the
-    # loader that had not run out going on with its old epoch; a fault of `MixedLoaders`)
-    assert_resumes(make, [random.Random(11).randint(1, 40), 3], next_epoch_too=False)
+    assert_resumes(make, [random.Random(11).randint(1, 40), 3])
 
 
 def rows_packer(
@@ -345,17 +343,15 @@ def test_loaders_mixed_by_rows_resume_at_random_steps_and_at_90_percent(
     batches = len(whole) // 2
     assert batches > 20
     rng = random.Random(stop)
-    # (not the next epoch: see test_loaders_mixed_whole_pack_and_resume)
-    assert_resumes(make, [rng.randint(1, 40), rng.randint(0, 5)], next_epoch_too=False)
-    assert_resumes(make, [batches * 9 // 10], next_epoch_too=False)
+    assert_resumes(make, [rng.randint(1, 40), rng.randint(0, 5)])
+    assert_resumes(make, [batches * 9 // 10])
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_loaders_mixed_by_rows_on_ranks_resume(corpora: dict[str, list[str]], rank: int) -> None:
     mine = assert_resumes(
-        rows_packer(corpora, rank=rank, world_size=2), [random.Random(rank).randint(1, 20)],
-        next_epoch_too=False,
-    )  # fmt: skip
+        rows_packer(corpora, rank=rank, world_size=2), [random.Random(rank).randint(1, 20)]
+    )
     other, _ = run(rows_packer(corpora, rank=1 - rank, world_size=2), None, None)
     assert mine[0] != other[0]  # each rank its own documents
 
@@ -366,3 +362,60 @@ def test_loaders_mixed_by_rows_resume_with_process_decode(corpora: dict[str, lis
     processes = rows_packer(corpora, decode=same_rows, executor="process", workers=2)
     rest, _ = run(processes, state, None)
     assert head + rest == whole
+
+
+@pytest.mark.parametrize(
+    ("stop", "steps"), [("first_exhausted", [2, 5, 8, 11]), ("all_exhausted", [3, 10, 40, 50])]
+)
+def test_loaders_mixed_by_rows_resume_on_another_world_size(
+    numbered: list[str], stop: str, steps: list[int]
+) -> None:
+    """A 0.7 / 0.3 mix by rows of a loader per file: 4 ranks stop at different steps (partly
+    through items; with "all_exhausted", some past the first loader's epoch end, in its next
+    epoch), 3 ranks load all four states and finish the epoch. The loader that ends the epoch (the
+    first to run out, or the last) gives each of its tokens once, but for the new ranks' epoch ends
+    (less than a row each) and the padding of the shares; the other, with "first_exhausted", none
+    twice, and with "all_exhausted" every one (its first epoch, then part of its next)."""
+
+    def make(rank: int, world_size: int) -> Packed:
+        loaders = [
+            Loader(sources.parquet([path], ["tokens"], rows_per_sample=10, shuffle_buffer=20,
+                                   seed=i), batch_size=None, collate=None, rank=rank,
+                   world_size=world_size)
+            for i, path in enumerate(numbered)
+        ]  # fmt: skip
+        rows = mix(loaders, [0.7, 0.3], seed=5, stop=stop, rows_per_item=8)
+        return pack(rows, 16, batch_size=4, eos=EOS, key="tokens", boundaries=True)
+
+    seen: list[int] = []
+    states = []
+    for rank in range(4):
+        with make(rank, 4) as packed:
+            for step, batch in enumerate(packed):
+                seen += batch["tokens"].flatten().tolist()
+                if step == steps[rank]:
+                    break
+            states.append(json.loads(json.dumps(packed.state_dict())))
+    assert sum(len(s["tokens"]) for s in states) > 3 * 16  # tokens held: a lost one would show
+    assert any(own["used"] for s in states for own in s["loader"]["sources"])
+    epochs = {own["epoch"] for s in states for own in s["loader"]["sources"][:1]}
+    assert (epochs == {0, 1}) == (stop == "all_exhausted")  # on either side of its epoch end
+    for rank in range(3):
+        with make(rank, 3) as packed:
+            packed.load_state_dict(states)
+            seen += [t for b in packed for t in b["tokens"].flatten().tolist()]
+    tokens = [t for t in seen if t != EOS]
+    first, second = (  # (less EOS: a document holds a token equal to it)
+        {t for d in pq.read_table(p).column("tokens").to_pylist() for t in d} - {EOS}
+        for p in numbered
+    )
+    assert set(tokens) <= first | second
+    ends, other = (first, second) if stop == "first_exhausted" else (second, first)
+    ended = [t for t in tokens if t in ends]  # (a loader of one file: its tokens are its own)
+    assert len(ends - set(ended)) < 3 * 16  # the new ranks' epoch ends
+    assert len(ended) - len(set(ended)) <= 2 * 60  # a padding document or two, no more
+    rest = [t for t in tokens if t in other]
+    if stop == "first_exhausted":
+        assert len(rest) - len(set(rest)) <= 2 * 60
+    else:
+        assert set(rest) == other
