@@ -62,6 +62,8 @@ def wait_for_file(path: Path) -> str:
     deadline = time.monotonic() + WAIT_S
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(POLL_INTERVAL_S)
+    if not path.exists():
+        return ""
     text = path.read_text()
     while not text and time.monotonic() < deadline:  # written but not yet flushed
         time.sleep(POLL_INTERVAL_S)
@@ -82,7 +84,10 @@ class Saboteur:
         self._thread.start()
 
     def _run(self) -> None:
-        self.pid = int(wait_for_file(self.folder / "blocked"))
+        announced = wait_for_file(self.folder / "blocked")
+        if not announced:  # no worker blocked in time: nothing to signal (the test fails on pid 0)
+            return
+        self.pid = int(announced)
         self.shm_seen = shm_names(os.getpid())  # mid-epoch: slabs exist, but no name is left
         os.kill(self.pid, self.sig)
         self.at = time.monotonic()
@@ -123,7 +128,11 @@ def consume(loader: Loader[Any], mode: str) -> list[int]:
 
 
 def kill_stopped(pid: int) -> None:
-    """Let a worker this test stopped die, should the loader have failed to (cleanup only)."""
+    """Let a worker this test stopped die, should the loader have failed to (cleanup only). A pid
+    of 0 (the worker never announced itself) is no worker: `os.kill(0, ...)` would signal this
+    test's whole process group, pytest and whatever started it included."""
+    if pid <= 0:
+        return
     for sig in (signal.SIGKILL, signal.SIGCONT):
         try:
             os.kill(pid, sig)
