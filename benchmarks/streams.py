@@ -153,17 +153,20 @@ def presigned(endpoint: str, bucket: str, keys: list[str], creds: tuple[str, str
 # -- the contenders (in the child process) -----------------------------------------------------------
 
 
+def len_and_class(sample: dict[str, Any]) -> tuple[int, int]:
+    """A sample's decode, at module level: workers started by forkserver (Python 3.14's default
+    start method on Linux) unpickle the pipeline, and a local function does not pickle."""
+    return len(sample["bin"]), int(sample["cls"])
+
+
 def wds_pipeline(urls: list[str], cache_dir: str | None) -> Any:
     import torch
     import webdataset as wds
 
-    def decode(sample: dict[str, Any]) -> tuple[int, int]:
-        return len(sample["bin"]), int(sample["cls"])
-
     return (
         wds.WebDataset(urls, shardshuffle=len(urls), cache_dir=cache_dir, seed=0)
         .shuffle(BUFFER)
-        .map(decode)
+        .map(len_and_class)
         .batched(BATCH, collation_fn=torch.utils.data.default_collate)
     )
 

@@ -145,6 +145,10 @@ def test_a_worker_killed_mid_epoch(slow: SlowOrigin, restarts: int) -> None:
     keys = [f"{i}.bin" for i in range(96)]
     src = http(slow.url + "/", keys, concurrency=32)
     with ProcessExecutor(2, max_worker_restarts=restarts) as pool:
+        # both workers up before one is killed: a worker that dies while it starts fails the pool
+        # (it cannot be told from a broken start), and where workers import a large torch (the
+        # free-threaded venv's CUDA build) the first batch can come before the second is ready
+        assert pool.wait_ready(timeout=60)
         loader = Loader(
             src, executor=pool, fetch_in_workers=True, concurrency=32, batch_size=8, collate=None
         )

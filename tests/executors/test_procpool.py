@@ -12,6 +12,7 @@ import asyncio
 import gc
 import os
 import sys
+import sysconfig
 import time
 import zlib
 from collections.abc import Callable
@@ -100,6 +101,13 @@ def test_the_callable_is_pickled_once_and_sent_once_per_worker(make: Any) -> Non
     assert {unpickled for _, unpickled in answers} == {1}  # each worker unpickled it once
 
 
+@pytest.mark.xfail(
+    bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+    reason="free-threaded builds: the worker keeps ~50 MB after three 16 MiB results, in a region "
+    "of CPython's object allocator (mimalloc), which glibc's malloc_trim does not reach and which "
+    "no Python API purges (3.14.7t; MIMALLOC_PURGE_DELAY=0 does not change it)",
+    strict=False,
+)
 def test_a_large_result_made_in_a_workers_heap_leaves_no_pages_there(make: Any) -> None:
     # The second 16 MiB block comes from the heap (freeing the first raised glibc's threshold for
     # using a mapping of its own), and a freed heap block stays resident unless handed back: the
