@@ -7,11 +7,13 @@ the next results are written into fresh pages again: in W5 (benchmarks/ft_thread
 faults per 100 KB sample on the decode threads, about 11 µs each on the project's machines.
 
 glibc raises both thresholds itself when a block it had mapped is freed (mallopt(3), "dynamic mmap
-threshold"): to that block's size for mmap, twice that for trim. Any program that once frees a 16 MB
+threshold"): to that block's size for mmap, twice that for trim. Any program that once frees a 4 MB
 array gets there on its own; `keep_freed_blocks` does it at once, by freeing one such block. glibc's
 adjustment stays dynamic (a larger block freed later raises it further, to glibc's own ceiling of
-32 MB), and nothing else about the process's allocator changes. Elsewhere (musl, macOS) it does
-nothing.
+32 MB), and nothing else about the process's allocator changes. An arena then keeps up to 8 MB free
+at its top, above a decode thread's share of a batch in W5 (1.6 MB): 2 MB left a fault per two
+samples, 16 MB did no better than 4 and would let each arena keep 32 MB. Elsewhere (musl, macOS) it
+does nothing.
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ import threading
 
 __all__ = ["KEEP_BLOCK", "keep_freed_blocks", "kept"]
 
-KEEP_BLOCK = 16 << 20  # under glibc's ceiling for the dynamic threshold (32 MB on 64-bit)
+KEEP_BLOCK = 4 << 20  # above a decode thread's share of a batch (W5: 1.6 MB)
 
 _lock = threading.Lock()
 _kept = False
 
 
 def keep_freed_blocks() -> bool:
-    """Once per process, on glibc: raise the mmap threshold to `KEEP_BLOCK` and the trim threshold to
-    twice that, as glibc does when it frees a mapped block of that size. Whether they were raised (now
-    or before)."""
+    """Once per process, on glibc: raise the mmap threshold to `KEEP_BLOCK` (if it is lower) and
+    the trim threshold to twice that, as glibc does when it frees a mapped block of that size.
+    Whether they were raised (now or before)."""
     global _kept
     with _lock:
         if _kept:
