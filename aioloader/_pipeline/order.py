@@ -256,18 +256,21 @@ class KeyPlan:
     def restore(self, state: Mapping[str, Any]) -> None:
         pass
 
-    def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
+    def _order_of(self, rank: int, world_size: int) -> KeyOrder:
+        """This plan's order as rank `rank` of `world_size` would have it (keys with a length)."""
         order = self.order
         if not order.sized:
             raise StateError(
                 "world_size: resuming on another world size needs keys with a length",
                 field="world_size",
             )
-        other = KeyOrder(
+        return KeyOrder(
             order.keys, shuffle=order.shuffle, seed=order.seed, rank=rank,
             world_size=world_size, drop_last=order.drop_last,
         )  # fmt: skip
-        mine = other.mine(consumed)
+
+    def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
+        mine = self._order_of(rank, world_size).mine(consumed)
         return mine[group * self.group_size : (group + 1) * self.group_size]
 
     def share_indices(
@@ -276,17 +279,8 @@ class KeyPlan:
         """The permutation indices the plan of `rank` of `world_size` deals to its `groups` (None:
         to all of them, its whole share) in an epoch less `consumed`, in order; the share worked
         out once (a mix resumed on another world size counts what each old rank delivered)."""
-        order = self.order
-        if not order.sized:
-            raise StateError(
-                "world_size: resuming on another world size needs keys with a length",
-                field="world_size",
-            )
-        other = KeyOrder(
-            order.keys, shuffle=order.shuffle, seed=order.seed, rank=rank,
-            world_size=world_size, drop_last=order.drop_last,
-        )  # fmt: skip
-        return dealt(np.asarray(other.mine(consumed), dtype=np.int64), self.group_size, groups)
+        mine = self._order_of(rank, world_size).mine(consumed)
+        return dealt(np.asarray(mine, dtype=np.int64), self.group_size, groups)
 
     def __len__(self) -> int:
         n, size = len(self.order), self.group_size
