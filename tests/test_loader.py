@@ -7,6 +7,7 @@ import functools
 import gc
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -394,15 +395,24 @@ def _tensor(key: int) -> torch.Tensor:
     return torch.full((4,), float(key))
 
 
+FREED_WITHIN_S = 2.0
+
+
 def _freed(ref: weakref.ref[Any]) -> bool:
     """Whether the object `ref` names is gone now that its last holder dropped it.
 
     On a free-threaded build an object is owned by the thread that made it (biased reference
     counting), and one dropped for the last time by another thread is freed when its owner next
     runs Python code, or at a collection: a batch made on a pipeline thread outlives the consumer's
-    `del` until then. A collection lets it go (a reference the loader kept would still hold it)."""
-    if ref() is not None and not getattr(sys, "_is_gil_enabled", lambda: True)():
+    `del` until then. Collections, for up to `FREED_WITHIN_S`, let it go there (on 3.14t one
+    collection was not always enough: the owner's queue is merged when the owner runs); a reference
+    the loader kept would still hold it."""
+    if getattr(sys, "_is_gil_enabled", lambda: True)():
+        return ref() is None
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while ref() is not None and time.monotonic() < deadline:
         gc.collect()
+        time.sleep(0.01)  # the owner thread must get to run; nothing signals that it did
     return ref() is None
 
 
