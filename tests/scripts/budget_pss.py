@@ -45,10 +45,16 @@ def _wait_full(loader: aioloader.Loader[int], batches: int) -> None:
 
 
 def tree_pss(proc: psutil.Process) -> int:
+    """The PSS of the process and its workers that is memory, not mapped files: Pss_Anon and
+    Pss_Shmem (samples in heaps and shared-memory slabs). A library's file pages are shared with
+    processes outside the tree too (pytest's own, with the same torch), and their share of them
+    moves as the workers start: with the free-threaded venv's CUDA torch, hundreds of MB either way."""
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_full_info().pss
+        with contextlib.suppress(OSError), open(f"/proc/{p.pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                    total += int(line.split()[1]) * 1024
     return total
 
 

@@ -17,7 +17,7 @@ from support.faultproxy import Fault, FaultProxy
 from support.gcsserver import AuthGate, GcsServer, TokenServer
 from support.stores import FAST, PREFIXES, clear_store_setup, write_objects
 
-from aioloader import FetchError, InvalidKeyError, Loader
+from aioloader import FetchError, InvalidKeyError, Loader, ProcessExecutor
 from aioloader.sources import gcs
 from aioloader.sources.gcs import GCS
 from aioloader.sources.stores.gcsauth import GOOG4, REFRESH_MARGIN_S
@@ -392,9 +392,13 @@ def test_oauth_source_fetches_in_worker_processes(
     key_file = service_account_file(tmp_path / "sa.json", rsa_key, f"{tokens.url}/token")
     keys = sorted(stored)
     src = gcs(f"gs://test-bucket/{PREFIX}", keys, credentials_file=key_file, endpoint_url=gate.url)
-    with Loader(src, executor="process", workers=2, fetch_in_workers=True, concurrency=8,
-                collate=None) as loader:  # fmt: skip
-        got = [bytes(x) for x in loader]
+    # both workers up first: where workers start slowly (the free-threaded venv's CUDA torch), the
+    # first one up could fetch every key before the second asked for anything
+    with ProcessExecutor(2) as pool:
+        assert pool.wait_ready(timeout=60)
+        with Loader(src, executor=pool, fetch_in_workers=True, concurrency=8,
+                    collate=None) as loader:  # fmt: skip
+            got = [bytes(x) for x in loader]
     assert got == [stored[k] for k in keys]
     assert len(tokens.issued) == 2  # one per worker process
     assert set(gate.used) == set(tokens.issued)

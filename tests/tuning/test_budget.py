@@ -48,8 +48,9 @@ def test_budget_bounds_the_memory_of_a_process_pool() -> None:
     # Decoded in worker processes, samples land in the pool's shared memory, which the same budget
     # bounds (its arena is the in-flight share of max_bytes_in_flight: tests/executors/test_shm.py
     # checks that share exactly). Beyond the budget: the batch the consumer holds, and a batch of
-    # the workers' heap and slab pages in motion (60-160 MB of growth seen on a quiet machine,
-    # on this code and before it); the same run without a budget grows ~260 MB.
+    # the workers' heap and slab pages in motion (60-160 MB of growth seen on a quiet machine when
+    # all PSS was counted; 33-45 MB since only memory is, not mapped files, whose shares move as the
+    # workers start); the same run without a budget grows 235-260 MB.
     script = Path(__file__).resolve().parents[1] / "scripts" / "budget_pss.py"
     budget_mb, sample_mb, batch = 100, 10, 4
     bound = budget_mb + 2 * sample_mb * batch
