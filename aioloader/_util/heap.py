@@ -29,16 +29,18 @@ KEEP_BLOCK = 4 << 20  # above a decode thread's share of a batch (W5: 1.6 MB)
 
 _lock = threading.Lock()
 _kept = False
+_tried = False  # once per process either way (off glibc, `platform.libc_ver` reads the executable)
 
 
 def keep_freed_blocks() -> bool:
     """Once per process, on glibc: raise the mmap threshold to `KEEP_BLOCK` (if it is lower) and
     the trim threshold to twice that, as glibc does when it frees a mapped block of that size.
     Whether they were raised (now or before)."""
-    global _kept
+    global _kept, _tried
     with _lock:
-        if _kept:
-            return True
+        if _tried:
+            return _kept
+        _tried = True
         if platform.libc_ver()[0] != "glibc":
             return False
         with contextlib.suppress(OSError, AttributeError):
