@@ -81,13 +81,16 @@ def _note(exc: BaseException, stage: str, keys: list[Any]) -> BaseException:
 
 
 class _GroupState:
-    __slots__ = ("buffer", "bytes", "error", "group", "remaining", "rows", "samples", "skipped")
+    __slots__ = (
+        "buffer", "bytes", "error", "faults", "group", "remaining", "rows", "samples", "skipped",
+    )  # fmt: skip
 
     def __init__(self, group: Group, rows: RowPlan | None) -> None:
         self.group = group
         self.samples: list[Any] = [None] * len(group.items)
         self.remaining = len(group.items)
         self.skipped: set[int] = set()
+        self.faults: list[tuple[int, str, Any, BaseException]] = []  # skipped, not counted yet
         self.error: BaseException | None = None  # the first of the batch's (`batch_errors`)
         self.bytes = 0
         self.buffer: Any = None  # the batch in shared memory whose rows workers write (RowPlan)
@@ -149,8 +152,9 @@ class Epoch:
         )
         self._skipped = 0
         self._order = reorder(
-            stages.in_order, self._out, self._bytes.poke, ends=not stages.batch_errors
-        )
+            stages.in_order, self._out, self._bytes.poke, ends=not stages.batch_errors,
+            settle=self._settle,
+        )  # fmt: skip
         # (group, slot) -> (stage, key, since): what is in flight where (see `stuck`)
         self._active: dict[tuple[int, int], tuple[str, Any, float]] = {}
         self._task = asyncio.get_running_loop().create_task(self._run(), name="aioloader-epoch")
@@ -171,7 +175,7 @@ class Epoch:
         return None if self._out.empty() else self._got(self._out.get_nowait())
 
     def _got(self, item: Item) -> tuple[int, Any]:
-        index, batch, size, held_bytes, error = item
+        index, batch, size, held_bytes, error, _ = item
         for _ in range(size):
             self._held.release()
         self._bytes.release(held_bytes)
@@ -431,14 +435,29 @@ class Epoch:
     async def _failed(
         self, state: _GroupState, slot: int, key: Any, stage: str, exc: BaseException
     ) -> None:
-        """Drop the sample from its batch within the error policy; else end the epoch with `exc`."""
-        if not self._skip(exc, stage, [key]):
+        """Drop the sample from its batch within the error policy; else end the epoch with `exc`.
+
+        Under `on_error="skip"` the sample is dropped now and counted when its batch goes out in
+        order (`_settle`): which fault spends `max_skipped` does not depend on which ended first."""
+        if self._stages.errors.on_error == "skip" and isinstance(exc, Exception):
+            state.faults.append((slot, stage, key, exc))
+        elif not self._skip(exc, stage, [key]):
             if not self._stages.batch_errors:
                 return self._deliver(state.group, None, _note(exc, stage, [key]), state.bytes)
             if state.error is None:  # the batch fails once its other samples have ended
                 state.error = _note(exc, stage, [key])
         state.skipped.add(slot)
         await self._done(state)
+
+    def _settle(self, item: Item) -> Item:
+        """`item` as it goes out in order: its skipped samples counted, and in its place the error
+        of the first of them past `max_skipped`."""
+        for stage, key, exc in item.faults:
+            if not self._skip(exc, stage, [key]):
+                if item.error is None:
+                    self._rec.ready -= 1  # (counted as made; the consumer gets the error instead)
+                return item._replace(batch=None, error=_note(exc, stage, [key]), faults=())
+        return item
 
     def _skip(self, exc: BaseException, stage: str, keys: list[Any]) -> bool:
         """Count `keys` as skipped if the policy allows it; False: `exc` must end the epoch."""
@@ -458,13 +477,13 @@ class Epoch:
         group, samples = state.group, state.kept()
         if state.error is not None:
             state.buffer = None
-            return self._deliver(group, None, state.error, state.bytes)
+            return self._deliver(group, None, state.error, state.bytes, state.faults)
         if not samples:
-            return self._deliver(group, SKIPPED, None, state.bytes)
+            return self._deliver(group, SKIPPED, None, state.bytes, state.faults)
         if not group.batched:
-            return self._deliver(group, samples[0], None, state.bytes)
+            return self._deliver(group, samples[0], None, state.bytes, state.faults)
         if self._stages.collate is None:
-            return self._deliver(group, samples, None, state.bytes)
+            return self._deliver(group, samples, None, state.bytes, state.faults)
         rec = self._rec
         t0 = rec.start("collate")
         rows, buffer = self._stages.rows, state.buffer
@@ -472,14 +491,14 @@ class Epoch:
         batch = None if rows is None or buffer is None else rows.batch(buffer, samples)
         if batch is not None:  # the workers wrote every row: nothing to copy
             rec.stop("collate", t0, state.bytes, key=group.index)
-            return self._deliver(group, batch, None, state.bytes)
+            return self._deliver(group, batch, None, state.bytes, state.faults)
         if rows is not None and buffer is None and (buffer := rows.buffer(len(samples))):
             # decoded before the row shape was known (the first batches): copy the samples into a
             # batch buffer, which is recycled, rather than into fresh memory that is not
             batch = await self._stages.collator.run(functools.partial(rows.batch, buffer), samples)
             if batch is not None:
                 rec.stop("collate", t0, state.bytes, key=group.index)
-                return self._deliver(group, batch, None, state.bytes)
+                return self._deliver(group, batch, None, state.bytes, state.faults)
         where = (group.index, -1)
         self._active[where] = ("collate", group.index, time.monotonic())
         try:
@@ -490,13 +509,19 @@ class Epoch:
         if exc is not None:
             keys = [key for i, (_, key) in enumerate(group.items) if i not in state.skipped]
             if self._skip(exc, "collate", keys):
-                return self._deliver(group, SKIPPED, None, state.bytes)
-            return self._deliver(group, None, _note(exc, "collate", keys), state.bytes)
+                return self._deliver(group, SKIPPED, None, state.bytes, state.faults)
+            error = _note(exc, "collate", keys)
+            return self._deliver(group, None, error, state.bytes, state.faults)
         rec.stop("collate", t0, state.bytes, key=group.index)
-        self._deliver(group, batch, None, state.bytes)
+        self._deliver(group, batch, None, state.bytes, state.faults)
 
-    def _deliver(self, group: Group, batch: Any, error: BaseException | None, size: int) -> None:
+    def _deliver(
+        self, group: Group, batch: Any, error: BaseException | None, size: int,
+        faults: list[tuple[int, str, Any, BaseException]] | None = None,
+    ) -> None:  # fmt: skip
         if error is None:
             self._rec.ready += 1
-        if self._order.deliver(Item(group.index, batch, len(group.items), size, error)):
+        ordered = tuple(f[1:] for f in sorted(faults, key=lambda f: f[0])) if faults else ()
+        item = Item(group.index, batch, len(group.items), size, error, ordered)
+        if self._order.deliver(item):
             raise _Failed

@@ -54,6 +54,34 @@ def test_skip_budget_spent_raises_the_sample_error() -> None:
     assert any("key 9" in n for n in err.value.__notes__)
 
 
+def test_the_fault_that_spends_the_budget_is_the_first_in_key_order_not_in_time() -> None:
+    # key 1 fails only once key 9 has failed: counted as they end, key 9 would be the skip and key
+    # 1 the fault past the budget, failing the first batch; counted in key order, the first four
+    # batches come and key 9's is the error, whichever fault ended first
+    nine_failed = asyncio.Event()
+
+    async def fetch(key: int) -> np.ndarray:
+        if key == 1:
+            await asyncio.wait_for(nine_failed.wait(), 60)  # (a bound only: it comes at once)
+            raise OSError("cannot read 1")
+        await asyncio.sleep(0)
+        if key == 9:
+            nine_failed.set()
+            raise OSError("cannot read 9")
+        return np.full(2, key)
+
+    with Loader(list(range(12)), fetch, batch_size=2, on_error="skip", max_skipped=1,
+                concurrency=12, prefetch=8) as ld:  # fmt: skip
+        batches = iter(ld)
+        got = [next(batches) for _ in range(4)]  # [0] [2, 3] [4, 5] [6, 7]
+        with pytest.raises(OSError, match="cannot read 9") as err:
+            next(batches)
+        stats = ld.stats()
+    assert [[int(x) for x in b[:, 0]] for b in got] == [[0], [2, 3], [4, 5], [6, 7]]
+    assert any("max_skipped=1 is spent" in n for n in err.value.__notes__)
+    assert [k for k, _ in stats.skipped] == [1]
+
+
 def test_skip_budget_as_a_fraction_of_the_epoch() -> None:
     bad = set(range(0, 100, 10))  # 10 % of the epoch
     ok = Loader(list(range(100)), failing_on(bad), batch_size=10, on_error="skip", max_skipped=0.1)
