@@ -9,6 +9,8 @@ with the GIL held on a GIL build. Batches of 32; the consumer only touches each 
 Contenders, each in its own fresh interpreter (`--run MODE`), on the same records:
 
   GIL build (`.venv`):           torch DataLoader(num_workers=2, persistent workers);
+                                 the same script with `from aioloader import DataLoader` (its
+                                 default: worker processes; also on the free-threaded build);
                                  aioloader executor="process", 2 workers;
                                  aioloader executor="thread", 1 and 2 threads
   free-threaded build (`.venv-ft`, `make ft-env`): aioloader executor="thread", 1 and 2 threads;
@@ -37,7 +39,9 @@ Usage: python benchmarks/ft_threads.py [--quick] [--samples N] [--epochs E] [--r
            [--gil-python PATH] [--ft-python PATH] [--modes torch2,process2,...]
 The last line printed is a JSON summary: per mode samples/s, CPU s and peak PSS; `ft_scaling` (FT 2
 threads / FT 1 thread; `scaling` is the same), `gil_scaling`, `ft2_vs_process` and `ft2_vs_torch`
-(FT 2 threads against the GIL build's process executor and torch DataLoader(2)), `ft2_vs_spdl` and
+(FT 2 threads against the GIL build's process executor and torch DataLoader(2)), `front_vs_torch`
+and `front_ft_vs_torch` (torch's script through aioloader's front door, on each build, against
+torch's DataLoader), `ft2_vs_spdl` and
 `ft2_vs_grain` (against the peers' pipelines on the same free-threaded build), `ft2_pss_vs_process_ft`
 (peak PSS against the process executor on the free-threaded build), `ft2_pss_vs_process`
 and `ft2_added_pss_vs_process` (peak PSS less each interpreter's own once torch is imported: the
@@ -68,6 +72,8 @@ RECORDS = 64  # distinct records; sample i reads record i % RECORDS
 # mode -> (build, label)
 MODES = {
     "torch2": ("gil", "torch DataLoader(num_workers=2)"),
+    "front2": ("gil", "aioloader DataLoader(num_workers=2)"),
+    "front2-ft": ("ft", "aioloader DataLoader(num_workers=2)"),
     "process2": ("gil", 'aioloader "process", 2 workers'),
     "thread1-gil": ("gil", 'aioloader "thread", 1 thread'),
     "thread2-gil": ("gil", 'aioloader "thread", 2 threads'),
@@ -202,6 +208,10 @@ def run_one(mode: str, n: int, epochs: int) -> dict[str, Any]:
         from torch.utils.data import DataLoader
 
         loader = DataLoader(Records(n), batch_size=BATCH, num_workers=2, persistent_workers=True)
+    elif mode.startswith("front2"):  # the same script with one import changed
+        from aioloader import DataLoader as FrontDoor
+
+        loader = FrontDoor(Records(n), batch_size=BATCH, num_workers=2, persistent_workers=True)
     else:
         import aioloader
 
@@ -295,6 +305,11 @@ def summarise(results: dict[str, dict[str, Any]], skipped: list[str], args: Any)
             get("thread2-ft", "samples_per_s"), get("process2", "samples_per_s")
         ),
         "ft2_vs_torch": ratio(get("thread2-ft", "samples_per_s"), get("torch2", "samples_per_s")),
+        # torch's own script, with `from aioloader import DataLoader`, against torch's DataLoader
+        "front_vs_torch": ratio(get("front2", "samples_per_s"), get("torch2", "samples_per_s")),
+        "front_ft_vs_torch": ratio(
+            get("front2-ft", "samples_per_s"), get("torch2", "samples_per_s")
+        ),
         "ft2_vs_spdl": ratio(get("thread2-ft", "samples_per_s"), get("spdl2-ft", "samples_per_s")),
         "ft2_vs_grain": ratio(
             get("thread2-ft", "samples_per_s"), get("grain2-ft", "samples_per_s")

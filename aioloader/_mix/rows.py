@@ -119,8 +119,15 @@ class MixedRows(MixedLoaders):
                 elif type(ask) is _First:
                     for i in ask.ids:
                         running[i] = iter(self.loaders[i])
-                    with ThreadPoolExecutor(len(ask.ids), "aioloader-mix-first") as pool:
+                    pool = ThreadPoolExecutor(len(ask.ids), "aioloader-mix-first")
+                    try:
                         firsts = list(pool.map(lambda i: next(running[i], _END), ask.ids))
+                    except BaseException:
+                        pool.shutdown(wait=True)  # no loader is still being drawn from
+                        raise
+                    # every call has ended: its threads end by themselves, and the first batch
+                    # does not wait for them (~10 ms on a busy machine)
+                    pool.shutdown(wait=False)
                     ask = core.send(dict(zip(ask.ids, firsts, strict=True)))
                 else:
                     box, ask = [ask], None
