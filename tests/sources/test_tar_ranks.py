@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -229,10 +230,12 @@ async def test_ranks_count_together_each_shard_once_and_pass_a_failure_on(
         return await asyncio.to_thread(count_local, shard, sample_key)
 
     asked: Counter[str] = Counter()
+    asking = threading.Lock()  # the requests come from threads: with the GIL off, `+=` loses some
 
     class Counting:  # the store's requests, by kind
         def __getattr__(self, name: str) -> Any:
-            asked[name] += 1
+            with asking:
+                asked[name] += 1
             return getattr(store, name)
 
     ranks = [count_together(shards, count, Counting(), 2) for r in range(3)]
