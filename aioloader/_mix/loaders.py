@@ -82,24 +82,25 @@ class MixedLoaders:
         """`async for item in mixed`: the same items, from the loaders' `async for`."""
         return self._aresumed(self._start())
 
-    def _resumed(self, progress: _Progress) -> Iterator[Any]:
+    def _resumed(self, progress: _Progress, *how: Any) -> Iterator[Any]:
         """The epoch's items; a resume saved after the last of them (found when the epoch ends
-        before a first item) goes on with the next epoch, as the run it was saved from would."""
+        before a first item) goes on with the next epoch, as the run it was saved from would.
+        (`how`: passed on to `_items`, for a subclass that yields its items more than one way.)"""
         resumed, out = progress.position > 0, 0
-        for item in self._items(progress):
+        for item in self._items(progress, *how):
             out += 1
             yield item
         if resumed and not out:
-            yield from self._items(self._start())
+            yield from self._items(self._start(), *how)
 
-    async def _aresumed(self, progress: _Progress) -> AsyncIterator[Any]:
+    async def _aresumed(self, progress: _Progress, *how: Any) -> AsyncIterator[Any]:
         resumed, out = progress.position > 0, 0
-        async with contextlib.aclosing(self._aitems(progress)) as items:
+        async with contextlib.aclosing(self._aitems(progress, *how)) as items:
             async for item in items:
                 out += 1
                 yield item
         if resumed and not out:
-            async with contextlib.aclosing(self._aitems(self._start())) as items:
+            async with contextlib.aclosing(self._aitems(self._start(), *how)) as items:
                 async for item in items:
                     yield item
 

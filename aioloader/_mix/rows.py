@@ -28,7 +28,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from .._util.ranges import Ranges
 from .choices import Choices
 from .loaders import MixedLoaders, _Progress
 
-__all__ = ["MixedRows"]
+__all__ = ["MixedRows", "RowRun"]
 
 _END: Any = object()
 
@@ -64,15 +64,35 @@ class _First:
 
 
 class _Held:
-    """A loader's current item: its rows as a Table, how many the mix used, and the loader's
-    state from before it was delivered."""
+    """A loader's current item: its rows as a Table, how many the mix used, the loader's state
+    from before it was delivered, and its serial number (one per item held, in the mix's life)."""
 
-    __slots__ = ("before", "rows", "table", "used")
+    __slots__ = ("before", "rows", "serial", "table", "used")
 
     def __init__(self) -> None:
         self.table: Any = None
-        self.rows = self.used = 0
+        self.rows = self.used = self.serial = 0
         self.before: Any = None
+
+
+class RowRun(NamedTuple):
+    """Rows `first` .. `first + rows` of `table`, an item of loader `loader` (its index in the
+    mix); `serial` names that item (the same number for every run of it, another for every other
+    item)."""
+
+    loader: int
+    serial: int
+    table: Any
+    first: int
+    rows: int
+
+
+def _joined(runs: list[RowRun]) -> Any:
+    """The Table an item's runs of rows make."""
+    import pyarrow as pa
+
+    pieces = [run.table.slice(run.first, run.rows) for run in runs]
+    return pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
 
 
 class MixedRows(MixedLoaders):
@@ -91,11 +111,22 @@ class MixedRows(MixedLoaders):
         self._held = [_Held() for _ in self.loaders]
         self._skip = [_UNUSED] * len(self.loaders)  # of the next item, after a load: _Used
         self._schema: Any = None
+        self._serials = 0  # items held so far: each one's `serial`
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", rows_per_item={self.rows_per_item})"
 
     # -- iteration -----------------------------------------------------------------------------------
+
+    def row_runs(self) -> Iterator[list[RowRun]]:
+        """`for` over the mix, each item as its runs of rows (`RowRun`s, in order) rather than
+        the Table they make: what `aioloader.pack` reads, which converts each loader's item once
+        and joins nothing. The same items, epochs and state as `for item in mixed`."""
+        return self._resumed(self._start(), True)
+
+    def arow_runs(self) -> AsyncIterator[list[RowRun]]:
+        """`async for` of `row_runs()`."""
+        return self._aresumed(self._start(), True)
 
     def _start(self) -> _Progress:
         resume = self._resume
@@ -105,7 +136,7 @@ class MixedRows(MixedLoaders):
             self._skip = [_UNUSED] * len(self.loaders)
         return progress
 
-    def _items(self, progress: _Progress) -> Iterator[Any]:
+    def _items(self, progress: _Progress, runs: bool = False) -> Iterator[Any]:
         core = self._core(progress)
         running: dict[int, Iterator[Any]] = {}
         try:
@@ -130,7 +161,7 @@ class MixedRows(MixedLoaders):
                     pool.shutdown(wait=False)
                     ask = core.send(dict(zip(ask.ids, firsts, strict=True)))
                 else:
-                    box, ask = [ask], None
+                    box, ask = [ask if runs else _joined(ask)], None
                     yield box.pop()  # not held here while the consumer has it
                     ask = next(core)
         except StopIteration:
@@ -140,7 +171,9 @@ class MixedRows(MixedLoaders):
             for it in running.values():
                 it.close()  # type: ignore[attr-defined]
 
-    async def _aitems(self, progress: _Progress) -> AsyncIterator[Any]:  # type: ignore[override]
+    async def _aitems(  # type: ignore[override]
+        self, progress: _Progress, runs: bool = False
+    ) -> AsyncIterator[Any]:
         core = self._core(progress)
         running: dict[int, AsyncIterator[Any]] = {}
         try:
@@ -157,7 +190,7 @@ class MixedRows(MixedLoaders):
                     firsts = await asyncio.gather(*(anext(running[i], _END) for i in ask.ids))
                     ask = core.send(dict(zip(ask.ids, firsts, strict=True)))
                 else:
-                    box, ask = [ask], None
+                    box, ask = [ask if runs else _joined(ask)], None
                     yield box.pop()
                     ask = next(core)
         except StopIteration:
@@ -168,10 +201,9 @@ class MixedRows(MixedLoaders):
                 await it.aclose()  # type: ignore[attr-defined]
 
     def _core(self, progress: _Progress) -> Generator[Any, Any, None]:
-        """The epoch's Tables, asking for the loaders' items (`_Need`) as it runs out of rows:
-        the same steps for `for` and `async for`, which only differ in how they draw items."""
-        import pyarrow as pa
-
+        """The epoch's items, as lists of `RowRun`s, asking for the loaders' items (`_Need`) as
+        it runs out of rows: the same steps for `for` and `async for`, which only differ in how
+        they draw items."""
         choices = Choices(self.weights, self.seed, progress.epoch)
         size = self.rows_per_item
         ready: dict[int, Any] = {}  # loader -> its state, where its first pull found no item
@@ -209,13 +241,13 @@ class MixedRows(MixedLoaders):
                         self._hold(i, item, before)
                         continue
                     k = min(want, held.rows - held.used)
-                    pieces.append(held.table.slice(held.used, k))
+                    pieces.append(RowRun(i, held.serial, held.table, held.used, k))
                     held.used, want, taken = held.used + k, want - k, taken + k
                 if ended:
                     break
             if pieces:
                 progress.position += taken
-                yield pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
+                yield pieces
             if ended:
                 return
 
@@ -241,6 +273,8 @@ class MixedRows(MixedLoaders):
             )
         held = self._held[i]
         held.table, held.rows, held.before = item, item.num_rows, before
+        self._serials += 1
+        held.serial = self._serials
         held.used, self._skip[i] = self._skip[i].count, _UNUSED
 
     # -- state ---------------------------------------------------------------------------------------

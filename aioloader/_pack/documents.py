@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Run", "run_of"]
+__all__ = ["RowRuns", "Run", "run_of"]
 
 _FIRST = np.zeros(1, dtype=np.int64)  # the starts of a run of one document
 _FIRST.setflags(write=False)
@@ -36,6 +36,57 @@ class Run:
 
     def __init__(self, tokens: np.ndarray, starts: np.ndarray) -> None:
         self.tokens, self.starts = tokens, starts
+
+    def documents(self, first: int, count: int) -> Run:
+        """Documents `first` .. `first + count` of this run: a view of its tokens (their starts
+        are worked out only when read)."""
+        n = len(self.starts)
+        lo = int(self.starts[first]) if first < n else len(self.tokens)
+        hi = int(self.starts[first + count]) if first + count < n else len(self.tokens)
+        return _Part(self.tokens[lo:hi], self.starts, first, count, lo)
+
+
+class _Part(Run):
+    """Some documents of a run, by view; `starts` is computed on first use (the packer reads it
+    only for boundaries and for a state)."""
+
+    __slots__ = ("_of",)
+
+    def __init__(
+        self, tokens: np.ndarray, starts: np.ndarray, first: int, count: int, lo: int
+    ) -> None:
+        self.tokens, self._of = tokens, (starts, first, count, lo)
+
+    def __getattr__(self, name: str) -> Any:  # `starts`, once
+        if name != "starts":
+            raise AttributeError(name)
+        starts, first, count, lo = self._of
+        self.starts = starts[first : first + count] - lo
+        return self.starts
+
+
+class RowRuns:
+    """The runs of rows a mix by rows hands over (`HandsOverRowRuns`), as runs of tokens: each
+    table is converted once, when its first run comes (one pass over its column, as for a
+    RecordBatch), and each run of its rows is a view of that, so nothing is joined or copied
+    until a batch takes it. One table is kept per input: an input's next table replaces it."""
+
+    def __init__(self, key: str | None, eos: int | None, dtype: np.dtype[Any]) -> None:
+        self.key, self.eos, self.dtype = key, eos, dtype
+        self._tables: dict[int, tuple[int, Run]] = {}  # input -> (serial, its table's run)
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+    def runs(self, item: Any, where: str) -> list[Run]:
+        out = []
+        for source, serial, table, first, rows in item:
+            kept = self._tables.get(source)
+            if kept is None or kept[0] != serial:
+                kept = serial, _from_table(table, self.key, self.eos, self.dtype, where)
+                self._tables[source] = kept
+            out.append(kept[1].documents(first, rows))
+        return out
 
 
 def run_of(item: Any, *, key: str | None, eos: int | None, dtype: np.dtype[Any], where: str) -> Run:

@@ -23,8 +23,8 @@ import torch
 from .._exceptions import StateError
 from .._resume.state import STATE_VERSION, check_config
 from .._util.validate import check_int
-from ..sources.protocol import HasAclose
-from .documents import run_of
+from ..sources.protocol import HandsOverRowRuns, HasAclose
+from .documents import RowRuns, run_of
 from .packer import Packer
 from .state import held_of, place_of, share_held
 
@@ -60,6 +60,10 @@ class Packed:
         self._np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         self._packer = Packer(seq_len, batch_size, targets=targets, boundaries=boundaries,
                               dtype=self._np_dtype)  # fmt: skip
+        # a mix by rows hands over its items as runs of rows, read without joining them first
+        self._row_runs = (
+            RowRuns(key, eos, self._np_dtype) if isinstance(loader, HandsOverRowRuns) else None
+        )
         self._epoch = 0  # the epoch the next iteration runs
         self._running: int | None = None  # the epoch being iterated
         self._resume: tuple[int, list[int], list[int]] | None = None  # (epoch, tokens, starts)
@@ -101,8 +105,24 @@ class Packed:
         self._running = epoch
         return epoch
 
+    def _items(self) -> Iterator[Any]:
+        if self._row_runs is not None:
+            self._row_runs.clear()
+            return iter(self.loader.row_runs())
+        return iter(self.loader)
+
+    def _aitems(self) -> AsyncIterator[Any]:
+        if self._row_runs is not None:
+            self._row_runs.clear()
+            return aiter(self.loader.arow_runs())
+        return aiter(self.loader)
+
     def _run(self, item: Any, epoch: int, n: int) -> None:
         where = f"item {n} of this pass over epoch {epoch}"
+        if self._row_runs is not None:
+            for run in self._row_runs.runs(item, where):
+                self._packer.add(run)
+            return
         self._packer.add(
             run_of(item, key=self.key, eos=self.eos, dtype=self._np_dtype, where=where)
         )
@@ -119,7 +139,7 @@ class Packed:
 
     def _batches(self, epoch: int) -> Iterator[Any]:
         packer, n = self._packer, 0
-        items = iter(self.loader)
+        items = self._items()
         try:
             while True:
                 while packer.ready():  # (a resumed epoch may hold more than a batch at first)
@@ -139,7 +159,7 @@ class Packed:
 
     async def _abatches(self, epoch: int) -> AsyncIterator[Any]:
         packer, n = self._packer, 0
-        items = aiter(self.loader)
+        items = self._aitems()
         try:
             while True:
                 while packer.ready():

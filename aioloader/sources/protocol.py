@@ -9,7 +9,7 @@ loader's), so every layer of the package may check them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .._util.ranges import Ranges
@@ -17,6 +17,7 @@ from .._util.ranges import Ranges
 __all__ = [
     "Bindable",
     "HandsOver",
+    "HandsOverRowRuns",
     "HasAclose",
     "HasDigest",
     "HasEtag",
@@ -114,6 +115,20 @@ class HasAclose(Protocol):
     `Source` has it; a mix's other inputs (lists, datasets, iterables) and the streams they give may."""
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class HandsOverRowRuns(Protocol):
+    """Yields Tables made of runs of rows of other Tables (a mix by rows), and can hand over those
+    runs instead: `row_runs()` / `arow_runs()` iterate as `for` / `async for` do, each item a list
+    of `(input, serial, table, first, rows)`: rows `first` .. `first + rows` of `table`, which
+    came from input `input` (a loader's index in the mix) and which `serial` names (the same
+    number for every run of one table; an input's next table has another). A reader of the rows
+    (the packer) then converts each table once and joins nothing."""
+
+    def row_runs(self) -> Iterator[Sequence[tuple[int, int, Any, int, int]]]: ...
+
+    def arow_runs(self) -> AsyncIterator[Sequence[tuple[int, int, Any, int, int]]]: ...
 
 
 @runtime_checkable

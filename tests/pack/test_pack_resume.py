@@ -3,6 +3,7 @@ over Parquet files, over a 0.7 / 0.3 mix of them, on ranks, and with the columna
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Callable
@@ -332,6 +333,38 @@ def rows_packer(
         return pack(rows, 64, batch_size=2, eos=EOS, key="tokens", boundaries=True)
 
     return make
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_mix_by_rows_packs_as_the_tables_it_makes(
+    corpora: dict[str, list[str]], asynchronous: bool
+) -> None:
+    # pack reads a mix by rows as runs of rows (each loader's item converted once, nothing
+    # joined): its batches, boundaries included, are those of packing the Tables the mix yields
+    def loaders() -> list[Loader[Any]]:
+        return [
+            Loader(sources.parquet(corpora[name], ["tokens"], rows_per_sample=20, seed=i),
+                   batch_size=None, collate=None)
+            for i, name in enumerate(("web", "code"))
+        ]  # fmt: skip
+
+    with mix(loaders(), [0.7, 0.3], seed=2, rows_per_item=16) as rows:
+        tables = list(rows)
+    assert len(tables) > 20 and any(t.column("tokens").num_chunks > 1 for t in tables)
+    joined = Loader(tables, lambda t: t, batch_size=None, collate=None)
+    with pack(joined, 64, batch_size=2, eos=EOS, key="tokens", boundaries=True) as packed:
+        want = [entry for batch in packed for entry in entries(batch)]
+    rows = mix(loaders(), [0.7, 0.3], seed=2, rows_per_item=16)
+    with pack(rows, 64, batch_size=2, eos=EOS, key="tokens", boundaries=True) as packed:
+        if asynchronous:
+
+            async def drain() -> list[Any]:
+                return [entry async for batch in packed for entry in entries(batch)]
+
+            got = asyncio.run(drain())
+        else:
+            got = [entry for batch in packed for entry in entries(batch)]
+    assert got == want
 
 
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
