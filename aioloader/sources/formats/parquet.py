@@ -62,6 +62,18 @@ _LOCAL_FOOTERS_HERE = 64
 _TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Turns] = weakref.WeakKeyDictionary()
 
 
+def _turns_per_loop() -> int:
+    """A loop's share of the cores for decodes: the cores split among the loops that decode
+    (several loaders mixed each run on a loop of their own; each taking a decode per core, their
+    row groups would evict each other from the caches and all go slower), one at least. Each
+    loop orders its own row groups; no loop hands a turn to another."""
+    try:
+        loops = sum(1 for loop in list(_TURNS) if not loop.is_closed())
+    except RuntimeError:  # another loop took its turns as they were counted
+        loops = len(_TURNS)
+    return max(1, cores() // max(1, loops))
+
+
 class RowRef:
     """The key of one row: its file, row group and row (and, while the epoch runs, its row group)."""
 
@@ -232,7 +244,7 @@ class Parquet:
         loop = asyncio.get_running_loop()
         turns = _TURNS.get(loop)
         if turns is None:
-            turns = _TURNS[loop] = Turns(cores())
+            turns = _TURNS[loop] = Turns(_turns_per_loop)
         return turns
 
     def _decode(

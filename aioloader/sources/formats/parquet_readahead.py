@@ -14,7 +14,7 @@ import contextlib
 import heapq
 import itertools
 import os
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 import numpy as np
@@ -182,17 +182,19 @@ class Ahead:
 
 
 class Turns:
-    """At most `n` holders at once; waiters are let in lowest `order` first."""
+    """At most `limit()` holders at once (asked again at each turn, so it may move); waiters are
+    let in lowest `order` first."""
 
-    def __init__(self, n: int) -> None:
-        self.free = n
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self.limit = limit
+        self.busy = 0
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._arrived = itertools.count()  # equal orders: first come, first served
 
     @contextlib.asynccontextmanager
     async def turn(self, order: int) -> AsyncIterator[None]:
-        if self.free > 0 and not self._waiting:
-            self.free -= 1
+        if self.busy < self.limit() and not self._waiting:
+            self.busy += 1
         else:
             fut = asyncio.get_running_loop().create_future()
             heapq.heappush(self._waiting, (order, next(self._arrived), fut))
@@ -208,12 +210,13 @@ class Turns:
             self._release()
 
     def _release(self) -> None:
-        while self._waiting:
+        self.busy -= 1
+        limit = self.limit()
+        while self._waiting and self.busy < limit:
             fut = heapq.heappop(self._waiting)[2]
             if not fut.done():  # else: its waiter was cancelled
                 fut.set_result(None)
-                return
-        self.free += 1
+                self.busy += 1
 
 
 def cores() -> int:
