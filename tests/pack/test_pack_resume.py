@@ -350,7 +350,8 @@ def test_a_mix_by_rows_packs_as_the_tables_it_makes(
 
     with mix(loaders(), [0.7, 0.3], seed=2, rows_per_item=16) as rows:
         tables = list(rows)
-    assert len(tables) > 20 and any(t.column("tokens").num_chunks > 1 for t in tables)
+    assert len(tables) > 20
+    assert any(t.column("tokens").num_chunks > 1 for t in tables)
     joined = Loader(tables, lambda t: t, batch_size=None, collate=None)
     with pack(joined, 64, batch_size=2, eos=EOS, key="tokens", boundaries=True) as packed:
         want = [entry for batch in packed for entry in entries(batch)]
