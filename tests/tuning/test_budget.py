@@ -67,10 +67,13 @@ def test_budget_bounds_the_memory_of_a_process_pool() -> None:
         )  # fmt: skip
         return float(json.loads(done.stdout.splitlines()[-1])["peak_growth_mb"])
 
-    assert growth(budget_mb) <= bound
-    # no budget to speak of, and a consumer that lets the loader fill up (8 batches ready: how far
-    # it gets during a fixed step depends on how busy the machine is): far more
-    assert growth(100 * budget_mb, "fill") > bound
+    bounded = growth(budget_mb)
+    assert bounded <= bound
+    # no budget to speak of, and a consumer that lets the loader fill up (8 batches ready): far
+    # more than the budgeted run, and more than the budget. (Not "more than `bound`": on a
+    # free-threaded build, whose workers' heaps hand back more, it grew 145-268 MB, under 180 once.)
+    unbounded = growth(100 * budget_mb, "fill")
+    assert unbounded > max(2 * bounded, budget_mb), (unbounded, bounded)
 
 
 def _no() -> bool:
