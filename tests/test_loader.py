@@ -17,6 +17,7 @@ import torch
 from support.fakes import AsyncFetch, FakeSource, Keys, SyncFetch, plain_square, square
 
 from aioloader import Loader, sources
+from aioloader._util.threads import gil_enabled
 
 # -- what a loader is built from ----------------------------------------------------------------
 
@@ -357,7 +358,6 @@ def _negate(x: int) -> int:
 def test_executor_auto_is_processes_with_the_gil_and_threads_without(
     gil: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sys
 
     from aioloader import ProcessExecutor
 
@@ -372,7 +372,6 @@ def test_executor_auto_is_processes_with_the_gil_and_threads_without(
 def test_auto_is_the_default_with_a_decode_and_inline_without(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import sys
 
     from aioloader import ProcessExecutor
 
@@ -407,7 +406,7 @@ def _freed(ref: weakref.ref[Any]) -> bool:
     `del` until then. Collections, for up to `FREED_WITHIN_S`, let it go there (on 3.14t one
     collection was not always enough: the owner's queue is merged when the owner runs); a reference
     the loader kept would still hold it."""
-    if getattr(sys, "_is_gil_enabled", lambda: True)():
+    if gil_enabled():
         return ref() is None
     deadline = time.monotonic() + FREED_WITHIN_S
     while ref() is not None and time.monotonic() < deadline:

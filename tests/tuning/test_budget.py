@@ -15,6 +15,7 @@ import pytest
 
 from aioloader import Loader, sources
 from aioloader._tuning.bounds import ByteBudget
+from aioloader._util.threads import gil_enabled
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "budget_rss.py"
 BUDGET_MB = 200
@@ -26,7 +27,7 @@ OVERHEAD_MB = 40 + 40
 # On a free-threaded build the fetch threads fill their samples at once, not in turn, and peaks
 # spread more widely (216-267 MB seen at a budget of 200, against 221 every time on the GIL build;
 # 667-796 without the budget): a batch more of pages in motion there.
-if not getattr(sys, "_is_gil_enabled", lambda: True)():
+if not gil_enabled():
     OVERHEAD_MB += 40
 
 
