@@ -253,7 +253,7 @@ class Loader(Generic[T]):
             fetch=Fetcher(fetch, concurrency, read.fetch_initializer, now=(
                 parts.source.fetch_now
                 if isinstance(parts.source, HandsOver) and fetch == parts.source.fetch else None
-            )),
+            ), threads=read.fetch_threads),
             size_of=parts.source.size if isinstance(parts.source, HasSize) else None,
             decode=decode,
             decoder=resolve_decoder(executor, read.workers, budget.arena_bytes(pool_bytes))

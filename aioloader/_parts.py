@@ -58,6 +58,7 @@ class Read:
     executor: str | Executor | None = None
     workers: int | str | None = None  # decode threads or processes, for an executor by name
     fetch_initializer: Callable[[], None] | None = None  # run once in each fetch thread
+    fetch_threads: int = 1  # fetch threads that start as calls wait, whatever the calls do
     own_executor: bool = False  # an `Executor` object that is closed with the loader all the same
 
 

@@ -10,11 +10,13 @@ What `num_workers` means here: with 0, `__getitem__` calls run in `concurrency` 
 by worker i % N of N persistent worker processes (aioloader's process pool), with threads of its
 own where the reads block (`threads_per_worker`); the batch comes back in shared memory (see
 `_torch/workers`), and `torch.utils.data.get_worker_info()` and `worker_init_fn` behave as in
-torch's workers;
-`worker_mode="thread"` keeps threads instead. An IterableDataset is iterated as torch does it:
-with N > 0 each worker process iterates its own replica (shard it with `get_worker_info()`) and
-makes whole batches of its items, taken round robin from the workers whose stream goes on; with 0,
-or `worker_mode="thread"`, in the main process.
+torch's workers. `worker_mode="thread"` keeps threads instead: N of them read at once from the
+start, more (up to `concurrency`) while they wait. `worker_mode="auto"`, the default, is processes
+on a build with the GIL; on a free-threaded build (the GIL off) it is threads, unless the script
+may count on worker processes: an IterableDataset, a `worker_init_fn` or a `multiprocessing_context`
+keep processes. An IterableDataset is iterated as torch does it: with N > 0 each worker process
+iterates its own replica (shard it with `get_worker_info()`) and makes whole batches of its items,
+taken round robin from the workers whose stream goes on; with 0, or in threads, in the main process.
 
 Async datasets: a map-style dataset whose `__getitem__` is a coroutine function
 (`async def __getitem__(self, index)`) is fetched on the loader's event loop, `concurrency` at a time.
@@ -52,6 +54,7 @@ from ._torch.arguments import (
     check_context,
     warn_if_many_workers,
     warn_pin_memory_device,
+    worker_mode_of,
 )
 from ._torch.defaults import collates, samplers
 from ._torch.reads import WorkerIds, batch_reader, converting, reads_batches
@@ -86,6 +89,8 @@ class DataLoader(Loader[T]):
             with. "auto" (the default): none until a batch read one by one shows reads that wait
             while cores sit idle, then more while they go on waiting; 1: one read at a time, as
             torch's workers do (for a dataset that is not thread-safe); k: up to k at once.
+        worker_mode: with `num_workers > 0`, "process", "thread" or "auto" (the default: see the
+            module docstring); the attribute `worker_mode` says which it resolved to.
         device, device_prefetch: move batches to this device through pinned memory and a side
             stream (see `Loader`); with `pin_memory=True` the copy is staged through pinned buffers.
             Without a device, `pin_memory=True` pins each batch on the host, as torch does, so that
@@ -136,7 +141,7 @@ class DataLoader(Loader[T]):
         concurrency: int | None = None,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
-        worker_mode: str = "process",
+        worker_mode: str = "auto",
         threads_per_worker: int | str = "auto",
     ) -> None:
         threads, lazy = check_threads(threads_per_worker, num_workers)
@@ -169,8 +174,11 @@ class DataLoader(Loader[T]):
         )
         auto_collation = self.batch_sampler is not None or (iterable and batch_size is not None)
         self.collate_fn, collate_fn = collates(collate_fn, auto_collation)
+        self.worker_mode = worker_mode_of(
+            worker_mode, dataset, worker_init_fn, multiprocessing_context
+        )  # as resolved: "process" or "thread"
         processes = (
-            num_workers > 0 and worker_mode == "process"
+            num_workers > 0 and self.worker_mode == "process"
             and not inspect.iscoroutinefunction(dataset.__getitem__)
         )  # fmt: skip
         self._budget = MemoryBudget.of(AUTO)  # its workers' batches are admitted against it
@@ -181,6 +189,7 @@ class DataLoader(Loader[T]):
             fetch, decode, executor, own_executor=True,
             fetch_initializer=WorkerIds(worker_init_fn) if worker_init_fn and not processes
             else None,
+            fetch_threads=1 if processes else max(1, num_workers),  # threads for the workers
         )  # fmt: skip
         torch_parts = _TorchParts(
             self, plan, processes, executor, concurrency, self._workers, self._worker_setup

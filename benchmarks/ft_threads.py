@@ -10,7 +10,8 @@ Contenders, each in its own fresh interpreter (`--run MODE`), on the same record
 
   GIL build (`.venv`):           torch DataLoader(num_workers=2, persistent workers);
                                  the same script with `from aioloader import DataLoader` (its
-                                 default: worker processes; also on the free-threaded build);
+                                 default, worker_mode="auto": worker processes here, threads on
+                                 the free-threaded build);
                                  aioloader executor="process", 2 workers;
                                  aioloader executor="thread", 1 and 2 threads
   free-threaded build (`.venv-ft`, `make ft-env`): aioloader executor="thread", 1 and 2 threads;

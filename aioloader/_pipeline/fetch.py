@@ -27,6 +27,8 @@ class Fetcher:
         now: where the keys carry their samples (a source's `fetch_now`: `HandsOver`), `fn` for
             such a key done at once, without a wait: the pipeline then calls it in place of `fn`
             (`epoch.py`, `Epoch._eager`).
+        threads: the pool's threads that start as soon as calls wait for one, whatever the calls
+            do (the front door's `num_workers` in threads); the rest only while they are blocked.
     """
 
     def __init__(
@@ -35,11 +37,12 @@ class Fetcher:
         concurrency: int,
         initializer: Callable[[], None] | None = None,
         now: Callable[[Any], Any] | None = None,
+        threads: int = 1,
     ) -> None:
         self.fn = fn
         self.now = now
         self.is_async = is_async_callable(fn)
-        self._threads = LazyThreadPool(concurrency, "aioloader-fetch", initializer)
+        self._threads = LazyThreadPool(concurrency, "aioloader-fetch", initializer, floor=threads)
 
     async def __call__(self, key: Any) -> Any:
         if self.is_async:

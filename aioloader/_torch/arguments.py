@@ -10,7 +10,14 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-__all__ = ["check_arguments", "check_context", "warn_if_many_workers", "warn_pin_memory_device"]
+from .._util.threads import gil_enabled
+
+__all__ = [
+    "WORKER_MODES", "check_arguments", "check_context", "warn_if_many_workers",
+    "warn_pin_memory_device", "worker_mode_of",
+]  # fmt: skip
+
+WORKER_MODES = ("auto", "process", "thread")
 
 
 def check_arguments(
@@ -121,3 +128,26 @@ def check_context(context: Any, num_workers: int) -> str | None:
             f"specifying the start method, but got multiprocessing_context={context!r}"
         )
     return str(context.get_start_method())
+
+
+def worker_mode_of(
+    worker_mode: Any, dataset: Any, worker_init_fn: Any, multiprocessing_context: Any
+) -> str:
+    """Where `num_workers > 0` reads: "process" or "thread". "auto" is "process" on a build with
+    the GIL, and on a free-threaded one wherever the script may count on worker processes (an
+    IterableDataset, which each worker iterates a replica of, sharding it by `get_worker_info()`; a
+    `worker_init_fn`, which sets up each worker by its id; a `multiprocessing_context` given);
+    else "thread": with the GIL off, threads run `__getitem__` on every core without copies,
+    pickling or the workers' memory."""
+    if worker_mode not in WORKER_MODES:
+        raise ValueError(
+            f"worker_mode: expected one of {', '.join(map(repr, WORKER_MODES))}, got {worker_mode!r}"
+        )
+    if worker_mode != "auto":
+        return str(worker_mode)
+    per_process = (
+        isinstance(dataset, IterableDataset)
+        or worker_init_fn is not None
+        or multiprocessing_context is not None
+    )
+    return "process" if per_process or gil_enabled() else "thread"

@@ -159,6 +159,8 @@ class _Crew:
             unserved = len(self.calls) - (len(self.threads) - self.busy)
             if unserved > 0 and (not self.threads or pool.grow_after <= 0):
                 self._start(min(unserved, pool.size - len(self.threads)))
+            elif unserved > 0 and len(self.threads) < pool.floor:  # the threads asked for
+                self._start(min(unserved, pool.floor - len(self.threads)))
             if (
                 pool.grow_after > 0
                 and len(self.threads) < pool.size
@@ -296,7 +298,9 @@ class LazyThreadPool:
     thread (Python cannot interrupt it) and its result is dropped. `initializer` runs once in each
     thread as it starts; if it raises, the pool's waiting calls fail with that error.
     `grow_after=0` starts a thread for every call that finds none free (for CPU-bound work, where
-    `size` is the cores to use). `spare_cores`: see the module docstring.
+    `size` is the cores to use). `floor`: up to this many threads start so, as calls find none free,
+    whatever the calls do (the workers a caller asked for); more only by the rule. `spare_cores`: see
+    the module docstring.
     """
 
     def __init__(
@@ -307,10 +311,12 @@ class LazyThreadPool:
         grow_after: float = GROW_AFTER_S,
         *,
         spare_cores: bool = False,
+        floor: int = 1,
     ) -> None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
+        self.floor = min(max(1, floor), size)
         self.name = name
         self.initializer = initializer
         self.grow_after = grow_after

@@ -6,6 +6,7 @@ each worker where the reads block, and handed over in shared memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -20,7 +21,8 @@ from test_dataloader import CASES, MapDataset, Stream, assert_same
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from aioloader import DataLoader, LoaderTimeout, WorkerDied
+from aioloader import DataLoader as FrontDoor
+from aioloader import LoaderTimeout, WorkerDied
 from aioloader._executors.process.arena import NAME_PREFIX, SHM_DIR
 from aioloader._torch import workers as _workers
 from aioloader._util import threads as _threads
@@ -29,6 +31,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 # Cases whose arguments pickle (a worker process gets them); custom_collate's lambda does not.
 PROCESS_CASES = sorted(c for c in CASES if c != "custom_collate")
+
+
+# These tests are of the worker processes: on a free-threaded build worker_mode="auto" would read
+# in threads (tests/dataloader/test_worker_mode.py).
+DataLoader = functools.partial(FrontDoor, worker_mode="process")
 
 
 def labels_times_ten(batch: list[dict[str, Any]]) -> list[int]:

@@ -4,6 +4,7 @@ a script without a main guard."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -19,7 +20,11 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 import aioloader
-from aioloader import DataLoader
+from aioloader import DataLoader as FrontDoor
+
+# These tests are of the worker processes: on a free-threaded build worker_mode="auto" would read
+# in threads (tests/dataloader/test_worker_mode.py).
+DataLoader = functools.partial(FrontDoor, worker_mode="process")
 
 
 class WhereAmI(Dataset[Any]):

@@ -150,7 +150,9 @@ class SlowItems:
 
 
 def test_dataloader_advice_names_num_workers() -> None:
-    loader = DataLoader(SlowItems(), batch_size=4, num_workers=1, threads_per_worker=1)
+    loader = DataLoader(
+        SlowItems(), batch_size=4, num_workers=1, threads_per_worker=1, worker_mode="process"
+    )  # the workers' advice (on a free-threaded build "auto" would read in threads)
     d = verdict(loader)
     assert d.bottleneck == "decode", d  # the workers' stage
     assert "num_workers=" in d.text, d
