@@ -421,10 +421,11 @@ class _TorchParts:
     def config(self) -> list[str]:
         """What `repr` shows: the arguments that shape the batches and the work, as given."""
         torch_ = self._torch
+        mode = [f"worker_mode={torch_.worker_mode!r}"] if torch_.num_workers else []
         return [
             origin(torch_.dataset), f"batch_size={torch_.batch_size}",
             f"sampler={type(torch_.sampler).__name__}", f"num_workers={torch_.num_workers}",
-            f"concurrency={self._concurrency!r}",
+            *mode, f"concurrency={self._concurrency!r}",
         ]  # fmt: skip
 
     def executor_kind(self) -> str:

@@ -51,6 +51,7 @@ def test_auto_reads_in_threads_with_the_gil_off(gil_off: None) -> None:
     before = child_processes()
     with DataLoader(MapDataset(23), batch_size=4, num_workers=2) as ours:
         assert ours.worker_mode == "thread"
+        assert "num_workers=2, worker_mode='thread'" in repr(ours)  # the choice is shown
         batches = []
         for batch in ours:
             assert child_processes() <= before, "a worker process runs"
