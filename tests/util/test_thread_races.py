@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from torch.utils.data import Dataset
 
-from aioloader import Loader
+from aioloader import DataLoader, Loader
 from aioloader._util.threads import LazyThreadPool, gil_enabled
 
 SWITCH_S = 1e-6  # switch threads this often (the default is 5 ms)
@@ -145,6 +146,32 @@ def test_the_thread_paths_over_many_short_epochs_with_stats_read_meanwhile(
     assert st.stages["fetch"].items == st.stages["decode"].items == keys * epochs
     assert st.samples == keys * epochs
     assert (st.held_samples, st.held_bytes, st.ready_batches) == (0, 0, 0)
+
+
+class _Decoded(Dataset[Any]):
+    """A map-style dataset whose `__getitem__` computes (`_decode`), as a torch user writes it."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> np.ndarray[Any, Any]:
+        return _decode(i)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch's, for 8 > cores
+@pytest.mark.parametrize("workers", [2, 8])
+def test_the_front_door_in_threads_over_many_short_epochs(
+    workers: int, fine_switching: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`DataLoader(num_workers=N)` in threads (a free-threaded build's "auto"): N fetch threads
+    from the start (the pool's floor), each epoch's samples once and in order."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    epochs = 12
+    with DataLoader(_Decoded(), batch_size=6, num_workers=workers, worker_mode="thread") as loader:
+        for _ in range(epochs):
+            got = [int(row[0]) for batch in loader for row in batch]
+            assert got == list(range(48))
+    assert _loop_errors(caplog) == []
 
 
 def test_a_call_that_comes_as_its_pool_closes_runs_or_is_cancelled_and_never_hangs(
