@@ -3,7 +3,11 @@ worker processes behind a slow consumer; growth is counted from the first batch 
 workers have started.
 
 Usage: budget_pss.py BUDGET_MB SAMPLE_MB BATCH_SIZE [fill]
-  -> prints JSON {"peak_growth_mb": ..., "batch_mb": ..., "pickled": ..., "in_shm": ..., "in_rows": ...}
+  -> prints JSON {"peak_growth_mb": ..., "peak_mb": ..., "batch_mb": ..., "pickled": ..., "in_shm": ...,
+     "in_rows": ...}
+`peak_mb` is the tree's peak from the first batch on, whole: what the workers hold besides the
+samples is the same in two runs of the same loader, so two runs compare by it even where the
+loader had filled up before the first batch came (where the growth after it shows little).
 With `fill`, the consumer takes each batch only once the loader holds all it may (`prefetch` batches
 ready, or the epoch's last): what it holds then is set by events, not by how fast a busy machine
 lets the workers run during a fixed step.
@@ -95,7 +99,7 @@ def main(budget: int, sample_mb: int, batch_size: int, fill: bool = False) -> No
         pool = loader.stats().extra.get("decode_pool", {})
     growth = (peak[0] - base) / 2**20
     print(json.dumps({
-        "peak_growth_mb": growth, "batch_mb": sample_mb * batch_size,
+        "peak_growth_mb": growth, "peak_mb": peak[0] / 2**20, "batch_mb": sample_mb * batch_size,
         "pickled": pool.get("results_pickled", 0), "in_shm": pool.get("results_in_shm", 0),
         "in_rows": pool.get("results_in_rows", 0),
     }))  # fmt: skip
