@@ -419,7 +419,8 @@ class _TorchParts:
     # -- describer ---------------------------------------------------------------------------------
 
     def config(self) -> list[str]:
-        """What `repr` shows: the arguments that shape the batches and the work, as given."""
+        """What `repr` shows: the arguments that shape the batches and the work, as given (and,
+        with workers, `worker_mode` as resolved)."""
         torch_ = self._torch
         mode = [f"worker_mode={torch_.worker_mode!r}"] if torch_.num_workers else []
         return [

@@ -358,7 +358,6 @@ def _negate(x: int) -> int:
 def test_executor_auto_is_processes_with_the_gil_and_threads_without(
     gil: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-
     from aioloader import ProcessExecutor
 
     monkeypatch.setattr(sys, "_is_gil_enabled", lambda: gil, raising=False)
@@ -372,7 +371,6 @@ def test_executor_auto_is_processes_with_the_gil_and_threads_without(
 def test_auto_is_the_default_with_a_decode_and_inline_without(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-
     from aioloader import ProcessExecutor
 
     monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
