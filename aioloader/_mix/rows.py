@@ -38,7 +38,7 @@ from .._util.ranges import Ranges
 from .choices import Choices
 from .loaders import MixedLoaders, _Progress
 
-__all__ = ["MixedRows", "RowRun"]
+__all__ = ["Interleaved", "MixedRows", "RowRun"]
 
 _END: Any = object()
 
@@ -87,11 +87,35 @@ class RowRun(NamedTuple):
     rows: int
 
 
-def _joined(runs: list[RowRun]) -> Any:
+class Interleaved(NamedTuple):
+    """One item of a mix by rows, as pieces of its loaders' items: `parts` (each some rows of one
+    loader's item, in that item's order) and `order`, the part each position of the item takes its
+    next row from. A loader's parts come in its own order, so the rows of part `j` are taken by the
+    positions where `order == j`, one after another."""
+
+    parts: list[RowRun]
+    order: np.ndarray[Any, np.dtype[np.intp]]
+
+    def runs(self) -> list[RowRun]:
+        """The item as its runs of rows, in order: each the rows that consecutive positions take
+        from one part."""
+        order = self.order
+        cuts = (np.flatnonzero(order[1:] != order[:-1]) + 1).tolist()
+        taken = [0] * len(self.parts)
+        out = []
+        for a, b in itertools.pairwise([0, *cuts, len(order)]):
+            j = int(order[a])
+            part = self.parts[j]
+            out.append(RowRun(part.loader, part.serial, part.table, part.first + taken[j], b - a))
+            taken[j] += b - a
+        return out
+
+
+def _joined(item: Interleaved) -> Any:
     """The Table an item's runs of rows make."""
     import pyarrow as pa
 
-    pieces = [run.table.slice(run.first, run.rows) for run in runs]
+    pieces = [run.table.slice(run.first, run.rows) for run in item.runs()]
     return pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
 
 
@@ -118,13 +142,14 @@ class MixedRows(MixedLoaders):
 
     # -- iteration -----------------------------------------------------------------------------------
 
-    def row_runs(self) -> Iterator[list[RowRun]]:
-        """`for` over the mix, each item as its runs of rows (`RowRun`s, in order) rather than
-        the Table they make: what `aioloader.pack` reads, which converts each loader's item once
-        and joins nothing. The same items, epochs and state as `for item in mixed`."""
+    def row_runs(self) -> Iterator[Interleaved]:
+        """`for` over the mix, each item as its pieces (`Interleaved`: its loaders' items' rows
+        and the order they come in) rather than the Table they make: what `aioloader.pack`
+        reads, which converts each loader's item once and joins nothing. The same items, epochs
+        and state as `for item in mixed`."""
         return self._resumed(self._start(), True)
 
-    def arow_runs(self) -> AsyncIterator[list[RowRun]]:
+    def arow_runs(self) -> AsyncIterator[Interleaved]:
         """`async for` of `row_runs()`."""
         return self._aresumed(self._start(), True)
 
@@ -201,9 +226,10 @@ class MixedRows(MixedLoaders):
                 await it.aclose()  # type: ignore[attr-defined]
 
     def _core(self, progress: _Progress) -> Generator[Any, Any, None]:
-        """The epoch's items, as lists of `RowRun`s, asking for the loaders' items (`_Need`) as
-        it runs out of rows: the same steps for `for` and `async for`, which only differ in how
-        they draw items."""
+        """The epoch's items, as `Interleaved` pieces of the loaders' items, asking for the
+        loaders' items (`_Need`) as it runs out of rows: the same steps for `for` and `async for`,
+        which only differ in how they draw items. An item is worked out a stretch at a time, with
+        no Python step per run of rows: each stretch ends where a loader's held item runs out."""
         choices = Choices(self.weights, self.seed, progress.epoch)
         size = self.rows_per_item
         ready: dict[int, Any] = {}  # loader -> its state, where its first pull found no item
@@ -218,36 +244,45 @@ class MixedRows(MixedLoaders):
                     self._hold(i, firsts[i], befores[i])
         while True:
             picks = choices.span(progress.position, size)
-            cuts = np.flatnonzero(picks[1:] != picks[:-1]) + 1
-            bounds = [0, *cuts.tolist(), size]
-            pieces: list[Any] = []
-            taken, ended = 0, False
-            for a, b in itertools.pairwise(bounds):
-                i, want = int(picks[a]), b - a
-                while want:
+            order = np.empty(size, dtype=np.intp)
+            parts: list[RowRun] = []
+            pos, ended = 0, False
+            while pos < size:
+                rest = picks[pos:]
+                # the first position from `pos` whose loader has no row left in its held item
+                cut, short, where = size, -1, {}
+                for i in ids:
+                    at = where[i] = np.flatnonzero(rest == i)
                     held = self._held[i]
-                    if held.used >= held.rows:
-                        if i in ready:
-                            before, item = ready.pop(i), _END
-                        else:
-                            before = self.loaders[i].state_dict()
-                            item = yield _Need(i)
-                        if item is _END:
-                            if self._ends(i, progress):
-                                ended = True
-                                break
-                            before = self.loaders[i].state_dict()
-                            item = self._first(i, progress, (yield _Need(i, again=True)))
-                        self._hold(i, item, before)
-                        continue
-                    k = min(want, held.rows - held.used)
-                    pieces.append(RowRun(i, held.serial, held.table, held.used, k))
-                    held.used, want, taken = held.used + k, want - k, taken + k
-                if ended:
+                    left = held.rows - held.used
+                    if len(at) > left and pos + int(at[left]) < cut:
+                        cut, short = pos + int(at[left]), i
+                for i, at in where.items():  # positions pos .. cut: what is held serves them
+                    at = at[: np.searchsorted(at, cut - pos)]
+                    if len(at):
+                        held = self._held[i]
+                        order[pos + at] = len(parts)
+                        parts.append(RowRun(i, held.serial, held.table, held.used, len(at)))
+                        held.used += len(at)
+                pos = cut
+                if short < 0:
                     break
-            if pieces:
-                progress.position += taken
-                yield pieces
+                i = short  # loader `i` needs its next item at `pos`
+                if i in ready:
+                    before, item = ready.pop(i), _END
+                else:
+                    before = self.loaders[i].state_dict()
+                    item = yield _Need(i)
+                if item is _END:
+                    if self._ends(i, progress):
+                        ended = True
+                        break
+                    before = self.loaders[i].state_dict()
+                    item = self._first(i, progress, (yield _Need(i, again=True)))
+                self._hold(i, item, before)
+            if pos:
+                progress.position += pos
+                yield Interleaved(parts, order[:pos])
             if ended:
                 return
 

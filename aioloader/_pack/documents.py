@@ -37,56 +37,56 @@ class Run:
     def __init__(self, tokens: np.ndarray, starts: np.ndarray) -> None:
         self.tokens, self.starts = tokens, starts
 
-    def documents(self, first: int, count: int) -> Run:
-        """Documents `first` .. `first + count` of this run: a view of its tokens (their starts
-        are worked out only when read)."""
-        n = len(self.starts)
-        lo = int(self.starts[first]) if first < n else len(self.tokens)
-        hi = int(self.starts[first + count]) if first + count < n else len(self.tokens)
-        return _Part(self.tokens[lo:hi], self.starts, first, count, lo)
-
-
-class _Part(Run):
-    """Some documents of a run, by view; `starts` is computed on first use (the packer reads it
-    only for boundaries and for a state)."""
-
-    __slots__ = ("_of",)
-
-    def __init__(
-        self, tokens: np.ndarray, starts: np.ndarray, first: int, count: int, lo: int
-    ) -> None:
-        self.tokens, self._of = tokens, (starts, first, count, lo)
-
-    def __getattr__(self, name: str) -> Any:  # `starts`, once
-        if name != "starts":
-            raise AttributeError(name)
-        starts, first, count, lo = self._of
-        self.starts = starts[first : first + count] - lo
-        return self.starts
-
 
 class RowRuns:
-    """The runs of rows a mix by rows hands over (`HandsOverRowRuns`), as runs of tokens: each
-    table is converted once, when its first run comes (one pass over its column, as for a
-    RecordBatch), and each run of its rows is a view of that, so nothing is joined or copied
-    until a batch takes it. One table is kept per input: an input's next table replaces it."""
+    """The items a mix by rows hands over (`HandsOverRowRuns`: each its loaders' items' parts and
+    the order its positions take their rows in), as one run of tokens each. Each loader's item is
+    converted once, when its first part comes (one pass over its column, as for a RecordBatch);
+    an item of the mix is then its documents' tokens gathered from those, one slice per run of
+    rows, with no Python step per document. One converted item is kept per loader: its next item
+    replaces it."""
 
     def __init__(self, key: str | None, eos: int | None, dtype: np.dtype[Any]) -> None:
         self.key, self.eos, self.dtype = key, eos, dtype
-        self._tables: dict[int, tuple[int, Run]] = {}  # input -> (serial, its table's run)
+        self._tables: dict[int, tuple[int, Run, np.ndarray]] = {}  # input -> serial, run, ends
 
     def clear(self) -> None:
         self._tables.clear()
 
-    def runs(self, item: Any, where: str) -> list[Run]:
-        out = []
-        for source, serial, table, first, rows in item:
+    def run(self, item: Any, where: str) -> Run:
+        parts, order = item
+        runs, firsts, lasts = [], [], []
+        for source, serial, table, first, rows in parts:
             kept = self._tables.get(source)
             if kept is None or kept[0] != serial:
-                kept = serial, _from_table(table, self.key, self.eos, self.dtype, where)
-                self._tables[source] = kept
-            out.append(kept[1].documents(first, rows))
-        return out
+                run = _from_table(table, self.key, self.eos, self.dtype, where)
+                ends = np.append(run.starts[1:], len(run.tokens))
+                kept = self._tables[source] = serial, run, ends
+            runs.append(kept[1].tokens)
+            firsts.append(kept[1].starts[first : first + rows])
+            lasts.append(kept[2][first : first + rows])
+        n = len(order)
+        if len(parts) == 1:
+            lo, hi = firsts[0], lasts[0]
+        else:  # each position's document: its part's next row, the parts' rows in their order
+            rank = np.empty(n, dtype=np.intp)
+            rank[np.argsort(order, kind="stable")] = np.arange(n)
+            lo, hi = np.concatenate(firsts)[rank], np.concatenate(lasts)[rank]
+        lengths = hi - lo
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        # consecutive positions of one part are consecutive rows: a slice of its tokens each
+        cuts = np.flatnonzero(order[1:] != order[:-1]) + 1
+        if not len(cuts):
+            return Run(runs[int(order[0])][int(lo[0]) : int(hi[-1])], starts)
+        heads, tails = np.concatenate([[0], cuts]), np.concatenate([cuts - 1, [n - 1]])
+        pieces = [
+            runs[j][a:b]
+            for j, a, b in zip(
+                order[heads].tolist(), lo[heads].tolist(), hi[tails].tolist(), strict=True
+            )
+        ]
+        return Run(np.concatenate(pieces), starts)
 
 
 def run_of(item: Any, *, key: str | None, eos: int | None, dtype: np.dtype[Any], where: str) -> Run:

@@ -120,8 +120,7 @@ class Packed:
     def _run(self, item: Any, epoch: int, n: int) -> None:
         where = f"item {n} of this pass over epoch {epoch}"
         if self._row_runs is not None:
-            for run in self._row_runs.runs(item, where):
-                self._packer.add(run)
+            self._packer.add(self._row_runs.run(item, where))
             return
         self._packer.add(
             run_of(item, key=self.key, eos=self.eos, dtype=self._np_dtype, where=where)

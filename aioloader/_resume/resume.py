@@ -66,7 +66,7 @@ class Ledger:
         if skip and start_after is not None:  # keys that begin past the delivered groups (a mix)
             skip = start_after(epoch, skip)
         groups = self._plan.groups(epoch, resume.consumed)
-        self._progress = progress = Progress(epoch, resume.consumed, set(resume.skip))
+        self._progress = progress = Progress(epoch, resume.consumed, Ranges.of(resume.skip))
         return progress, (_skip(groups, skip) if skip else groups)
 
     def finished(self, progress: Progress) -> None:
@@ -82,7 +82,7 @@ class Ledger:
             "version": STATE_VERSION, "kind": kind,
             "config": config(), "epoch": progress.epoch, "rank": rank,
             "world_size": world_size, "in_order": self._in_order,
-            "consumed": progress.consumed.pairs, "delivered": Ranges.of(progress.delivered).pairs,
+            "consumed": progress.consumed.pairs, "delivered": progress.delivered.pairs,
             **self._plan_state,
         }  # fmt: skip
 
@@ -112,7 +112,7 @@ class Ledger:
             resume = Resume(epoch, consumed, set())
         with self._lock:
             self._resume, self._epoch = resume, resume.epoch
-        self._progress = Progress(resume.epoch, resume.consumed, set(resume.skip))
+        self._progress = Progress(resume.epoch, resume.consumed, Ranges.of(resume.skip))
         self._plan_state = {}
 
     # -- a mix's side of resuming on another world size (`_mix/elastic.py`) ----------------------
@@ -145,7 +145,7 @@ class Ledger:
         resume = Resume(epoch, consumed, set())
         with self._lock:
             self._resume, self._epoch = resume, epoch
-        self._progress = Progress(epoch, consumed, set())
+        self._progress = Progress(epoch, consumed)
         self._plan_state = {}
 
 

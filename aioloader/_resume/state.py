@@ -42,7 +42,7 @@ class Progress:
 
     epoch: int
     consumed: Ranges = field(default_factory=Ranges)
-    delivered: set[int] = field(default_factory=set)
+    delivered: Ranges = field(default_factory=Ranges)
 
 
 @dataclass

@@ -45,6 +45,35 @@ class Ranges:
             self._starts.append(start)
             self._stops.append(stop)
 
+    def add(self, value: int) -> None:
+        """Put `value` in: at once where it joins or follows the last range (ints added in
+        order, as a loader delivers its groups), else by a search."""
+        if value < 0:
+            raise ValueError(f"invalid range [{value}, {value + 1})")
+        starts, stops = self._starts, self._stops
+        if not stops or value > stops[-1]:
+            starts.append(value)
+            stops.append(value + 1)
+            return
+        if value == stops[-1]:
+            stops[-1] += 1
+            return
+        i = bisect.bisect_right(starts, value) - 1
+        if i >= 0 and value < stops[i]:
+            return
+        left = i >= 0 and stops[i] == value
+        right = i + 1 < len(starts) and starts[i + 1] == value + 1
+        if left and right:
+            stops[i] = stops.pop(i + 1)
+            del starts[i + 1]
+        elif left:
+            stops[i] += 1
+        elif right:
+            starts[i + 1] = value
+        else:
+            starts.insert(i + 1, value)
+            stops.insert(i + 1, value + 1)
+
     @property
     def pairs(self) -> list[list[int]]:
         """The ranges as JSON-friendly [start, stop] lists."""

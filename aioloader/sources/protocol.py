@@ -119,16 +119,18 @@ class HasAclose(Protocol):
 
 @runtime_checkable
 class HandsOverRowRuns(Protocol):
-    """Yields Tables made of runs of rows of other Tables (a mix by rows), and can hand over those
-    runs instead: `row_runs()` / `arow_runs()` iterate as `for` / `async for` do, each item a list
-    of `(input, serial, table, first, rows)`: rows `first` .. `first + rows` of `table`, which
-    came from input `input` (a loader's index in the mix) and which `serial` names (the same
-    number for every run of one table; an input's next table has another). A reader of the rows
-    (the packer) then converts each table once and joins nothing."""
+    """Yields Tables made of rows of other Tables (a mix by rows), and can hand over the pieces
+    instead: `row_runs()` / `arow_runs()` iterate as `for` / `async for` do, each item a pair
+    `(parts, order)`. Each part is `(input, serial, table, first, rows)`: rows `first` .. `first +
+    rows` of `table`, which came from input `input` (a loader's index in the mix) and which
+    `serial` names (the same number for every part of one table; an input's next table has
+    another). `order` (an int array, one entry per row of the item) is the part each row comes
+    from, each part's rows taken in turn. A reader of the rows (the packer) then converts each
+    table once and joins nothing."""
 
-    def row_runs(self) -> Iterator[Sequence[tuple[int, int, Any, int, int]]]: ...
+    def row_runs(self) -> Iterator[tuple[Sequence[tuple[int, int, Any, int, int]], Any]]: ...
 
-    def arow_runs(self) -> AsyncIterator[Sequence[tuple[int, int, Any, int, int]]]: ...
+    def arow_runs(self) -> AsyncIterator[tuple[Sequence[tuple[int, int, Any, int, int]], Any]]: ...
 
 
 @runtime_checkable

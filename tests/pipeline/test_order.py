@@ -135,6 +135,19 @@ def test_ranges_round_trip() -> None:
     assert list(r.union([4, 0])) == [0, 1, 2, 3, 4, 5, 9]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=60))
+def test_ranges_add_is_the_set_of_the_ints_added(values: list[int]) -> None:
+    """`add` (what a loader's delivered groups go through, one at a time) keeps the ranges
+    sorted, disjoint and merged, in any order of adds; a negative int is refused."""
+    r = Ranges()
+    for v in values:
+        r.add(v)
+    assert r.pairs == Ranges.of(values).pairs
+    with pytest.raises(ValueError, match="invalid range"):
+        r.add(-1)
+
+
 def test_map_style_dataset_is_sharded_without_a_fetch() -> None:
     class Squares(torch.utils.data.Dataset[int]):
         def __len__(self) -> int:
