@@ -30,12 +30,13 @@ _FIRST.setflags(write=False)
 
 class Run:
     """Tokens of whole documents, in stream order: `tokens` (1-D, EOS included) and `starts`
-    (the index in `tokens` of each document's first token, ascending)."""
+    (the index in `tokens` of each document's first token, ascending). `own`: `tokens` is an
+    array made here, nobody else's, so a batch may be a view of it."""
 
-    __slots__ = ("starts", "tokens")
+    __slots__ = ("own", "starts", "tokens")
 
-    def __init__(self, tokens: np.ndarray, starts: np.ndarray) -> None:
-        self.tokens, self.starts = tokens, starts
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, own: bool = False) -> None:
+        self.tokens, self.starts, self.own = tokens, starts, own
 
 
 class RowRuns:
@@ -55,7 +56,7 @@ class RowRuns:
 
     def run(self, item: Any, where: str) -> Run:
         parts, order = item
-        runs, firsts, lasts = [], [], []
+        runs, firsts, lasts, own = [], [], [], True
         for source, serial, table, first, rows in parts:
             kept = self._tables.get(source)
             if kept is None or kept[0] != serial:
@@ -63,6 +64,7 @@ class RowRuns:
                 ends = np.append(run.starts[1:], len(run.tokens))
                 kept = self._tables[source] = serial, run, ends
             runs.append(kept[1].tokens)
+            own = own and kept[1].own
             firsts.append(kept[1].starts[first : first + rows])
             lasts.append(kept[2][first : first + rows])
         n = len(order)
@@ -78,7 +80,7 @@ class RowRuns:
         # consecutive positions of one part are consecutive rows: a slice of its tokens each
         cuts = np.flatnonzero(order[1:] != order[:-1]) + 1
         if not len(cuts):
-            return Run(runs[int(order[0])][int(lo[0]) : int(hi[-1])], starts)
+            return Run(runs[int(order[0])][int(lo[0]) : int(hi[-1])], starts, own)
         heads, tails = np.concatenate([[0], cuts]), np.concatenate([cuts - 1, [n - 1]])
         pieces = [
             runs[j][a:b]
@@ -86,7 +88,7 @@ class RowRuns:
                 order[heads].tolist(), lo[heads].tolist(), hi[tails].tolist(), strict=True
             )
         ]
-        return Run(np.concatenate(pieces), starts)
+        return Run(np.concatenate(pieces), starts, own=True)
 
 
 def run_of(item: Any, *, key: str | None, eos: int | None, dtype: np.dtype[Any], where: str) -> Run:
@@ -109,7 +111,7 @@ def _from_documents(docs: list[np.ndarray], eos: int | None, dtype: np.dtype[Any
         tokens = np.empty(len(doc) + 1, dtype=dtype)
         tokens[:-1] = doc
         tokens[-1] = eos
-        return Run(tokens, _FIRST)
+        return Run(tokens, _FIRST, own=True)
     lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
     extra = 0 if eos is None else 1
     ends = np.cumsum(lengths + extra)
@@ -119,7 +121,7 @@ def _from_documents(docs: list[np.ndarray], eos: int | None, dtype: np.dtype[Any
         tokens[start : start + len(doc)] = doc
     if eos is not None:
         tokens[ends - 1] = eos
-    return Run(tokens, starts)
+    return Run(tokens, starts, own=True)
 
 
 def _from_table(
@@ -163,7 +165,7 @@ def _from_table(
     keep[ends] = False
     tokens[keep] = values
     tokens[ends] = eos
-    return Run(tokens, starts)
+    return Run(tokens, starts, own=True)
 
 
 def _numpy(array: Any) -> np.ndarray:

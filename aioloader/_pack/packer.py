@@ -11,7 +11,8 @@ token of the stream is a target once.
 
 What is held between batches is the tokens of documents read but not yet in a row (`pending`):
 a queue of runs and how far into the first of them the rows have reached. Nothing is copied
-until a batch takes it, so a long document is not moved once per batch.
+until a batch takes it, so a long document is not moved once per batch; a batch within one run
+of tokens made by the packer's reader is a view of it (batches view disjoint parts of it).
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ class Packer:
         """Copy the next `n` tokens out (and, with `marks` (default: with boundaries), a mask of
         documents' first tokens), then drop `advance` of them from what is held."""
         marks = self.boundaries if marks is None else marks
+        if not marks and self._runs:  # within the first run: a view of it, nothing copied
+            run, head = self._runs[0], self._head
+            # (a batch of no extra token is that view itself: only of tokens made here)
+            if len(run.tokens) - head >= n and (run.own or n != advance):
+                flat = run.tokens[head : head + n]
+                self._drop(advance)
+                return flat, None
         flat = np.empty(n, dtype=self.dtype)
         first = np.zeros(n, dtype=bool) if marks else None
         filled, head = 0, self._head
@@ -126,7 +134,9 @@ class Packer:
     def hold(self, tokens: list[int], starts: list[int]) -> None:
         """Hold what `held()` gave (replacing anything held)."""
         self.clear()
-        self.add(Run(np.asarray(tokens, dtype=self.dtype), np.asarray(starts, dtype=np.int64)))
+        self.add(
+            Run(np.array(tokens, dtype=self.dtype), np.asarray(starts, dtype=np.int64), own=True)
+        )
 
 
 def _rows(flat: np.ndarray, rows: int, step: int, extra: int) -> np.ndarray:

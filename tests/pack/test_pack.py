@@ -124,6 +124,40 @@ def test_batches_equal_the_plain_python_packer(
     assert again == want
 
 
+@pytest.mark.parametrize("how", ["arrays", "record_batches", "tables"])
+@pytest.mark.parametrize("eos", [None, 0])
+def test_a_batch_written_over_changes_no_other_batch_nor_the_documents(
+    how: str, eos: int | None
+) -> None:
+    # a batch within one run of tokens the packer made is a view of that run: writing over it
+    # (each batch in turn, and the state saved between) must leave the later batches, the
+    # state's held tokens and the loader's own documents as they were
+    docs = [list(range(i * 50, i * 50 + n)) for i, n in enumerate([300, 7, 90, 41, 260, 3, 120])]
+    items = items_of(docs, how, "int64")
+    before = [np.array(x, copy=True) for x in items] if how == "arrays" else None
+    key = None if how == "arrays" else "tokens"
+
+    def make() -> Packed:
+        loader = Loader(items, same, batch_size=None, collate=None)
+        return pack(loader, 16, batch_size=2, eos=eos, key=key)
+
+    with make() as packed:
+        want = [b.tolist() for b in packed]
+    got, states = [], []
+    with make() as packed:
+        for batch in packed:
+            got.append(batch.tolist())
+            batch.fill_(-7)
+            states.append(packed.state_dict())
+    assert got == want
+    assert all(-7 not in s["tokens"] for s in states)
+    if before is not None:
+        assert all(np.array_equal(a, b) for a, b in zip(items, before, strict=True))
+    with make() as resumed:
+        resumed.load_state_dict(states[4])
+        assert [b.tolist() for b in resumed] == want[5:]
+
+
 def test_rows_are_tensors_of_the_dtype_asked() -> None:
     docs = [np.arange(10, dtype=np.int32), np.arange(3, dtype=np.int16)]  # 15 tokens: 3 rows
     loader = Loader(docs, same, batch_size=None, collate=None)
