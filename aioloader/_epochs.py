@@ -8,8 +8,10 @@ on the loop thread's futures; `async for` awaits them (or runs the epoch in the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import (
@@ -26,7 +28,7 @@ from typing import Any, TypeVar
 
 from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._parts import Describer, EpochHooks
-from ._pipeline.epoch import Epoch
+from ._pipeline.epoch import Epoch, Unraised
 from ._pipeline.feed import BatchStage, Feed
 from ._pipeline.loop_thread import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
@@ -39,6 +41,9 @@ from .sources.protocol import HasSetEpoch
 __all__ = ["Epochs", "timeout_error"]
 
 T = TypeVar("T")
+
+
+_TOGETHER = 64  # the most batches one call on the loop hands a consumer in another thread
 
 
 class Epochs:
@@ -129,17 +134,40 @@ class Epochs:
         progress, groups = self._start()
         runner = self._runner()
         run = runner.run(self._open(groups, progress.epoch))
+        # the batches waiting come over together, in one call on the loop; each lets go of its
+        # places as it is handed over (see `Epoch.ready_many`)
+        ready: Callable[[], Any] = run.ready
+        if isinstance(run, Epoch):  # (a device stage's batches come one at a time)
+            ready, gone = functools.partial(run.ready_many, _TOGETHER), run.handed
+        came: collections.deque[Any] = collections.deque()
         try:
             while True:
                 t0 = time.perf_counter()
-                try:
-                    index, batch = runner.run(run.get(), self._timeout, run.ready)
-                except LoaderTimeout:
-                    raise self._timed_out(run) from None
-                except concurrent.futures.CancelledError:
-                    if self.closed:  # close() from elsewhere won the race with this wait
-                        raise LoaderClosedError("the loader was closed") from None
-                    raise
+                if not came:
+                    try:
+                        got: Any = runner.run(run.get(), self._timeout, ready)
+                    except LoaderTimeout:
+                        raise self._timed_out(run) from None
+                    except concurrent.futures.CancelledError:
+                        if self.closed:  # close() from elsewhere won the race with this wait
+                            raise LoaderClosedError("the loader was closed") from None
+                        raise
+                    if type(got) is list:
+                        came.extend(got)
+                    else:
+                        came.append(got)
+                    del got
+                entry = came.popleft()
+                if type(entry) is Unraised:
+                    raise entry.error
+                if len(entry) == 2:
+                    index, batch = entry
+                else:
+                    index, batch, samples, held_bytes = entry
+                    runner.call_soon(
+                        functools.partial(gone, samples, held_bytes, batch is not SKIPPED)
+                    )
+                del entry
                 handed = self._take(progress, t0, index, batch)
                 del batch  # not held here while the consumer has it: its buffers can be reused
                 if handed is None:
@@ -147,6 +175,7 @@ class Epochs:
                 if handed:
                     yield handed.pop()  # a BatchFailed is raised by `_Batches`
         finally:
+            came.clear()  # come over, never handed: dropped with the epoch
             if runner.alive and not runner.in_loop_thread():
                 with contextlib.suppress(TimeoutError, LoaderClosedError):  # closed meanwhile
                     runner.run(self._close_epoch(run), STOP_TIMEOUT_S)

@@ -39,7 +39,7 @@ from .order import Group
 from .reorder import Item, reorder
 from .stages import END, SKIPPED, BatchFailed, Gap, Stages
 
-__all__ = ["ROWS_AHEAD_PER_WORKER", "Epoch"]
+__all__ = ["ROWS_AHEAD_PER_WORKER", "Epoch", "Unraised"]
 
 ROWS_AHEAD_PER_WORKER = 4  # decodes sent ahead per worker while workers write batch rows
 
@@ -68,6 +68,16 @@ async def _attempt(
     except BaseException as exc:
         rec.stop(stage, t0, error=True, key=key)
         return None, exc
+
+
+class Unraised:
+    """An epoch's error among batches handed over together (`Epoch.ready_many`): the consumer
+    raises it where it comes, after the batches before it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class _Failed(Exception):
@@ -151,6 +161,7 @@ class Epoch:
             give_back_every=stages.budget.give_back_every(in_flight),
         )
         self._skipped = 0
+        self._away = 0  # batches `ready_many` gave that are not handed over yet
         self._order = reorder(
             stages.in_order, self._out, self._bytes.poke, ends=not stages.batch_errors,
             settle=self._settle,
@@ -174,27 +185,69 @@ class Epoch:
         thread then needs no task on the loop for it."""
         return None if self._out.empty() else self._got(self._out.get_nowait())
 
+    def ready_many(self, most: int) -> list[Any] | None:
+        """For a consumer in another thread, in one call on the loop: up to `most` batches
+        waiting, each as `(index, batch, samples, held_bytes)` (None when none is). Each keeps its
+        places until the consumer hands it over and says so (`handed(samples, held_bytes, made)`, on
+        the loop), so the prefetch and byte bounds count it while it waits in the consumer's
+        thread. The end comes as `ready()` gives it, `(-1, END)`; an error ends the list, as an
+        `Unraised` to raise there."""
+        if self._out.empty():
+            return None
+        out: list[Any] = []
+        while len(out) < most and not self._out.empty():
+            item = self._out.get_nowait()
+            if item.error is not None or item.batch is END:
+                try:
+                    out.append(self._got(item))
+                except BaseException as exc:  # the epoch's error: raised where it comes
+                    out.append(Unraised(exc))
+                return out
+            out.append((*self._out_of(item, counted=False), item.samples, item.held_bytes))
+            self._away += 1
+        return out
+
+    def handed(self, size: int, held_bytes: int, made: bool) -> None:
+        """A batch of `ready_many` was handed over (`made`: not one whose samples were all
+        skipped): its places go, and it is counted as `ready()` counts it (on the loop)."""
+        self._away -= 1
+        self._let_go(size, held_bytes)
+        self._count(made, size)
+
     def _got(self, item: Item) -> tuple[int, Any]:
-        index, batch, size, held_bytes, error, _ = item
+        self._let_go(item.samples, item.held_bytes)
+        return self._out_of(item)
+
+    def _let_go(self, size: int, held_bytes: int) -> None:
+        """The places a batch held: free for the next ones (on the loop)."""
         for _ in range(size):
             self._held.release()
         self._bytes.release(held_bytes)
         rec = self._rec
         rec.held_samples -= size
         rec.held_bytes -= held_bytes
+
+    def _out_of(self, item: Item, counted: bool = True) -> tuple[int, Any]:
+        """What the consumer is handed for `item` (its error raised), counted (unless not
+        `counted`: `handed` counts it then)."""
+        index, batch, _, held_bytes, error, _ = item
         warning = self._bytes.over(held_bytes)
         if warning is not None:  # to the consumer (a warning that is an error reaches it as one)
-            warnings.warn(warning, ResourceWarning, stacklevel=3)
+            warnings.warn(warning, ResourceWarning, stacklevel=4)
         if error is not None:
             if index >= 0 and self._stages.batch_errors:
                 return index, BatchFailed(error)
             raise error
-        if batch is not END:
-            rec.ready -= 1
-        if batch is not END and batch is not SKIPPED:
+        if counted and batch is not END:
+            self._count(batch is not SKIPPED, item.samples)
+        return index, batch
+
+    def _count(self, made: bool, size: int) -> None:
+        rec = self._rec
+        rec.ready -= 1
+        if made:
             rec.batches += 1
             rec.samples += size
-        return index, batch
 
     async def aclose(self) -> None:
         """Cancel the epoch, wait until every task of it has ended, and drop what it still holds
@@ -291,7 +344,7 @@ class Epoch:
     def _oldest(self, group: int) -> bool:
         """Whether `group` is the oldest batch and no other holds bytes (made batches all taken by
         the consumer): it is never held back for bytes, so a batch larger than the budget goes."""
-        return self._order.oldest() == group and self._out.empty()
+        return self._order.oldest() == group and self._out.empty() and not self._away
 
     async def _sample(
         self, state: _GroupState, slot: int, key: Any, expected: int | None = None
