@@ -192,7 +192,7 @@ class Epochs:
         if self._use_caller_loop:
             run = await self._open(groups, progress.epoch)
             try:
-                async for batch in self._batches(lambda: _boxed(run.get), progress, run):
+                async for batch in self._batches(lambda: _boxed(run.get), progress, run, _never):
                     handed = [batch]
                     del batch  # not held here while the consumer has it (nor after an error)
                     yield handed.pop()
@@ -202,8 +202,21 @@ class Epochs:
         runner = self._runner()
         run = await asyncio.wrap_future(runner.submit(self._open(groups, progress.epoch)))
         try:
-            get = lambda: asyncio.wrap_future(runner.submit(_boxed(run.get)))  # noqa: E731
-            async for batch in self._batches(get, progress, run):
+            # as for `for`: the batches waiting come over together, each letting go of its
+            # places as it is handed over (see `Epoch.ready_many`)
+            if isinstance(run, Epoch):
+                epoch = run
+
+                def get() -> Awaitable[list[Any]]:
+                    return asyncio.wrap_future(runner.submit(_many(epoch)))
+
+                def gone(samples: int, held_bytes: int, made: bool) -> None:
+                    runner.call_soon(functools.partial(epoch.handed, samples, held_bytes, made))
+
+            else:
+                get = lambda: asyncio.wrap_future(runner.submit(_boxed(run.get)))  # noqa: E731
+                gone = _never
+            async for batch in self._batches(get, progress, run, gone):
                 handed = [batch]
                 del batch  # not held here while the consumer has it (nor after an error)
                 yield handed.pop()
@@ -213,23 +226,39 @@ class Epochs:
                     await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
 
     async def _batches(
-        self, get: Callable[[], Awaitable[list[Any]]], progress: Progress, run: Epoch | Feed
-    ) -> AsyncIterator[Any]:
-        """The epoch's batches; `get()` gives the next `(index, batch)` in a list (see `_boxed`)."""
+        self, get: Callable[[], Awaitable[list[Any]]], progress: Progress, run: Epoch | Feed,
+        gone: Callable[[int, int, bool], None],
+    ) -> AsyncIterator[Any]:  # fmt: skip
+        """The epoch's batches; `get()` gives the next ones in a list (see `_boxed`, `_many`):
+        `(index, batch)`, or `(index, batch, samples, held_bytes)` for one whose places go by
+        `gone(samples, held_bytes, made)` as it is handed over, or an `Unraised` error."""
+        came: collections.deque[Any] = collections.deque()
         while True:
             t0 = time.perf_counter()
-            try:
-                async with asyncio.timeout(self._timeout) as deadline:
-                    index, batch = (await get()).pop()
-            except TimeoutError:
-                if not deadline.expired():
-                    raise  # the pipeline's own, from a user callable
-                raise self._timed_out(run) from None
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self.closed and task is not None and not task.cancelling():
-                    raise LoaderClosedError("the loader was closed") from None
-                raise
+            if not came:
+                try:
+                    async with asyncio.timeout(self._timeout) as deadline:
+                        box = await get()
+                except TimeoutError:
+                    if not deadline.expired():
+                        raise  # the pipeline's own, from a user callable
+                    raise self._timed_out(run) from None
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if self.closed and task is not None and not task.cancelling():
+                        raise LoaderClosedError("the loader was closed") from None
+                    raise
+                came.extend(box)
+                box.clear()  # (the future that gave it may outlive the hand-over)
+            entry = came.popleft()
+            if type(entry) is Unraised:
+                raise entry.error
+            if len(entry) == 2:
+                index, batch = entry
+            else:
+                index, batch, samples, held_bytes = entry
+                gone(samples, held_bytes, batch is not SKIPPED)
+            del entry
             handed = self._take(progress, t0, index, batch)
             del batch  # not held here while the consumer has it: its buffers can be reused
             if handed is None:
@@ -328,6 +357,16 @@ def _loop_running() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+async def _many(epoch: Epoch) -> list[Any]:
+    """The batches waiting (`Epoch.ready_many`), else `[await epoch.get()]`."""
+    many = epoch.ready_many(_TOGETHER)
+    return many if many is not None else [await epoch.get()]
+
+
+def _never(samples: int, held_bytes: int, made: bool) -> None:
+    """(no batch comes with places to let go of)"""
 
 
 async def _boxed(get: Callable[[], Awaitable[Any]]) -> list[Any]:

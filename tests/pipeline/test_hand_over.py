@@ -1,12 +1,14 @@
 """`for` over a loader: the batches waiting come over to the consumer's thread together, in one call
 on the loop, and each keeps its places until it is handed over.
 
-Checked: one call for many waiting batches; the prefetch bound and the counts then; an error behind
+Checked: one call for many waiting batches (`for` and `async for`); the prefetch bound and the
+counts then; an error behind
 batches waiting comes after them; an early break drops what came over and was not handed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -32,17 +34,19 @@ def until(predicate: Callable[[], bool]) -> bool:
 
 
 class Calls:
-    """Counts `LoopThread.run`: the consumer's calls on the loop."""
+    """Counts the consumer's calls on the loop: `LoopThread.run` (`for`), `.submit` (`async for`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
-        run = LoopThread.run
+        for name in ("run", "submit"):
+            monkeypatch.setattr(LoopThread, name, self._counted(getattr(LoopThread, name)))
 
+    def _counted(self, call: Callable[..., Any]) -> Callable[..., Any]:
         def counted(thread: LoopThread, *args: Any, **kwargs: Any) -> Any:
             self.count += 1
-            return run(thread, *args, **kwargs)
+            return call(thread, *args, **kwargs)
 
-        monkeypatch.setattr(LoopThread, "run", counted)
+        return counted
 
 
 def test_batches_waiting_come_over_in_one_call_and_hold_their_places(
@@ -73,6 +77,34 @@ def test_batches_waiting_come_over_in_one_call_and_hold_their_places(
         stats = loader.stats()
     assert got == [[k, k + 1] for k in range(0, 40, 2)]
     assert (stats.batches, stats.samples, stats.ready_batches, stats.held_samples) == (20, 40, 0, 0)
+
+
+def test_async_for_takes_the_batches_waiting_in_one_call_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = Calls(monkeypatch)
+    tracker = Tracker()
+
+    async def main() -> tuple[list[Any], int, Any]:
+        async with Loader(
+            range(40), SyncFetch(tracker), batch_size=2, prefetch=PREFETCH, concurrency=2,
+            collate=None,
+        ) as loader:  # fmt: skip
+            batches = aiter(loader)
+            got = [await anext(batches)]
+            # (the loader runs on its own thread: its stats are read from there)
+            assert await asyncio.to_thread(until, lambda: loader.stats().ready_batches >= PREFETCH)
+            before = calls.count
+            for _ in range(PREFETCH):
+                got.append(await anext(batches))
+            after = calls.count - before
+            got += [batch async for batch in batches]
+            return got, after, loader.stats()
+
+    got, after, stats = asyncio.run(asyncio.wait_for(main(), WAIT_S))
+    assert after == 1
+    assert got == [[k, k + 1] for k in range(0, 40, 2)]
+    assert (stats.batches, stats.ready_batches, stats.held_samples) == (20, 0, 0)
 
 
 def test_an_error_behind_waiting_batches_comes_after_them() -> None:
