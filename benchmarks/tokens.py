@@ -441,8 +441,8 @@ def main() -> None:
 
 def best_of(results: list[dict[str, Any] | str]) -> dict[str, Any] | str:
     """A contender's figures over its rounds: each its best (most tokens/s; least CPU, first
-    batch and restore), exact resume only if every round's was; why it did not run, if it never
-    did."""
+    batch and restore), exact resume only if every round's was, and every round's tokens/s; why
+    it did not run, if it never did."""
     ran = [r for r in results if isinstance(r, dict)]
     if not ran:
         return results[0]
@@ -451,6 +451,7 @@ def best_of(results: list[dict[str, Any] | str]) -> dict[str, Any] | str:
         best[key] = min(r[key] for r in ran)
     best["exact_resume"] = all(r["exact_resume"] for r in ran)
     best["rounds"] = len(ran)
+    best["each_round_m_tokens_per_s"] = [r["m_tokens_per_s"] for r in ran]  # how far they spread
     return best
 
 
