@@ -29,6 +29,8 @@ async def test_turns_hold_the_limit_and_let_the_lowest_order_in_first() -> None:
             await gate.wait()
             held -= 1
 
+    async with turns.turn(9):  # a first turn, ended (until then, one at a time: see below)
+        pass
     tasks = [asyncio.create_task(decode(o)) for o in (5, 1, 4, 0, 3)]
     for _ in range(3):  # each task's first step: two take the turns, three wait
         await asyncio.sleep(0)
@@ -38,6 +40,32 @@ async def test_turns_hold_the_limit_and_let_the_lowest_order_in_first() -> None:
     await asyncio.gather(*tasks)
     assert order == [5, 1, 0, 3, 4]
     assert most == 2
+    assert turns.busy == 0
+
+
+@pytest.mark.asyncio
+async def test_the_first_turn_is_taken_alone() -> None:
+    # the row group needed first decodes alone; the turns open up once it is done
+    turns = Turns(lambda: 2)
+    gates = [asyncio.Event() for _ in range(3)]
+    held: list[int] = []
+
+    async def decode(o: int) -> None:
+        async with turns.turn(o):
+            held.append(o)
+            await gates[o].wait()
+
+    tasks = [asyncio.create_task(decode(o)) for o in range(3)]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert held == [0]  # one turn, though the limit is two
+    gates[0].set()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert held == [0, 1, 2]  # both turns, once the first ended
+    for gate in gates:
+        gate.set()
+    await asyncio.gather(*tasks)
     assert turns.busy == 0
 
 

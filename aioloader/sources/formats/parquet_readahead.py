@@ -183,17 +183,20 @@ class Ahead:
 
 class Turns:
     """At most `limit()` holders at once (asked again at each turn, so it may move); waiters are
-    let in lowest `order` first."""
+    let in lowest `order` first. Until a first turn has ended, one holder only: the row group
+    needed first is decoded alone (the first batch waits for it; read ahead beside it, each
+    decode in a fresh process would take as long as all of them, its memory being new)."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
         self.limit = limit
+        self.ended = 0  # turns ended so far
         self.busy = 0
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._arrived = itertools.count()  # equal orders: first come, first served
 
     @contextlib.asynccontextmanager
     async def turn(self, order: int) -> AsyncIterator[None]:
-        if self.busy < self.limit() and not self._waiting:
+        if self.busy < self._limit() and not self._waiting:
             self.busy += 1
         else:
             fut = asyncio.get_running_loop().create_future()
@@ -209,9 +212,13 @@ class Turns:
         finally:
             self._release()
 
+    def _limit(self) -> int:
+        return self.limit() if self.ended else 1
+
     def _release(self) -> None:
         self.busy -= 1
-        limit = self.limit()
+        self.ended += 1
+        limit = self._limit()
         while self._waiting and self.busy < limit:
             fut = heapq.heappop(self._waiting)[2]
             if not fut.done():  # else: its waiter was cancelled
