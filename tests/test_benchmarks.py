@@ -31,6 +31,17 @@ def test_stats_overhead_runs_both_workloads_and_ends_with_its_json() -> None:
         assert summary[workload]["off_items_per_s"] > 0
 
 
+def test_per_batch_runs_every_contender_and_ends_with_its_json() -> None:
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "per_batch.py"), "--quick", "--items", "300"], 180
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "per_batch"
+    for name in ("torch-0", "torch-2", "dataloader-2", "for", "async-for"):
+        assert summary[name]["us_per_batch"] > 0
+    assert summary["vs"]["for/torch-2"] > 0
+
+
 def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
     # One workload at one worker count: two fresh interpreters, a few batches each.
     out = run_benchmark(
