@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 AZURITE := .azurite/.installed
 TORCH   ?= torch==2.13.0
 
-BENCHES := dropin serialization_tax remote decode autotune stats_overhead h2d_overlap ft_threads ranks
+BENCHES := dropin serialization_tax remote decode autotune stats_overhead per_batch h2d_overlap ft_threads ranks
 BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams
 
 .PHONY: setup test test-stress test-containers test-slow lint demo bench bench-quick chart soak clean
