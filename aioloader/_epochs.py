@@ -137,8 +137,14 @@ class Epochs:
         # the batches waiting come over together, in one call on the loop; each lets go of its
         # places as it is handed over (see `Epoch.ready_many`)
         ready: Callable[[], Any] = run.ready
+        gone: Callable[[int, int, bool], None] = _never
         if isinstance(run, Epoch):  # (a device stage's batches come one at a time)
-            ready, gone = functools.partial(run.ready_many, _TOGETHER), run.handed
+            epoch = run
+            ready = functools.partial(epoch.ready_many, _TOGETHER)
+
+            def gone(samples: int, held_bytes: int, made: bool) -> None:
+                runner.call_soon(functools.partial(epoch.handed, samples, held_bytes, made))
+
         came: collections.deque[Any] = collections.deque()
         try:
             while True:
@@ -157,17 +163,7 @@ class Epochs:
                     else:
                         came.append(got)
                     del got
-                entry = came.popleft()
-                if type(entry) is Unraised:
-                    raise entry.error
-                if len(entry) == 2:
-                    index, batch = entry
-                else:
-                    index, batch, samples, held_bytes = entry
-                    runner.call_soon(
-                        functools.partial(gone, samples, held_bytes, batch is not SKIPPED)
-                    )
-                del entry
+                index, batch = _next_of(came, gone)
                 handed = self._take(progress, t0, index, batch)
                 del batch  # not held here while the consumer has it: its buffers can be reused
                 if handed is None:
@@ -250,15 +246,7 @@ class Epochs:
                     raise
                 came.extend(box)
                 box.clear()  # (the future that gave it may outlive the hand-over)
-            entry = came.popleft()
-            if type(entry) is Unraised:
-                raise entry.error
-            if len(entry) == 2:
-                index, batch = entry
-            else:
-                index, batch, samples, held_bytes = entry
-                gone(samples, held_bytes, batch is not SKIPPED)
-            del entry
+            index, batch = _next_of(came, gone)
             handed = self._take(progress, t0, index, batch)
             del batch  # not held here while the consumer has it: its buffers can be reused
             if handed is None:
@@ -367,6 +355,21 @@ async def _many(epoch: Epoch) -> list[Any]:
 
 def _never(samples: int, held_bytes: int, made: bool) -> None:
     """(no batch comes with places to let go of)"""
+
+
+def _next_of(
+    came: collections.deque[Any], gone: Callable[[int, int, bool], None]
+) -> tuple[int, Any]:
+    """The next of the batches that came over, `(index, batch)`: one that holds its places lets
+    them go as it is handed over (`gone`); an `Unraised` error is raised."""
+    entry = came.popleft()
+    if type(entry) is Unraised:
+        raise entry.error
+    if len(entry) == 2:
+        return entry  # type: ignore[no-any-return]
+    index, batch, samples, held_bytes = entry
+    gone(samples, held_bytes, batch is not SKIPPED)
+    return index, batch
 
 
 async def _boxed(get: Callable[[], Awaitable[Any]]) -> list[Any]:
