@@ -139,12 +139,7 @@ class Epochs:
         ready: Callable[[], Any] = run.ready
         gone: Callable[[int, int, bool], None] = _never
         if isinstance(run, Epoch):  # (a device stage's batches come one at a time)
-            epoch = run
-            ready = functools.partial(epoch.ready_many, _TOGETHER)
-
-            def gone(samples: int, held_bytes: int, made: bool) -> None:
-                runner.call_soon(functools.partial(epoch.handed, samples, held_bytes, made))
-
+            ready, gone = functools.partial(run.ready_many, _TOGETHER), _handed_on(runner, run)
         came: collections.deque[Any] = collections.deque()
         try:
             while True:
@@ -206,9 +201,7 @@ class Epochs:
                 def get() -> Awaitable[list[Any]]:
                     return asyncio.wrap_future(runner.submit(_many(epoch)))
 
-                def gone(samples: int, held_bytes: int, made: bool) -> None:
-                    runner.call_soon(functools.partial(epoch.handed, samples, held_bytes, made))
-
+                gone = _handed_on(runner, epoch)
             else:
                 get = lambda: asyncio.wrap_future(runner.submit(_boxed(run.get)))  # noqa: E731
                 gone = _never
@@ -351,6 +344,16 @@ async def _many(epoch: Epoch) -> list[Any]:
     """The batches waiting (`Epoch.ready_many`), else `[await epoch.get()]`."""
     many = epoch.ready_many(_TOGETHER)
     return many if many is not None else [await epoch.get()]
+
+
+def _handed_on(runner: LoopThread, epoch: Epoch) -> Callable[[int, int, bool], None]:
+    """`gone` for a consumer outside `epoch`'s loop thread: a batch's places go back on the loop
+    (`Epoch.handed`) as it is handed over."""
+
+    def gone(samples: int, held_bytes: int, made: bool) -> None:
+        runner.call_soon(functools.partial(epoch.handed, samples, held_bytes, made))
+
+    return gone
 
 
 def _never(samples: int, held_bytes: int, made: bool) -> None:
