@@ -33,6 +33,21 @@ def until(predicate: Callable[[], bool]) -> bool:
     return True
 
 
+class Gated(SyncFetch):
+    """A fetch that holds key 2 (the second batch's first) until `go` is set: the first batch is
+    then the only one that can be waiting when the consumer first asks (in key order, the rest
+    wait behind the second), so the first call hands over that one alone."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        super().__init__(tracker)
+        self.go = threading.Event()
+
+    def __call__(self, key: Any) -> Any:
+        if key == 2:
+            assert self.go.wait(WAIT_S)
+        return super().__call__(key)
+
+
 class Calls:
     """Counts the consumer's calls on the loop: `LoopThread.run` (`for`), `.submit` (`async for`)."""
 
@@ -54,12 +69,13 @@ def test_batches_waiting_come_over_in_one_call_and_hold_their_places(
 ) -> None:
     calls = Calls(monkeypatch)
     tracker = Tracker()
+    fetch = Gated(tracker)
     with Loader(
-        range(40), SyncFetch(tracker), batch_size=2, prefetch=PREFETCH, concurrency=2,
-        collate=None,
+        range(40), fetch, batch_size=2, prefetch=PREFETCH, concurrency=2, collate=None,
     ) as loader:  # fmt: skip
         batches = iter(loader)
         got = [next(batches)]
+        fetch.go.set()
         assert until(lambda: loader.stats().ready_batches >= PREFETCH)
         before = calls.count
         got.append(next(batches))  # every batch waiting comes over now
@@ -85,13 +101,15 @@ def test_async_for_takes_the_batches_waiting_in_one_call_too(
     calls = Calls(monkeypatch)
     tracker = Tracker()
 
+    fetch = Gated(tracker)
+
     async def main() -> tuple[list[Any], int, Any]:
         async with Loader(
-            range(40), SyncFetch(tracker), batch_size=2, prefetch=PREFETCH, concurrency=2,
-            collate=None,
+            range(40), fetch, batch_size=2, prefetch=PREFETCH, concurrency=2, collate=None,
         ) as loader:  # fmt: skip
             batches = aiter(loader)
             got = [await anext(batches)]
+            fetch.go.set()
             # (the loader runs on its own thread: its stats are read from there)
             assert await asyncio.to_thread(until, lambda: loader.stats().ready_batches >= PREFETCH)
             before = calls.count
