@@ -359,7 +359,9 @@ def _reader(meta: FileMeta, path: Path | None) -> tuple[pq.ParquetFile, _Pieces 
             f = pa.PythonFile(pieces, mode="r")
             reader = pq.ParquetFile(f, metadata=meta.metadata, pre_buffer=False)
             held = files[key] = (meta, reader, pieces)
-        else:
-            reader = pq.ParquetFile(str(path), metadata=meta.metadata, pre_buffer=False)
+        else:  # mapped: pages are decoded from the page cache, not first copied out of it
+            reader = pq.ParquetFile(
+                str(path), metadata=meta.metadata, pre_buffer=False, memory_map=True
+            )
             held = files[key] = (meta, reader, None)
     return held[1], held[2]
