@@ -32,12 +32,19 @@ def table(rng: np.random.Generator, n: int) -> pa.Table:
     })  # fmt: skip
 
 
-@pytest.mark.parametrize("sliced", [False, True])
-def test_a_gather_is_pyarrows_take(sliced: bool) -> None:
+@pytest.mark.parametrize("how", ["whole", "sliced", "in parts"])
+def test_a_gather_is_pyarrows_take(how: str) -> None:
     rng = np.random.default_rng(5)
     whole = table(rng, 300)
-    # a row group's table may itself be a slice: its list offsets then do not start at 0
-    source = whole.slice(37, 200) if sliced else whole
+    # a row group's table may itself be a slice: its list offsets then do not start at 0; one
+    # decoded in parts is a chunk per part
+    if how == "sliced":
+        source = whole.slice(37, 200)
+    elif how == "in parts":
+        source = pa.Table.from_batches(whole.slice(0, 300).to_batches(max_chunksize=64))
+        assert source.column("tokens").num_chunks == 5
+    else:
+        source = whole
     for _ in range(20):
         rows = rng.permutation(len(source))[: int(rng.integers(3, 120))]
         got = take_rows(source, rows)

@@ -39,6 +39,7 @@ from .parquet_bytes import (
     FileMeta,
     ParquetError,
     decode_row_group,
+    decode_row_group_in_parts,
     fetch_row_group,
     need_pyarrow,
     read_footer,
@@ -58,6 +59,8 @@ __all__ = ["Parquet", "ParquetError", "RowRef", "RowsRef", "parquet"]
 # (about 0.4 ms each from the page cache, where a loop and threads of its own cost ~20 ms); more
 # (or any remote one) are read at once on a loop.
 _LOCAL_FOOTERS_HERE = 64
+# The fewest rows a row group of RecordBatch samples is decoded in at a time (`Parquet._decode`).
+_PART_ROWS = 256
 # Each loop's decode turns (`Parquet._decode_turns`), gone with the loop.
 _TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Turns] = weakref.WeakKeyDictionary()
 
@@ -223,14 +226,28 @@ class Parquet:
         return g, row - int(self._starts[g])
 
     async def _load(self, group: RowGroup) -> Any:
+        try:
+            return await self._read(group)
+        finally:
+            group.ended()  # its waiters go on (to its value, or to why there is none)
+
+    async def _read(self, group: RowGroup) -> Any:
         file, rg = self.row_groups[group.index]
         meta, store = self.metas[file], self._stores[file]
         pieces = None
         if store.path is None:  # remote: the chunks first; a local file is read by pyarrow
             pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
+        loop = asyncio.get_running_loop()
+
+        def arrived(part: Any) -> None:  # in the decode's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for it
+                loop.call_soon_threadsafe(group.arrived, part)
+
         async with self._decode_turns().turn(group.order):
+            # in parts when its rows are wanted now (one read ahead is decoded whole: one chunk
+            # a column, which a sample across the parts' ends would have to copy together)
             value, group.nbytes = await asyncio.to_thread(
-                self._decode, meta, rg, pieces, store.path
+                self._decode, meta, rg, pieces, store.path, arrived if group.waited() else None
             )
         self._counts["row_groups_read"] += 1
         self._counts["bytes_read"] += sum(n for _, n in meta.ranges(rg, self._leaves[file]))
@@ -248,12 +265,29 @@ class Parquet:
         return turns
 
     def _decode(
-        self, meta: FileMeta, rg: int, pieces: list[tuple[int, Bytes]] | None, path: Path | None
-    ) -> tuple[Any, int]:
-        table = decode_row_group(meta, rg, self.columns, pieces, path)
-        if self.rows_per_sample is not None:
-            return table, table.nbytes
-        return _python_columns(table), table.nbytes
+        self, meta: FileMeta, rg: int, pieces: list[tuple[int, Bytes]] | None, path: Path | None,
+        arrived: Callable[[Any], None] | None,
+    ) -> tuple[Any, int]:  # fmt: skip
+        """In a thread: the row group's value and its size. With `arrived`, samples of rows
+        (RecordBatches) are decoded in parts, each handed to it as it is in: the first samples of
+        a row group go on before its last rows are decoded."""
+        if self.rows_per_sample is None or arrived is None:
+            table = decode_row_group(meta, rg, self.columns, pieces, path)
+            if self.rows_per_sample is not None:
+                return table, table.nbytes
+            return _python_columns(table), table.nbytes
+        import pyarrow as pa
+
+        parts = []
+        rows = max(self.rows_per_sample, _PART_ROWS)
+        for part in decode_row_group_in_parts(meta, rg, self.columns, pieces, path, rows):
+            parts.append(part)
+            arrived(part)
+        if not parts:  # no rows: the row group's empty table, with its schema
+            table = decode_row_group(meta, rg, self.columns, pieces, path)
+        else:
+            table = pa.Table.from_batches(parts)
+        return table, table.nbytes
 
     # -- the order -----------------------------------------------------------------------------------
 
@@ -437,7 +471,7 @@ class Parquet:
             return {name: values[ref.row] for name, values in columns.items()}
         tables = []
         for group, rows in ref.parts:
-            table = await group.value(self)
+            table = await group.rows(self, int(rows.max()) + 1)
             tables.append(take_rows(table, rows))
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         batches = table.to_batches()

@@ -12,10 +12,11 @@ local file's row groups are read and decoded by pyarrow itself, in one call in a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ __all__ = [
     "ParquetError",
     "Store",
     "decode_row_group",
+    "decode_row_group_in_parts",
     "need_pyarrow",
     "store_for",
 ]
@@ -316,6 +318,27 @@ def decode_row_group(
     """Row group `row_group` of the chosen `columns`, decoded from its fetched `pieces`, or read by
     pyarrow from the local file `path` (run in a thread: pyarrow releases the GIL). A page that does
     not decode raises ParquetError naming the file and the row group."""
+    with _decoding(meta, row_group, pieces, path) as f:
+        return f.read_row_group(row_group, columns=columns, use_threads=False)
+
+
+def decode_row_group_in_parts(
+    meta: FileMeta, row_group: int, columns: Sequence[str] | None,
+    pieces: list[tuple[int, Bytes]] | None, path: Path | None, rows: int,
+) -> Iterator[pa.RecordBatch]:  # fmt: skip
+    """As `decode_row_group`, in record batches of `rows` rows, each one given as it is decoded
+    (the rows of a row group needed first need not wait for its last ones; smaller buffers cost
+    less to fill, too). Errors as there."""
+    with _decoding(meta, row_group, pieces, path) as f:
+        yield from f.iter_batches(rows, row_groups=[row_group], columns=columns, use_threads=False)
+
+
+@contextlib.contextmanager
+def _decoding(
+    meta: FileMeta, row_group: int, pieces: list[tuple[int, Bytes]] | None, path: Path | None
+) -> Iterator[pq.ParquetFile]:
+    """This thread's reader of the file, over `pieces` while the block runs; what pyarrow raises
+    in it becomes a ParquetError naming the file and the row group."""
     import pyarrow as pa
 
     held: _Pieces | None = None
@@ -323,7 +346,7 @@ def decode_row_group(
         f, held = _reader(meta, path)
         if held is not None:
             held.pieces = pieces or []
-        return f.read_row_group(row_group, columns=columns, use_threads=False)
+        yield f
     except (pa.ArrowException, OSError, ValueError, IndexError) as exc:
         raise ParquetError(
             f"parquet {meta.label}: row group {row_group} does not decode: "

@@ -40,15 +40,23 @@ class Reader(Protocol):
 
 
 class RowGroup:
-    """One row group of one file: loading, then loaded; shared by the samples that need it."""
+    """One row group of one file: loading, then loaded; shared by the samples that need it. While
+    it decodes in parts (`Parquet` with `rows_per_sample`), the parts decoded so far serve the
+    samples whose rows they hold (`rows`)."""
 
-    __slots__ = ("__weakref__", "index", "nbytes", "order", "task")
+    __slots__ = (
+        "__weakref__", "_waiters", "index", "nbytes", "needed", "order", "parts", "ready", "task",
+    )  # fmt: skip
 
     def __init__(self, index: int) -> None:
         self.index = index  # among all the files' row groups
         self.task: asyncio.Task[Any] | None = None
         self.nbytes = 0
         self.order = 0  # when the walk needs it, relative to the others read ahead (lower: sooner)
+        self.needed = False  # asked for by the rows being handed out, not read ahead of them
+        self.parts: list[Any] = []  # record batches decoded so far, while the decode goes on
+        self.ready = 0  # the rows they hold
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []  # (rows wanted, woken when in)
 
     def start(self, source: Reader) -> asyncio.Task[Any]:
         """Begin the read (once), on the running loop."""
@@ -65,6 +73,47 @@ class RowGroup:
         if task.done():
             return task.result()
         return await asyncio.shield(task)
+
+    async def rows(self, source: Reader, upto: int) -> Any:
+        """A pyarrow Table of at least the row group's first `upto` rows: the decoded row group,
+        or while it decodes in parts, the parts decoded so far once they hold them."""
+        task = self.start(source)
+        if not task.done() and self.ready < upto:
+            woken = asyncio.get_running_loop().create_future()
+            self._waiters.append((upto, woken))
+            await woken
+        if task.done() or self.ready < upto:  # ended (or failed) before its parts held them
+            return await self.value(source)
+        import pyarrow as pa
+
+        return pa.Table.from_batches(self.parts)
+
+    def waited(self) -> bool:
+        """Whether rows of it are wanted now: asked for by the rows being handed out, or a
+        sample waits for them."""
+        return self.needed or any(not woken.done() for _, woken in self._waiters)
+
+    def arrived(self, part: Any) -> None:
+        """On the loop: the decode's next part (a record batch) is in."""
+        self.parts.append(part)
+        self.ready += part.num_rows
+        self._wake(self.ready)
+
+    def ended(self) -> None:
+        """On the loop, as the read ends (done, failed or cancelled): every waiter goes on; the
+        parts are let go (the row group's value holds what it needs of them)."""
+        self.parts, self.ready = [], 0
+        self._wake(None)
+
+    def _wake(self, ready: int | None) -> None:
+        waiting, self._waiters = self._waiters, []
+        for upto, woken in waiting:
+            if woken.done():  # its fetch was cancelled
+                continue
+            if ready is None or upto <= ready:
+                woken.set_result(None)
+            else:
+                self._waiters.append((upto, woken))
 
     def __del__(self) -> None:  # nothing needs it any more: stop a read still going
         task = self.task
@@ -131,6 +180,7 @@ class Ahead:
             g = self.need[self.next]
             group = self.pinned[g] = self.source.group(g)
             group.order = self.next
+            group.needed = group.needed or self.next < reached  # not read ahead: wanted now
             heapq.heappush(self.ends, (self.last[g], g))
             with contextlib.suppress(RuntimeError):  # no running loop: read when fetched
                 group.start(self.source)

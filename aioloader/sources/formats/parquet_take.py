@@ -31,9 +31,8 @@ def take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
     indices: pa.Array | None = None
     columns = []
     for column in table.columns:
-        chunk = column.chunk(0) if column.num_chunks == 1 else None
-        if chunk is not None and _numeric_list(chunk):
-            columns.append(_gather_list(chunk, rows))
+        if column.num_chunks and all(_numeric_list(c) for c in column.chunks):
+            columns.append(_gather_list(column.chunks, rows))
             continue
         if indices is None:
             indices = pa.array(rows)
@@ -56,25 +55,37 @@ def _numeric_list(array: Any) -> bool:
     )
 
 
-def _gather_list(array: Any, rows: np.ndarray) -> Any:
-    """Rows `rows` of the list array `array` (see `_numeric_list`): new offsets, and each row's
-    values copied into one new buffer."""
+def _gather_list(chunks: list[Any], rows: np.ndarray) -> Any:
+    """Rows `rows` of the list array made of `chunks` (each as `_numeric_list` asks; a row group
+    decoded in parts has one per part): new offsets, and each row's values copied into one new
+    buffer."""
     import pyarrow as pa
 
-    large = pa.types.is_large_list(array.type)
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if large else np.int32)
-    offsets = offsets[array.offset : array.offset + len(array) + 1]
-    child = array.values  # offsets count from its start, whatever the array's own slice
-    values = np.frombuffer(child.buffers()[1], dtype=_dtype(child.type))
-    values = values[child.offset : child.offset + len(child)]
-    starts, ends = offsets[rows], offsets[rows + 1]
-    out_offsets = np.zeros(len(rows) + 1, dtype=offsets.dtype)
-    np.cumsum(ends - starts, out=out_offsets[1:])
-    out = np.empty(int(out_offsets[-1]), dtype=values.dtype)
-    for start, end, at in zip(starts.tolist(), ends.tolist(), out_offsets.tolist(), strict=False):
-        out[at : at + end - start] = values[start:end]
+    kind = chunks[0].type
+    large = pa.types.is_large_list(kind)
+    sources, starts, ends = [], [], []  # per chunk: its values; its rows' starts and ends
+    for array in chunks:
+        offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if large else np.int32)
+        starts.append(offsets[array.offset : array.offset + len(array)])
+        ends.append(offsets[array.offset + 1 : array.offset + len(array) + 1])
+        child = array.values  # offsets count from its start, whatever the array's own slice
+        values = np.frombuffer(child.buffers()[1], dtype=_dtype(child.type))
+        sources.append(values[child.offset : child.offset + len(child)])
+    if len(chunks) == 1:
+        which = np.zeros(len(rows), dtype=np.intp)
+        first, last = starts[0][rows], ends[0][rows]
+    else:  # each row's chunk; its start and end among that chunk's values
+        which = np.searchsorted(np.cumsum([len(c) for c in chunks]), rows, side="right")
+        first, last = np.concatenate(starts)[rows], np.concatenate(ends)[rows]
+    out_offsets = np.zeros(len(rows) + 1, dtype=np.int64 if large else np.int32)
+    np.cumsum(last - first, out=out_offsets[1:])
+    out = np.empty(int(out_offsets[-1]), dtype=sources[0].dtype)
+    for c, start, end, at in zip(
+        which.tolist(), first.tolist(), last.tolist(), out_offsets.tolist(), strict=False
+    ):
+        out[at : at + end - start] = sources[c][start:end]
     build = pa.LargeListArray if large else pa.ListArray
-    return build.from_arrays(pa.array(out_offsets), pa.array(out), type=array.type)
+    return build.from_arrays(pa.array(out_offsets), pa.array(out), type=kind)
 
 
 def _dtype(kind: Any) -> np.dtype[Any]:
