@@ -20,6 +20,9 @@ Contenders:
   rows_per_item=256)`: the mix's rule per document), then `aioloader.pack`;
 - "aioloader-batches": the same sources in one `Loader` over `aioloader.mix(sources, ...)`, which
   draws per record batch (the proportions hold per 256 documents, not per document);
+- every aioloader contender packs into int32 rows (`pack(..., dtype=torch.int32)`), the dtype the
+  peers' rows come in (LitData's and Grain's tokens as stored), so each contender hands over the
+  same bytes; `pack`'s default is int64, what a loss takes as targets;
 - "aioloader-per-doc": one document per sample (the mix draws per document);
 - "aioloader-text": "aioloader-batches" over a copy of the corpus whose `text` column holds each document
   as words ("w123 w45 ..." for token ids 123, 45, ...; `id`, `url`, `raw` as they were), tokenized
@@ -159,6 +162,8 @@ def aioloader_packed(
     rows_per_item: int | None = None,
 ) -> Any:
     """The mix packed; with a `tokenizer`, over the text copy, tokenized in the decode threads."""
+    import torch
+
     from aioloader import Loader, mix, pack, sources, tokenize
 
     column = "tokens" if tokenizer is None else "text"
@@ -173,7 +178,7 @@ def aioloader_packed(
         ]
         rows = mix(dict(zip(files, loaders, strict=True)), WEIGHTS, seed=1,
                    rows_per_item=rows_per_item)  # fmt: skip
-        return pack(rows, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens")
+        return pack(rows, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens", dtype=torch.int32)
     parts = {
         name: sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i)
         for i, (name, paths) in enumerate(files.items())
@@ -183,7 +188,7 @@ def aioloader_packed(
     else:
         loader = Loader(mix(parts, WEIGHTS, seed=1), batch_size=None, collate=None,
                         decode=tokenize(tokenizer), executor="thread")  # fmt: skip
-    return pack(loader, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens")
+    return pack(loader, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens", dtype=torch.int32)
 
 
 def word_level() -> Any:

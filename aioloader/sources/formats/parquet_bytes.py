@@ -380,11 +380,57 @@ def _reader(meta: FileMeta, path: Path | None) -> tuple[pq.ParquetFile, _Pieces 
         if path is None:
             pieces = _Pieces([], meta.size)
             f = pa.PythonFile(pieces, mode="r")
-            reader = pq.ParquetFile(f, metadata=meta.metadata, pre_buffer=False)
+            reader = _pooled(pq.ParquetFile(f, metadata=meta.metadata, pre_buffer=False), f,
+                             meta, memory_map=False)  # fmt: skip
             held = files[key] = (meta, reader, pieces)
         else:  # mapped: pages are decoded from the page cache, not first copied out of it
-            reader = pq.ParquetFile(
-                str(path), metadata=meta.metadata, pre_buffer=False, memory_map=True
-            )
-            held = files[key] = (meta, reader, None)
+            source = str(path)
+            reader = pq.ParquetFile(source, metadata=meta.metadata, pre_buffer=False,
+                                    memory_map=True)  # fmt: skip
+            held = files[key] = (meta, _pooled(reader, source, meta, memory_map=True), None)
     return held[1], held[2]
+
+
+def decode_pool() -> pa.MemoryPool | None:
+    """The memory pool row groups are decoded into: jemalloc's where pyarrow has it (None: the
+    default pool).
+
+    Why not the default (mimalloc in pyarrow's Linux wheels): its arenas are marked for huge pages,
+    and a purged part of one comes back as a fresh 2 MB page that the kernel zeroes whole. Decoding
+    frees and takes megabytes per row group, so on a machine whose fresh memory is slow that zeroing
+    was the largest single cost of an epoch of tokens (9-21% of the CPU; 1-2% with jemalloc, which
+    keeps freed pages for reuse a while). Only the decode's buffers move: the process's default
+    pool is left as it is."""
+    global _POOL
+    if _POOL is _UNSET:
+        import pyarrow as pa
+
+        try:
+            _POOL = pa.jemalloc_memory_pool()
+        except (NotImplementedError, AttributeError):  # a build without jemalloc
+            _POOL = None
+    return _POOL
+
+
+_UNSET: Any = object()
+_POOL: Any = _UNSET
+
+
+def _pooled(
+    file: pq.ParquetFile, source: Any, meta: FileMeta, *, memory_map: bool
+) -> pq.ParquetFile:
+    """`file`, its reads decoding into `decode_pool()`: its reader swapped for one opened on the
+    same `source` with that pool (the reader `ParquetFile` makes takes the default pool; its other
+    parts, the schema's column paths, are kept). Where pyarrow's reader takes no pool, `file`."""
+    pool = decode_pool()
+    if pool is None:
+        return file
+    try:
+        from pyarrow._parquet import ParquetReader
+
+        reader = ParquetReader(memory_pool=pool)
+        reader.open(source, use_memory_map=memory_map, pre_buffer=False, metadata=meta.metadata)
+    except (ImportError, TypeError):  # another pyarrow's reader: its own pool, then
+        return file
+    file.reader = reader
+    return file
