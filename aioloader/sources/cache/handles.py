@@ -34,8 +34,11 @@ class Held:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in a thread. Cancelling the caller does not cut the thread short."""
-        self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        return await asyncio.shield(self._busy)
+        busy = self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        # a caller cancelled while the thread runs leaves `busy` to nobody (the shield drops its
+        # callback on it): a failure it ends with later is seen here, not logged at its collection
+        busy.add_done_callback(_seen)
+        return await asyncio.shield(busy)
 
     def release(self) -> None:
         busy = self._busy
@@ -45,8 +48,6 @@ class Held:
             self._release_now()
 
     def _release_after(self, fut: asyncio.Future[Any]) -> None:
-        if not fut.cancelled():
-            fut.exception()  # seen: a failure after its caller left is not logged as unretrieved
         self._release_now()
 
     def _release_now(self) -> None:
@@ -73,6 +74,11 @@ class Held:
         fd, self.temp = create_temp(paths)
         self.fds.append(fd)
         return fd
+
+
+def _seen(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # marks it retrieved
 
 
 class Fill:
