@@ -9,10 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from support.parquetfiles import write_tokens
 
 from aioloader._util.ranges import Ranges
 from aioloader.sources import Parquet
@@ -21,15 +20,7 @@ ROWS, GROUP, PER_SAMPLE = 3_000, 1_500, 100
 
 
 def tokens_file(path: Path) -> pa.Table:
-    rng = np.random.default_rng(3)
-    offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 60, ROWS))]).astype(np.int32)
-    values = rng.integers(1, 50_000, int(offsets[-1]), dtype=np.int32)
-    table = pa.table({
-        "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
-        "id": pa.array(np.arange(ROWS)),
-    })  # fmt: skip
-    pq.write_table(table, path, row_group_size=GROUP)
-    return table
+    return write_tokens(path, ROWS, GROUP, seed=3, longest=60)
 
 
 class HeldAfterAPart(Parquet):

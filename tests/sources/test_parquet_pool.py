@@ -3,14 +3,16 @@ local file or from fetched bytes, whole or in parts; the process's default pool 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.parquetfiles import write_tokens
 
 from aioloader._util.ranges import Ranges
 from aioloader.sources import Parquet
@@ -26,15 +28,8 @@ ROWS, GROUP = 2_000, 1_000
 
 @pytest.fixture
 def tokens_file(tmp_path: Path) -> Path:
-    rng = np.random.default_rng(5)
-    offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 400, ROWS))]).astype(np.int32)
-    values = rng.integers(1, 50_000, int(offsets[-1]), dtype=np.int32)
-    table = pa.table({
-        "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
-        "id": pa.array(np.arange(ROWS)),
-    })  # fmt: skip
     path = tmp_path / "tokens.parquet"
-    pq.write_table(table, path, row_group_size=GROUP)
+    write_tokens(path, ROWS, GROUP, seed=5, longest=400)
     return path
 
 
@@ -57,12 +52,28 @@ def fetched(path: Path, meta: FileMeta, row_group: int) -> list[tuple[int, bytes
     return [(a, data[a : a + n]) for a, n in meta.ranges(row_group, meta.leaves(["tokens"]))]
 
 
+@contextlib.contextmanager
+def counted(pool: pa.MemoryPool) -> Iterator[list[int]]:
+    """The bytes the block leaves allocated in `pool` and in the default pool, in the list given
+    (set as it ends). Earlier tests' leftovers are collected first and none while it runs: only
+    the block's own buffers move the counts."""
+    default = pa.default_memory_pool()
+    gc.collect()
+    gc.disable()
+    ours, theirs = pool.bytes_allocated(), default.bytes_allocated()
+    grew: list[int] = []
+    try:
+        yield grew
+    finally:
+        grew[:] = [pool.bytes_allocated() - ours, default.bytes_allocated() - theirs]
+        gc.enable()
+
+
 def grown(pool: pa.MemoryPool, make: Callable[[], Any]) -> tuple[Any, int, int]:
     """What `make()` returns, and the bytes it left allocated in `pool` and in the default pool."""
-    default = pa.default_memory_pool()
-    ours, theirs = pool.bytes_allocated(), default.bytes_allocated()
-    value = make()
-    return value, pool.bytes_allocated() - ours, default.bytes_allocated() - theirs
+    with counted(pool) as grew:
+        value = make()
+    return value, grew[0], grew[1]
 
 
 def values_bytes(table: Any) -> int:
@@ -103,14 +114,13 @@ async def test_the_sources_samples_hold_their_tokens_in_the_decode_pool(
 ) -> None:
     src = Parquet(str(tokens_file), ["tokens"], rows_per_sample=500, shuffle=False)
     walk = src.refs(0, src.share(Ranges()))
-    default = pa.default_memory_pool()
-    ours, theirs = pool.bytes_allocated(), default.bytes_allocated()
-    try:
-        samples = [await src.fetch(ref) for _, ref in walk]
-    finally:
-        walk.close()
-        await src.aclose()
+    with counted(pool) as grew:
+        try:
+            samples = [await src.fetch(ref) for _, ref in walk]
+        finally:
+            walk.close()
+            await src.aclose()
     assert sum(len(s) for s in samples) == ROWS
     held = sum(values_bytes(s) for s in samples)
-    assert pool.bytes_allocated() - ours >= held
-    assert default.bytes_allocated() - theirs < held // 10
+    assert grew[0] >= held
+    assert grew[1] < held // 10

@@ -1,6 +1,7 @@
 """Parquet files for the Parquet tests: `write_files` writes FILES (nulls, nested lists, binary and
 dictionary-encoded columns, four codecs, uneven row groups); `expected` is what pyarrow reads of them,
-`rows_of` what a Loader over a source gives, as plain values."""
+`rows_of` what a Loader over a source gives, as plain values; `write_tokens` a file of documents'
+token ids (a `tokens` list<int32> column and an `id`)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,17 @@ def write_files(folder: Path) -> list[str]:
         paths.append(str(path))
         first += rows
     return paths
+
+
+def write_tokens(path: Path, rows: int, row_group: int, *, seed: int, longest: int) -> pa.Table:
+    """`rows` documents of 1 to `longest - 1` random token ids in `tokens`, their row numbers in
+    `id`, written to `path` in row groups of `row_group` rows; the table written."""
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(1, longest, rows))]).astype(np.int32)
+    values = rng.integers(1, 50_000, int(offsets[-1]), dtype=np.int32)
+    table = pa.table({
+        "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+        "id": pa.array(np.arange(rows)),
+    })  # fmt: skip
+    pq.write_table(table, path, row_group_size=row_group)
+    return table

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import struct
 import threading
@@ -391,6 +392,7 @@ def _reader(meta: FileMeta, path: Path | None) -> tuple[pq.ParquetFile, _Pieces 
     return held[1], held[2]
 
 
+@functools.cache
 def decode_pool() -> pa.MemoryPool | None:
     """The memory pool row groups are decoded into: jemalloc's where pyarrow has it (None: the
     default pool).
@@ -401,19 +403,12 @@ def decode_pool() -> pa.MemoryPool | None:
     was the largest single cost of an epoch of tokens (9-21% of the CPU; 1-2% with jemalloc, which
     keeps freed pages for reuse a while). Only the decode's buffers move: the process's default
     pool is left as it is."""
-    global _POOL
-    if _POOL is _UNSET:
-        import pyarrow as pa
+    import pyarrow as pa
 
-        try:
-            _POOL = pa.jemalloc_memory_pool()
-        except (NotImplementedError, AttributeError):  # a build without jemalloc
-            _POOL = None
-    return _POOL
-
-
-_UNSET: Any = object()
-_POOL: Any = _UNSET
+    try:
+        return pa.jemalloc_memory_pool()
+    except (NotImplementedError, AttributeError):  # a build without jemalloc
+        return None
 
 
 def _pooled(
