@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _objserver import start_server
+from _objserver import exit_with_parent, start_server
 from remote import SERVERS, SIZE, run_torch
 
 from aioloader import Loader
@@ -133,6 +133,7 @@ def two_processes(base: str, keys: list[str], shards: list[str], work: Path) -> 
 
 def child(base: str, cache_dir: str, ready: str, what: str) -> None:
     """One of the two processes: wait for the other, read everything, print how many items."""
+    exit_with_parent()
     keys, shards = json.loads(what)
     Path(ready, str(os.getpid())).touch()
     while len(os.listdir(ready)) < 2:

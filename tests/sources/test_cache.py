@@ -389,6 +389,114 @@ def test_a_download_goes_on_while_its_reader_waits_for_another_process(tmp_path:
     assert not parts(tmp_path)
 
 
+# Another process, for the round-robin deadlock: holds the lock of the shard named argv[2] in the
+# cache argv[1] ("held"); once the file argv[3] is in the cache, puts that shard's bytes (the file
+# argv[4]) in place as its finished download would ("published"), and holds the lock until killed
+# (its reader, say, waits for the first process's next shard).
+PUBLISH_AND_HOLD = """
+import os, sys, time
+from pathlib import Path
+from aioloader.sources.cache.entries import (
+    Expect, Paths, create_temp, has_xattrs, label, metadata, open_lock, publish, try_lock,
+    write_all,
+)
+root, held = Path(sys.argv[1]), Paths.of(Path(sys.argv[1]), sys.argv[2])
+(root / "data").mkdir(parents=True, exist_ok=True)
+fd = open_lock(held)
+assert try_lock(fd, held)
+print("held", flush=True)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.01)
+body, xattr = Path(sys.argv[4]).read_bytes(), has_xattrs(root / "data")
+out, temp = create_temp(held)
+write_all(out, [body])
+meta = metadata("other", len(body), {}, Expect())
+label(out, meta, xattr)
+os.close(out)
+publish(held, temp, meta, xattr)
+print("published", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_shard_in_place_is_read_while_another_process_still_holds_its_lock(
+    tmp_path: Path,
+) -> None:
+    # Two ranks read shards 0 and 1 round-robin through one cache. The other downloaded shard 1
+    # and holds its lock while its reader is busy; this one, waiting for that lock since it
+    # started, reads the file once it is in place. Were the file looked for only when the lock
+    # was free, this one would wait for shard 1 for ever (LoaderTimeout here).
+    shards = {
+        f"shard-{s}.tar": _tar({f"s{s}-{i:03d}.bin": bytes([s]) * 4096 for i in range(200)})
+        for s in range(2)
+    }
+    origin = Origin(shards)
+    urls = [f"{origin.url}/shard-{s}.tar" for s in range(2)]
+    body = tmp_path / "shard-1.tar"
+    body.write_bytes(shards["shard-1.tar"])
+    cache = tmp_path / "cache"
+    other = subprocess.Popen(
+        [sys.executable, "-c", PUBLISH_AND_HOLD, str(cache), urls[1],
+         str(data_file(cache, urls[0])), str(body)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert other.stdout is not None
+        assert other.stdout.readline().strip() == "held"
+        src = sources.tar_shards(urls, shuffle=False, cache_dir=cache, parallel=2)
+        with Loader(src, concurrency=8, collate=None, timeout=60) as loader:
+            samples = list(loader)
+        assert other.stdout.readline().strip() == "published"
+    finally:
+        other.kill()
+        other.communicate()
+        origin.stop()
+    assert sorted(s["__key__"] for s in samples) == sorted(
+        f"s{s}-{i:03d}" for s in range(2) for i in range(200)
+    )
+    assert all(bytes(s["bin"]) == bytes([int(s["__key__"][1])]) * 4096 for s in samples)
+    assert origin.hits == {"shard-0.tar": 1}  # shard 1 came from the other's file
+    assert not parts(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_download_lets_go_of_its_lock_when_it_ends_not_when_its_reader_does(
+    tmp_path: Path,
+) -> None:
+    # A reader that took one sample of its shard and waits (for another process's shard, say):
+    # once the shard is in the cache, its lock is free for that other process. Held until the
+    # reader was done, two processes reading round-robin could each wait for the other's lock
+    # where no file was kept (a failed download, one over the limit).
+    from aioloader.sources.cache.entries import Paths, open_lock, try_lock
+
+    origin = Origin({"shard.tar": _tar({f"s-{i:03d}.bin": bytes([i]) * 4096 for i in range(200)})})
+    url = f"{origin.url}/shard.tar"
+    src = sources.tar_shards([url], shuffle=False, cache_dir=tmp_path)
+    probe = -1
+    try:
+        samples = src.samples(0)
+        first = await samples.__anext__()
+        while not data_file(tmp_path, url).exists():  # noqa: ASYNC110 - a file: polled
+            await asyncio.sleep(0.01)
+        paths = Paths.of(tmp_path, url)
+        probe = open_lock(paths)
+
+        async def freed() -> None:  # (it goes as the download's task ends, just after the file)
+            while not try_lock(probe, paths):  # noqa: ASYNC110 - another descriptor's lock
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(freed(), 60)  # held until the reader is done: TimeoutError
+        rest = [s async for s in samples]
+    finally:
+        if probe >= 0:
+            os.close(probe)
+        await src.aclose()
+        origin.stop()
+    assert [s["__key__"] for s in [first, *rest]] == [f"s-{i:03d}" for i in range(200)]
+    assert origin.hits == {"shard.tar": 1}
+    assert not parts(tmp_path)
+
+
 @pytest.mark.asyncio
 async def test_a_reader_far_behind_its_download_reads_the_rest_from_the_file(
     tmp_path: Path,

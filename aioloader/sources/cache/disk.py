@@ -3,10 +3,13 @@
 `Cache(directory, limit)` keeps each object it is given whole in `directory` (see `entries.py` for
 the files and `index.py` for the index). Reading an object that is cached costs no request: its
 size and sidecar are checked (and its ETag against the source's listing, when it has one) and the
-file is read in a thread into a recycled buffer. A miss takes the object's lock (`flock`), so that
-of several processes sharing the directory (the ranks of a torchrun job) one downloads while the
-others wait for it and then read its file; the download is written to a temporary name and renamed
-into place, then the least recently used objects are evicted while the total is over `limit`.
+file is read in a thread into a recycled buffer. A miss takes the object's lock (an open file
+description lock), so that of several processes sharing the directory (the ranks of a torchrun
+job) one downloads while the others wait for it and then read its file. A waiter looks for the
+file at every try, and a download lets go of the lock when it ends, not when its reader is done:
+two processes reading shards round-robin may each wait for the other's next shard while holding
+their own. The download is written to a temporary name and renamed into place, then the least
+recently used objects are evicted while the total is over `limit`.
 
 Files are not fsync'd: a file cut short by a crash fails the size check and is fetched again.
 Cancelling a read at any point leaves no temporary file behind once its thread has finished (and
@@ -282,26 +285,32 @@ class Cache:
         self, held: Held, fd: int, paths: Paths, label: str, opener: Opener, fill: Fill
     ) -> None:
         """Write the object from `opener` to the temporary file `fd`, handing each chunk to `fill`
-        as it comes; then, if it came whole and fits, put the file in place."""
-        version: dict[str, str] = {}
-        pending: list[bytes] = []
-        waiting = 0
-        async with contextlib.aclosing(opener(version)) as chunks:
-            async for chunk in chunks:
-                fill.offer(chunk)
-                pending.append(chunk)
-                waiting += len(chunk)
-                if waiting >= CHUNK:
-                    fill.wrote(await held.run(write_all, fd, pending))
-                    pending, waiting = [], 0
-        fill.wrote(await held.run(write_all, fd, pending))
-        self.counts["cache_misses"] += 1
-        whole = version.get("content-length")
-        fits = self.limit is None or fill.written <= self.limit
-        if fits and (whole is None or int(whole) == fill.written):
-            meta = metadata(label, fill.written, version, Expect())
-            self.counts["cache_evictions"] += await held.run(self._seal, held, fd, paths, meta)
-            await self._record_later()
+        as it comes; then, if it came whole and fits, put the file in place. The lock goes when
+        this ends, however it ends, not when the reader is done: another process waiting for it
+        then goes on (to the file, or to a download of its own where none was kept) even while
+        its reader waits for that process."""
+        try:
+            version: dict[str, str] = {}
+            pending: list[bytes] = []
+            waiting = 0
+            async with contextlib.aclosing(opener(version)) as chunks:
+                async for chunk in chunks:
+                    fill.offer(chunk)
+                    pending.append(chunk)
+                    waiting += len(chunk)
+                    if waiting >= CHUNK:
+                        fill.wrote(await held.run(write_all, fd, pending))
+                        pending, waiting = [], 0
+            fill.wrote(await held.run(write_all, fd, pending))
+            self.counts["cache_misses"] += 1
+            whole = version.get("content-length")
+            fits = self.limit is None or fill.written <= self.limit
+            if fits and (whole is None or int(whole) == fill.written):
+                meta = metadata(label, fill.written, version, Expect())
+                self.counts["cache_evictions"] += await held.run(self._seal, held, fd, paths, meta)
+                await self._record_later()
+        finally:
+            held.release()  # (the reader reads on from its own descriptor of the file)
 
     async def _claim(self, held: Held, paths: Paths, read: Callable[[], T | None]) -> T | None:
         """What `read` finds cached; else None, with the object's lock in `held` (taken once no
@@ -318,14 +327,17 @@ class Cache:
     def _step(held: Held, paths: Paths, read: Callable[[], T | None]) -> T | object:
         """One try, in a thread: what `read` finds cached, else `_LOCKED` with the lock taken,
         else `_WAIT` (another holds it)."""
+        # the file first, at every try: a holder keeps its lock until its reader is done, and
+        # that reader may wait for this one (two processes reading shards round-robin), so the
+        # file, in place once downloaded, must not wait for the lock
+        found = read()
+        if found is not None:
+            return found
         if not held.fds:
-            found = read()
-            if found is not None:
-                return found
             held.open_lock(paths)
         if not try_lock(held.fds[0], paths):
             return _WAIT
-        found = read()  # another process may have downloaded it while this one waited
+        found = read()  # another process may have downloaded it between the two tries
         return _LOCKED if found is None else found
 
     def _write(self, held: Held, paths: Paths, data: bytearray, meta: dict[str, Any]) -> int:
