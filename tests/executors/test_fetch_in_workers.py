@@ -29,20 +29,42 @@ BODY = bytes(range(256)) * 128  # 32 KiB: in shared memory, not in the pipe
 
 
 class SlowOrigin(ServerThread):
-    """Serves BODY at every path after `delay` seconds; `peak` is the most requests held at once."""
+    """Serves BODY at every path after `delay` seconds; `peak` is the most requests held at once.
+    After `hold(first, count)`, a request for "<i>.bin" with i >= `first` also waits until
+    `release()`; `holding` is set once `count` of them wait."""
 
     def __init__(self, delay: float) -> None:
         self.delay = delay
         self.in_flight = self.peak = self.hits = 0
+        self.holding = threading.Event()
+        self._first: int | None = None
+        self._count = self._held = 0
+        self._gate: asyncio.Event | None = None
         app = web.Application()
         app.router.add_get("/{name:.*}", self._get)
         super().__init__(app, "test-slow-origin")
 
-    async def _get(self, _request: web.Request) -> web.Response:
+    def hold(self, first: int, count: int) -> None:
+        async def gate() -> asyncio.Event:
+            return asyncio.Event()
+
+        self._gate, self._first, self._count = self.call(gate()), first, count
+
+    def release(self) -> None:
+        if self._gate is not None:
+            self.loop.call_soon_threadsafe(self._gate.set)
+
+    async def _get(self, request: web.Request) -> web.Response:
         self.in_flight += 1
         self.hits += 1
         self.peak = max(self.peak, self.in_flight)
         try:
+            name = request.match_info["name"].removesuffix(".bin")
+            if self._gate is not None and self._first is not None and int(name) >= self._first:
+                self._held += 1
+                if self._held >= self._count:
+                    self.holding.set()
+                await self._gate.wait()
             await asyncio.sleep(self.delay)
         finally:
             self.in_flight -= 1
@@ -144,6 +166,10 @@ def test_batch_rows_do_not_hold_back_the_worker_loops(slow: SlowOrigin) -> None:
 def test_a_worker_killed_mid_epoch(slow: SlowOrigin, restarts: int) -> None:
     keys = [f"{i}.bin" for i in range(96)]
     src = http(slow.url + "/", keys, concurrency=32)
+    # the first batch's requests go through; the next 16 (on both workers: each task goes to the
+    # one with fewer in flight) wait at the origin until the victim is dead, so the kill always
+    # finds requests in flight on it, however slow the machine
+    slow.hold(8, 16)
     with ProcessExecutor(2, max_worker_restarts=restarts) as pool:
         # both workers up before one is killed: a worker that dies while it starts fails the pool
         # (it cannot be told from a broken start), and where workers import a large torch (the
@@ -155,8 +181,10 @@ def test_a_worker_killed_mid_epoch(slow: SlowOrigin, restarts: int) -> None:
         with loader:
             batches = iter(loader)
             delivered = len(next(batches))
+            assert slow.holding.wait(60)
             victim = pool.pids[0]
             os.kill(victim, signal.SIGKILL)  # with requests in flight on it
+            slow.release()
             if restarts:
                 delivered += sum(len(batch) for batch in batches)
                 assert delivered == len(keys)

@@ -123,4 +123,7 @@ async def test_the_sources_samples_hold_their_tokens_in_the_decode_pool(
     assert sum(len(s) for s in samples) == ROWS
     held = sum(values_bytes(s) for s in samples)
     assert grew[0] >= held
-    assert grew[1] < held // 10
+    # (not a tenth, as for one decode above: beside two CPU hogs about one run in ten ends with
+    # 405,504 bytes more in the default pool, not from the source's opens or decodes, which take
+    # none of it when measured alone; the samples' own would be all of `held`)
+    assert grew[1] < held // 2

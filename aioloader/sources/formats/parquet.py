@@ -38,6 +38,7 @@ from .parquet_bytes import (
     Bytes,
     FileMeta,
     ParquetError,
+    decode_pool,
     decode_row_group,
     decode_row_group_in_parts,
     fetch_row_group,
@@ -475,7 +476,11 @@ class Parquet:
             tables.append(take_rows(table, rows))
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         batches = table.to_batches()
-        return batches[0] if len(batches) == 1 else table.combine_chunks().to_batches()[0]
+        if len(batches) == 1:
+            return batches[0]
+        # rows across two row groups, or two parts of one: copied together, into the pool the
+        # row groups decode into (the default pool is left alone; see `decode_pool`)
+        return table.combine_chunks(memory_pool=decode_pool()).to_batches()[0]
 
     async def samples(self, epoch: int) -> AsyncIterator[Any]:
         """The samples of `epoch` for this reader, one after the other (row groups read ahead)."""
