@@ -251,6 +251,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0, help="where to listen (0: any free port)")
     parser.add_argument("--throttle", default="", help="RATE:SECONDS of 503 SlowDown above RATE/s")
     args = parser.parse_args()
+    from _lifetime import exit_with_parent  # (this file's folder is on the path: a script)
+
+    exit_with_parent()
     serve(args.port_file, args.upstream, args.delay_ms, args.port, args.throttle)
 
 

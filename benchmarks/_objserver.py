@@ -18,25 +18,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-
-ORPHAN_POLL_S = 0.5  # how often a benchmark's child looks whether its parent is still there
-
-
-def exit_with_parent() -> None:
-    """End this process (exit status 1) once its parent is gone: a benchmark killed mid-run (a
-    test's timeout) leaves no server or child of its own running. A thread that polls: the
-    parent's death is another process's event, which nothing here is told of."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(ORPHAN_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def serve(
@@ -115,6 +98,8 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, default=1024)
     parser.add_argument("--files", default=None, help="a folder whose files /files/<name> serves")
     args = parser.parse_args()
+    from _lifetime import exit_with_parent  # (this file's folder is on the path: a script)
+
     exit_with_parent()
     serve(args.port_file, args.size, args.delay_ms, args.backlog, args.files)
 

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _objserver import exit_with_parent, start_server
+from _lifetime import exit_with_parent
+from _objserver import start_server
 from remote import SERVERS, SIZE, run_torch
 
 from aioloader import Loader

@@ -78,6 +78,7 @@ from typing import Any
 
 import psutil
 from _delayproxy import Proxy, read_counts
+from _lifetime import exit_with_parent
 from _pss import PeakPss
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -239,6 +240,7 @@ def epoch(loader: Iterable[Any], sizes: list[int], proxy: tuple[str, int]) -> di
 
 
 def child(spec: dict[str, Any]) -> None:
+    exit_with_parent()
     warnings.filterwarnings("ignore")
     kind = spec["kind"]
     if kind in OPTIONAL:

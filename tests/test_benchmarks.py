@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,53 @@ def test_tokens_runs_aioloaders_contenders_and_resumes_exactly(tmp_path: Path) -
         assert summary[name]["batches"] == 120
         assert summary[name]["m_tokens_per_s"] > 0
     assert summary["columnar_speedup"] > 0
+
+
+# A benchmark's parent that starts the object server and the delay proxy in front of it, says
+# their pids, and waits to be killed.
+_PARENT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from _delayproxy import Proxy
+from _objserver import start_server
+server, url = start_server(1024, 0.0)
+proxy = Proxy(url, 0.0)
+print(server.pid, proxy.proc.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_servers_of_a_killed_benchmark_exit(wait_until: Callable[..., bool]) -> None:
+    # A benchmark killed mid-run (a test's timeout) left its object server and its children
+    # running, skewing every timing after it. They now end once their parent is gone.
+    import os
+    import signal
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(BENCHMARKS)], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    parent.stdout.close()  # (the servers hold its other end: it ends only when they do)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def gone() -> bool:
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            # an exited child of the killed parent is reaped by init; until then it is a zombie
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return False
+        return True
+
+    try:
+        assert wait_until(gone, 30)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
