@@ -34,6 +34,12 @@ Contenders:
 - peers, only when installed (`pip install 'aioloader[bench]'`), else skipped with the reason:
   see `_tokens_peers.py` (LitData, Grain, HF datasets + torchdata's StatefulDataLoader).
 
+Every contender runs in this interpreter. Install aioloader in it as `make setup` installs it for
+the project, with its `uvloop` extra (`pip install -e '.[parquet,uvloop,bench]'`): the loaders'
+event loops are uvloop's where it is installed, and without it aioloader's contenders ran 5-9%
+more CPU per token (four fresh-process pairs, 2026-12-03). The peers use no event loop. Each of
+aioloader's results says which loop it ran on (`event_loop`).
+
 The corpus is written once into `--folder` (default: a folder in the temp directory, kept for the
 next run; its text copy beside it, when "aioloader-text" runs), then flushed and read once, so
 every contender finds it in the page cache. Figures are the machine's of the moment: compare
@@ -319,6 +325,8 @@ def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int)
     if name == "aioloader-text":
         result["same_batches"] = same_batches(contender, Ours(files, 256))
         result["tokenizer_cpu_s_per_m_tokens"] = tokenizer_cost(contender)
+    if name in OURS:
+        result["event_loop"] = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     print(json.dumps({**result, **getattr(contender, "extra", {})}))
 
 
