@@ -36,9 +36,9 @@ Contenders:
 
 Every contender runs in this interpreter. Install aioloader in it as `make setup` installs it for
 the project, with its `uvloop` extra (`pip install -e '.[parquet,uvloop,bench]'`): the loaders'
-event loops are uvloop's where it is installed, and without it aioloader's contenders ran 5-9%
-more CPU per token (four fresh-process pairs, 2026-12-03). The peers use no event loop. Each of
-aioloader's results says which loop it ran on (`event_loop`).
+event loops are uvloop's where it is installed, and without it aioloader's contenders ran 4-10%
+more CPU per token (three of four fresh-process pairs, 60% in the fourth; 2026-12-03). The peers
+use no event loop. Each of aioloader's results says which loop it ran on (`event_loop`).
 
 The corpus is written once into `--folder` (default: a folder in the temp directory, kept for the
 next run; its text copy beside it, when "aioloader-text" runs), then flushed and read once, so
