@@ -67,6 +67,9 @@ def rank_main(args: argparse.Namespace) -> None:
     import datetime
 
     import torch.distributed as dist
+    from _lifetime import exit_with_parent
+
+    exit_with_parent()  # a killed job's ranks would wait in the group for ever
 
     from aioloader import Loader
 
