@@ -326,8 +326,17 @@ def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int)
         result["same_batches"] = same_batches(contender, Ours(files, 256))
         result["tokenizer_cpu_s_per_m_tokens"] = tokenizer_cost(contender)
     if name in OURS:
-        result["event_loop"] = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+        result["event_loop"] = event_loop()
     print(json.dumps({**result, **getattr(contender, "extra", {})}))
+
+
+def event_loop() -> str:
+    """The kind of event loop aioloader's loaders run on in this interpreter ("uvloop", "asyncio")."""
+    from aioloader._util.loops import new_event_loop
+
+    loop = new_event_loop()
+    loop.close()
+    return type(loop).__module__.split(".")[0]
 
 
 def tokenizer_cost(text: Ours) -> float:

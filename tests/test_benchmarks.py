@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from scripts.leakcheck import gone
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -165,9 +168,6 @@ time.sleep(300)
 def test_the_servers_of_a_killed_benchmark_exit(wait_until: Callable[..., bool]) -> None:
     # A benchmark killed mid-run (a test's timeout) left its object server and its children
     # running, skewing every timing after it. They now end once their parent is gone.
-    import os
-    import signal
-
     parent = subprocess.Popen(
         [sys.executable, "-c", _PARENT, str(BENCHMARKS)], stdout=subprocess.PIPE, text=True
     )
@@ -177,21 +177,8 @@ def test_the_servers_of_a_killed_benchmark_exit(wait_until: Callable[..., bool])
     parent.stdout.close()  # (the servers hold its other end: it ends only when they do)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-
-    def gone() -> bool:
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                continue
-            # an exited child of the killed parent is reaped by init; until then it is a zombie
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    return False
-        return True
-
     try:
-        assert wait_until(gone, 30)
+        assert wait_until(lambda: all(gone(pid) for pid in pids), 30)
     finally:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

@@ -358,17 +358,22 @@ print("published" if os.path.exists(sys.argv[3]) else "timeout", flush=True)
 """
 
 
-def test_a_download_goes_on_while_its_reader_waits_for_another_process(tmp_path: Path) -> None:
-    # Two ranks read shards 0 and 1 round-robin through one cache. The other holds shard 1's lock
-    # and wants shard 0's first sample before it lets go; this one downloads shard 0 and wants
-    # shard 1's first sample next. Were shard 0's download paced by its reader (32 samples ahead
-    # at most, of 200), neither would ever go on.
+def _two_shards() -> tuple[dict[str, bytes], Origin, list[str]]:
+    """Shards 0 and 1 of 200 samples each ("s<shard>-<i>"), an origin serving them, their URLs."""
     shards = {
         f"shard-{s}.tar": _tar({f"s{s}-{i:03d}.bin": bytes([s]) * 4096 for i in range(200)})
         for s in range(2)
     }
     origin = Origin(shards)
-    urls = [f"{origin.url}/shard-{s}.tar" for s in range(2)]
+    return shards, origin, [f"{origin.url}/shard-{s}.tar" for s in range(2)]
+
+
+def test_a_download_goes_on_while_its_reader_waits_for_another_process(tmp_path: Path) -> None:
+    # Two ranks read shards 0 and 1 round-robin through one cache. The other holds shard 1's lock
+    # and wants shard 0's first sample before it lets go; this one downloads shard 0 and wants
+    # shard 1's first sample next. Were shard 0's download paced by its reader (32 samples ahead
+    # at most, of 200), neither would ever go on.
+    _, origin, urls = _two_shards()
     other = subprocess.Popen(
         [sys.executable, "-c", HOLD_LOCK, str(tmp_path), urls[1], str(data_file(tmp_path, urls[0]))],
         stdout=subprocess.PIPE, text=True,
@@ -426,12 +431,7 @@ def test_a_shard_in_place_is_read_while_another_process_still_holds_its_lock(
     # and holds its lock while its reader is busy; this one, waiting for that lock since it
     # started, reads the file once it is in place. Were the file looked for only when the lock
     # was free, this one would wait for shard 1 for ever (LoaderTimeout here).
-    shards = {
-        f"shard-{s}.tar": _tar({f"s{s}-{i:03d}.bin": bytes([s]) * 4096 for i in range(200)})
-        for s in range(2)
-    }
-    origin = Origin(shards)
-    urls = [f"{origin.url}/shard-{s}.tar" for s in range(2)]
+    shards, origin, urls = _two_shards()
     body = tmp_path / "shard-1.tar"
     body.write_bytes(shards["shard-1.tar"])
     cache = tmp_path / "cache"

@@ -327,9 +327,9 @@ class Cache:
     def _step(held: Held, paths: Paths, read: Callable[[], T | None]) -> T | object:
         """One try, in a thread: what `read` finds cached, else `_LOCKED` with the lock taken,
         else `_WAIT` (another holds it)."""
-        # the file first, at every try: a holder keeps its lock until its reader is done, and
-        # that reader may wait for this one (two processes reading shards round-robin), so the
-        # file, in place once downloaded, must not wait for the lock
+        # the file first, at every try: it is in place before its download lets go of the lock,
+        # and that download's process may be waiting for this one (two processes reading shards
+        # round-robin): once the file is there, nothing here waits for the lock
         found = read()
         if found is not None:
             return found
