@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..._exceptions import FetchError
 from ..._util.bytearrays import Bytearrays, landing
 from ..transport.redact import redact_url
+from . import parquet_lists
 from .shards import SCHEMES, StoreOptions
 
 if TYPE_CHECKING:
@@ -151,6 +152,10 @@ class FileMeta:
     size: int
     tail: bytes  # the file's last bytes as read with the footer: chunks in it need no request
     _ranges: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    # `parquet_lists.plan_of`'s answer for each choice of columns, worked out once per footer
+    plans: dict[tuple[str, ...], Any] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -318,7 +323,11 @@ def decode_row_group(
 ) -> pa.Table:  # fmt: skip
     """Row group `row_group` of the chosen `columns`, decoded from its fetched `pieces`, or read by
     pyarrow from the local file `path` (run in a thread: pyarrow releases the GIL). A page that does
-    not decode raises ParquetError naming the file and the row group."""
+    not decode raises ParquetError naming the file and the row group. Lists of token ids are
+    decoded by `parquet_lists` where it reads them."""
+    table = parquet_lists.decode(meta, row_group, columns, pieces, path, decode_pool())
+    if table is not None:
+        return table
     with _decoding(meta, row_group, pieces, path) as f:
         return f.read_row_group(row_group, columns=columns, use_threads=False)
 
@@ -329,7 +338,12 @@ def decode_row_group_in_parts(
 ) -> Iterator[pa.RecordBatch]:  # fmt: skip
     """As `decode_row_group`, in record batches of `rows` rows, each one given as it is decoded
     (the rows of a row group needed first need not wait for its last ones; smaller buffers cost
-    less to fill, too). Errors as there."""
+    less to fill, too). Errors as there. A row group `parquet_lists` reads is decoded whole, then
+    cut (its parts are slices of it)."""
+    table = parquet_lists.decode(meta, row_group, columns, pieces, path, decode_pool())
+    if table is not None:
+        yield from table.to_batches(max_chunksize=rows)
+        return
     with _decoding(meta, row_group, pieces, path) as f:
         yield from f.iter_batches(rows, row_groups=[row_group], columns=columns, use_threads=False)
 
