@@ -1,5 +1,7 @@
 """A row group wanted now decodes in parts: its first samples go on before its last rows are
-decoded; one read ahead decodes whole. Either way the samples are the file's rows."""
+decoded; one read ahead decodes whole. Either way the samples are the file's rows. (Parts are
+pyarrow's decodes: lists of token ids that `parquet_lists` reads decode whole at once, so here it
+reads none.)"""
 
 from __future__ import annotations
 
@@ -15,8 +17,14 @@ from support.parquetfiles import write_tokens
 
 from aioloader._util.ranges import Ranges
 from aioloader.sources import Parquet
+from aioloader.sources.formats import parquet_lists
 
 ROWS, GROUP, PER_SAMPLE = 3_000, 1_500, 100
+
+
+@pytest.fixture(autouse=True)
+def _pyarrow_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parquet_lists, "decode", lambda *args: None)
 
 
 def tokens_file(path: Path) -> pa.Table:

@@ -33,6 +33,7 @@ import numpy as np
 from ..._util.loops import run_to_end
 from ..._util.ranges import Ranges
 from ..._util.validate import check_int
+from . import parquet_lists
 from .options import ShardOptions
 from .parquet_bytes import (
     Bytes,
@@ -271,7 +272,8 @@ class Parquet:
     ) -> tuple[Any, int]:  # fmt: skip
         """In a thread: the row group's value and its size. With `arrived`, samples of rows
         (RecordBatches) are decoded in parts, each handed to it as it is in: the first samples of
-        a row group go on before its last rows are decoded."""
+        a row group go on before its last rows are decoded; lists of token ids that
+        `parquet_lists` reads are decoded at once, and handed to it whole."""
         if self.rows_per_sample is None or arrived is None:
             table = decode_row_group(meta, rg, self.columns, pieces, path)
             if self.rows_per_sample is not None:
@@ -279,6 +281,12 @@ class Parquet:
             return _python_columns(table), table.nbytes
         import pyarrow as pa
 
+        whole = parquet_lists.decode(meta, rg, self.columns, pieces, path, decode_pool())
+        if whole is not None:  # decoded at once: handed over whole (one chunk a column: a sample
+            # across what would have been parts is not copied together)
+            if whole.num_rows:
+                arrived(whole.to_batches()[0])
+            return whole, whole.nbytes
         parts = []
         rows = max(self.rows_per_sample, _PART_ROWS)
         for part in decode_row_group_in_parts(meta, rg, self.columns, pieces, path, rows):

@@ -338,12 +338,8 @@ def decode_row_group_in_parts(
 ) -> Iterator[pa.RecordBatch]:  # fmt: skip
     """As `decode_row_group`, in record batches of `rows` rows, each one given as it is decoded
     (the rows of a row group needed first need not wait for its last ones; smaller buffers cost
-    less to fill, too). Errors as there. A row group `parquet_lists` reads is decoded whole, then
-    cut (its parts are slices of it)."""
-    table = parquet_lists.decode(meta, row_group, columns, pieces, path, decode_pool())
-    if table is not None:
-        yield from table.to_batches(max_chunksize=rows)
-        return
+    less to fill, too). Errors as there. (Lists of token ids that `parquet_lists` reads are
+    decoded whole, at once: `Parquet._decode` asks it first.)"""
     with _decoding(meta, row_group, pieces, path) as f:
         yield from f.iter_batches(rows, row_groups=[row_group], columns=columns, use_threads=False)
 
