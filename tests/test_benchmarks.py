@@ -47,6 +47,16 @@ def test_per_batch_runs_every_contender_and_ends_with_its_json() -> None:
     assert summary["vs"]["for/torch-2"] > 0
 
 
+def test_token_lists_decodes_every_width_as_pyarrow_does_and_ends_with_its_json() -> None:
+    out = run_benchmark([sys.executable, str(BENCHMARKS / "token_lists.py"), "--quick"], 120)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "token_lists"
+    for width in ("15-bit", "16-bit", "17-bit"):
+        assert summary[width]["same_table"] is True
+        assert summary[width]["aioloader_ns_per_id"] > 0
+        assert summary[width]["pyarrow_ns_per_id"] > 0
+
+
 def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
     # One workload at one worker count: two fresh interpreters, a few batches each.
     out = run_benchmark(
