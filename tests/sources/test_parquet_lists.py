@@ -66,6 +66,7 @@ def same_as_pyarrow(path: Path, columns: list[str], *, pieces: bool = False) -> 
         ours += 1
         want = file.read_row_group(rg, columns=columns)
         assert got.schema == want.schema
+        assert got.schema.metadata == want.schema.metadata
         assert got.equals(want), f"row group {rg}"
     return ours
 
@@ -201,3 +202,16 @@ def test_a_source_gives_the_same_samples_either_way(
         monkeypatch.setattr(parquet_lists, "decode", lambda *args: None)
         assert epoch(rows) == ours
         calls.clear()
+
+
+def test_the_ids_are_in_the_decode_pool(tmp_path: Path) -> None:
+    pool = decode_pool()
+    if pool is None:
+        pytest.skip("this pyarrow is built without jemalloc: decodes use the default pool")
+    path = tmp_path / "pool.parquet"
+    write(path, documents(np.random.default_rng(2), 400, 50_000, False), row_group_size=400)
+    meta = meta_of(path)
+    before = pool.bytes_allocated()
+    table = parquet_lists.decode(meta, 0, ["tokens"], None, path, pool)
+    assert table is not None
+    assert pool.bytes_allocated() - before >= len(table.column("tokens").chunk(0).values) * 4

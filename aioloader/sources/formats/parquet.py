@@ -274,19 +274,20 @@ class Parquet:
         (RecordBatches) are decoded in parts, each handed to it as it is in: the first samples of
         a row group go on before its last rows are decoded; lists of token ids that
         `parquet_lists` reads are decoded at once, and handed to it whole."""
+        whole = parquet_lists.decode(meta, rg, self.columns, pieces, path, decode_pool())
         if self.rows_per_sample is None or arrived is None:
-            table = decode_row_group(meta, rg, self.columns, pieces, path)
+            table = whole if whole is not None else decode_row_group(meta, rg, self.columns,
+                                                                     pieces, path)  # fmt: skip
             if self.rows_per_sample is not None:
                 return table, table.nbytes
             return _python_columns(table), table.nbytes
-        import pyarrow as pa
-
-        whole = parquet_lists.decode(meta, rg, self.columns, pieces, path, decode_pool())
         if whole is not None:  # decoded at once: handed over whole (one chunk a column: a sample
             # across what would have been parts is not copied together)
             if whole.num_rows:
                 arrived(whole.to_batches()[0])
             return whole, whole.nbytes
+        import pyarrow as pa
+
         parts = []
         rows = max(self.rows_per_sample, _PART_ROWS)
         for part in decode_row_group_in_parts(meta, rg, self.columns, pieces, path, rows):

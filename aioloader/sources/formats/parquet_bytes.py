@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from ..._exceptions import FetchError
 from ..._util.bytearrays import Bytearrays, landing
 from ..transport.redact import redact_url
-from . import parquet_lists
 from .shards import SCHEMES, StoreOptions
 
 if TYPE_CHECKING:
@@ -323,11 +322,8 @@ def decode_row_group(
 ) -> pa.Table:  # fmt: skip
     """Row group `row_group` of the chosen `columns`, decoded from its fetched `pieces`, or read by
     pyarrow from the local file `path` (run in a thread: pyarrow releases the GIL). A page that does
-    not decode raises ParquetError naming the file and the row group. Lists of token ids are
-    decoded by `parquet_lists` where it reads them."""
-    table = parquet_lists.decode(meta, row_group, columns, pieces, path, decode_pool())
-    if table is not None:
-        return table
+    not decode raises ParquetError naming the file and the row group. (Lists of token ids that
+    `parquet_lists` reads are decoded there: `Parquet._decode` asks it first.)"""
     with _decoding(meta, row_group, pieces, path) as f:
         return f.read_row_group(row_group, columns=columns, use_threads=False)
 

@@ -101,6 +101,8 @@ def _plan(meta: FileMeta, columns: Sequence[str]) -> list[_Column] | None:
         arrow = schema.to_arrow_schema()
     except (pa.ArrowException, ValueError):
         return None
+    if len(set(arrow.names)) != len(arrow.names):  # a name twice: pyarrow says what it reads
+        return None
     plan = []
     for name in columns:
         if name not in arrow.names:
