@@ -215,3 +215,12 @@ def test_the_ids_are_in_the_decode_pool(tmp_path: Path) -> None:
     table = parquet_lists.decode(meta, 0, ["tokens"], None, path, pool)
     assert table is not None
     assert pool.bytes_allocated() - before >= len(table.column("tokens").chunk(0).values) * 4
+
+
+def test_a_threads_scratch_is_kept_only_up_to_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parquet_lists, "_SCRATCH_KEPT", 4 << 20)
+    small = parquet_lists._scratch("test", 3 << 20)
+    assert parquet_lists._scratch("test", 1 << 20).base is small.base  # reused
+    big = parquet_lists._scratch("test", 5 << 20)
+    assert len(big) == 5 << 20
+    assert parquet_lists._scratch("test", 1 << 20).base is small.base  # the big one was let go

@@ -374,12 +374,20 @@ _scratches = threading.local()
 def _scratch(name: str, size: int) -> np.ndarray:
     """`size` bytes of this thread's scratch buffer `name`: what a chunk's decode needs only until
     its `take` (its indices, packed and unpacked), reused rather than taken fresh each time (fresh
-    memory costs a page fault per 4 KiB). Aligned to 8 bytes."""
+    memory costs a page fault per 4 KiB). Aligned to 8 bytes. A buffer is kept up to
+    `_SCRATCH_KEPT` bytes; a larger need (a row group of tens of millions of ids) is met fresh and
+    let go, so that each decode thread does not hold its largest chunk's buffers for good."""
     held: dict[str, np.ndarray] = _scratches.__dict__.setdefault("buffers", {})
     kept = held.get(name)
-    if kept is None or len(kept) < size:
-        kept = held[name] = np.empty(max(size, 1 << 20) // 8 + 1, dtype=np.uint64).view(np.uint8)
-    return kept[:size]
+    if kept is not None and len(kept) >= size:
+        return kept[:size]
+    fresh = np.empty(max(size, 1 << 20) // 8 + 1, dtype=np.uint64).view(np.uint8)
+    if size <= _SCRATCH_KEPT:
+        held[name] = fresh
+    return fresh[:size]
+
+
+_SCRATCH_KEPT = 32 << 20
 
 
 def _inflate(body: np.ndarray, codec: Any, size: int, pool: Any) -> np.ndarray:
