@@ -67,7 +67,13 @@ def run(library: str, workers: int, batches: int) -> None:
     stats = getattr(loader, "stats", None)  # aioloader's: the budget, and where it came from
     if stats is not None:
         got_stats = stats()
-        out |= {"budget": got_stats.max_bytes_in_flight, "budget_origin": got_stats.budget_origin}
+        pool = got_stats.extra.get("decode_pool", {})
+        out |= {
+            "budget": got_stats.max_bytes_in_flight,
+            "budget_origin": got_stats.budget_origin,
+            "pickled": pool.get("results_pickled", 0),
+            "in_shm": pool.get("results_in_shm", 0),
+        }
     print(json.dumps(out))
 
 

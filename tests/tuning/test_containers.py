@@ -25,12 +25,14 @@ from aioloader._tuning.memory import DEFAULT_CAP, MemoryBudget, Room, default_bu
 SEED = Path(__file__).resolve().parents[2] / "benchmarks" / "containers.py"
 
 
-def _run_seed(prefix: list[str], workers: int, batches: int) -> dict[str, object]:
+def _run_seed(
+    prefix: list[str], workers: int, batches: int, cgroup: Path | None = None
+) -> dict[str, object]:
     done = subprocess.run(
         [*prefix, sys.executable, str(SEED), "--run", "aioloader", str(workers), str(batches)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:] + _memory_of(cgroup)
     out: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
     return out
 
@@ -106,6 +108,22 @@ def cgroup_of(request: pytest.FixtureRequest) -> object:
                 time.sleep(0.1)
 
 
+def _memory_of(cgroup: Path | None) -> str:
+    """What a cgroup's memory went to (its peak, and the shared memory / anonymous split), for the
+    message of a run that failed in it (an OOM kill: which memory the limit ran out on)."""
+    if cgroup is None:
+        return ""
+    lines = []
+    for name in ("memory.max_usage_in_bytes", "memory.peak"):
+        if (cgroup / name).exists():
+            lines.append(f"{name} {(cgroup / name).read_text().strip()}")
+    if (cgroup / "memory.stat").exists():
+        keep = ("shmem", "anon", "rss", "total_shmem", "total_rss", "file")
+        stat = (cgroup / "memory.stat").read_text().splitlines()
+        lines += [line for line in stat if line.split(" ")[0] in keep]
+    return "\n" + "\n".join(lines)
+
+
 def _oom_kills(folder: Path) -> int:
     for name in ("memory.oom_control", "memory.events"):
         path = folder / name
@@ -128,9 +146,9 @@ def test_eight_workers_of_153_mb_batches_fit_a_1_5_gib_container(cgroup_of: obje
     # the default budget follows the cgroup's limit: whole batches in flight, and the worker slabs
     # they are made in, are admitted against it; none is made in a worker's own memory meanwhile
     enter, folder = cgroup_of(3 << 29)  # type: ignore[operator]
-    got = _run_seed(enter, workers=8, batches=12)
+    got = _run_seed(enter, workers=8, batches=12, cgroup=folder)
     assert got["batches"] == 12
-    assert _oom_kills(folder) == 0
+    assert _oom_kills(folder) == 0, got  # with how many batches were pickled in worker memory
     assert "cgroup" in str(got["budget_origin"])
     assert int(got["budget"]) < 3 << 29  # type: ignore[call-overload]
 
