@@ -17,15 +17,18 @@ says why one cannot run, `peer(name, ...)` makes it. Each does the workload its 
 
 from __future__ import annotations
 
+import atexit
 import copy
 import importlib.util
 import itertools
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _tokens_store import boto3_options, fresh_cache, store
 
 NEEDS = {"litdata": ["litdata"], "grain": ["grain"], "hf": ["datasets", "torchdata"]}
 
@@ -100,6 +103,7 @@ class LitData(Peer):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.dirs = [self.folder / "litdata" / name for name in self.files]
+        self.caches: list[str] = []  # on the store: a chunk cache per source, this process's
         if not all((d / "index.json").exists() for d in self.dirs):
             self.extra["offline_s"] = self._optimize()
 
@@ -121,11 +125,28 @@ class LitData(Peer):
             TokensLoader,
         )
 
+        where = store()
+        inputs = [str(d) for d in self.dirs]
+        if where is not None:  # its chunks in the bucket, behind the 20 ms proxy
+            inputs = [f"s3://{where['bucket']}/litdata/{d.name}" for d in self.dirs]
+            if not self.caches:  # empty for the first loader; the restore's finds its chunks
+                self.caches = [fresh_cache() for _ in self.dirs]  # (its state names them)
+                atexit.register(shutil.rmtree, self.caches[0].rsplit("/", 1)[0], True)
+            caches = self.caches
+            # the workaround it needs here: its chunk downloads go through obstore, which takes
+            # only https endpoints unless told `allow_http` (the store here speaks plain http)
+            from litdata.streaming import downloader
+
+            downloader._OBSTORE_CLIENT_OPTIONS = {  # type: ignore[attr-defined]
+                **downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": True,  # type: ignore[attr-defined]
+            }  # fmt: skip
         parts = [
             StreamingDataset(
-                str(d), item_loader=TokensLoader(block_size=self.seq_len), shuffle=True, seed=i
-            )
-            for i, d in enumerate(self.dirs)
+                inputs[i], item_loader=TokensLoader(block_size=self.seq_len), shuffle=True, seed=i,
+                **({} if where is None else {"cache_dir": caches[i],
+                                            "storage_options": boto3_options(where)}),
+            )  # fmt: skip
+            for i in range(len(self.dirs))
         ]
         mixed = CombinedStreamingDataset(
             parts, seed=1, weights=self.weights, iterate_over_all=False

@@ -54,6 +54,7 @@ The last line printed is a JSON summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -70,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _tokens_store import DELAY_MS, RUNS_ON_STORE, STORE_ENV, s3_options, s3_urls, serving, store
 
 SEQ_LEN, BATCH, EOS = 2048, 8, 0
 WEIGHTS = {"web": 0.7, "code": 0.3}
@@ -166,17 +168,21 @@ def aioloader_packed(
     rows_per_sample: int | None,
     tokenizer: Any = None,
     rows_per_item: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Any:
-    """The mix packed; with a `tokenizer`, over the text copy, tokenized in the decode threads."""
+    """The mix packed; with a `tokenizer`, over the text copy, tokenized in the decode threads;
+    `options`: the sources' own (`s3_options` for the store)."""
     import torch
 
     from aioloader import Loader, mix, pack, sources, tokenize
 
     column = "tokens" if tokenizer is None else "text"
+    options = options or {}
     if rows_per_item:  # a loader per source, mixed row by row
         loaders = [
             Loader(
-                sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i),
+                sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i,
+                                **options),
                 batch_size=None,
                 collate=None,
             )
@@ -186,7 +192,7 @@ def aioloader_packed(
                    rows_per_item=rows_per_item)  # fmt: skip
         return pack(rows, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens", dtype=torch.int32)
     parts = {
-        name: sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i)
+        name: sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i, **options)
         for i, (name, paths) in enumerate(files.items())
     }
     if tokenizer is None:
@@ -216,10 +222,14 @@ class Ours:
     ) -> None:  # fmt: skip
         self.files, self.rows_per_sample, self.tokenizer = files, rows_per_sample, tokenizer
         self.rows_per_item = rows_per_item
+        self.options: dict[str, Any] = {}
+        where = store()
+        if where is not None:  # the files' copies in the bucket, behind the 20 ms proxy
+            self.files, self.options = s3_urls(files, where), {"s3_options": s3_options(where)}
 
     def make(self) -> Any:
         return aioloader_packed(self.files, self.rows_per_sample, self.tokenizer,
-                                self.rows_per_item)  # fmt: skip
+                                self.rows_per_item, self.options)  # fmt: skip
 
     def batches(self, packed: Any) -> Iterator[np.ndarray]:
         for batch in packed:
@@ -305,7 +315,9 @@ def resume(contender: Any, state: Any, expected: list[str]) -> tuple[float, bool
     return restore, got == expected
 
 
-def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int) -> None:
+def child(
+    name: str, folder: Path, docs: int, limit: int | None, resume_at: int, prepare: bool = False
+) -> None:  # fmt: skip
     files = write_corpus(folder, docs)
     # imported before the clock starts: what a process imports once (pyarrow's Parquet reader
     # too, which aioloader and Grain import when a source is made)
@@ -321,6 +333,9 @@ def child(name: str, folder: Path, docs: int, limit: int | None, resume_at: int)
         from _tokens_peers import peer  # benchmarks/ is on sys.path: this script's folder
 
         contender = peer(name, files, folder, SEQ_LEN, BATCH, EOS, WEIGHTS)
+    if prepare:  # its offline step only (done as the contender was made)
+        print(json.dumps({}))
+        return
     result = measure(contender, limit, resume_at)
     if name == "aioloader-text":
         result["same_batches"] = same_batches(contender, Ours(files, 256))
@@ -366,8 +381,14 @@ def same_batches(text: Ours, tokens: Ours) -> bool:
 # -- the run -----------------------------------------------------------------------------------------
 
 
-def run_child(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any] | str:
-    """One contender in a fresh interpreter: its figures, or why it did not run."""
+def run_child(
+    name: str, args: argparse.Namespace, folder: Path, where: dict[str, Any] | None = None,
+    prepare: bool = False,
+) -> dict[str, Any] | str:  # fmt: skip
+    """One contender in a fresh interpreter: its figures, or why it did not run (`where`: the
+    store it reads from; `prepare`: only make it, for its offline step)."""
+    if where is not None and name not in RUNS_ON_STORE:
+        return "local files only (see _tokens_store.py)"
     if name == "aioloader-text" and importlib.util.find_spec("tokenizers") is None:
         return "tokenizers not installed (pip install 'aioloader[dev]', or tokenizers alone)"
     if name not in OURS:
@@ -380,12 +401,22 @@ def run_child(name: str, args: argparse.Namespace, folder: Path) -> dict[str, An
            str(args.docs), "--resume-at", str(args.resume_at)]  # fmt: skip
     if args.batches:
         cmd += ["--batches", str(args.batches)]
+    if prepare:
+        cmd += ["--prepare"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # local files only
+    env.pop(STORE_ENV, None)
+    if where is not None:
+        env[STORE_ENV] = json.dumps(where)
     done = subprocess.run(
         cmd, capture_output=True, text=True, check=False, timeout=args.timeout, env=env
     )
     if done.returncode != 0:
-        return f"failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+        lines = done.stderr.strip().splitlines()
+        said = next((x for x in reversed(lines) if "Error" in x or "Exception" in x),
+                    lines[-1] if lines else "")
+        log = Path(tempfile.gettempdir()) / f"aioloader-bench-tokens-{name}.err"
+        log.write_text(done.stderr)
+        return f"failed (exit {done.returncode}): {said.strip()[:300]} (all of it: {log})"
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -409,15 +440,21 @@ def main() -> None:
         help="runs of every contender, in alternating order; each figure is a contender's best "
         "round's (default 3, --quick 1): the machine's minute moves each run by tens of percent",
     )  # fmt: skip
+    parser.add_argument(
+        "--store", action="store_true",
+        help="read the files from SeaweedFS (S3) on 127.0.0.1 behind a proxy that holds each "
+        "request 20 ms, as issue 33 measured it (aioloader's contenders and LitData)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.docs, args.batches = 12_000, args.batches or 200
     args.rounds = args.rounds or (1 if args.quick else 3)
     folder = args.folder or Path(tempfile.gettempdir()) / f"aioloader-bench-tokens-{args.docs}"
     if args.child:
-        child(args.child, folder, args.docs, args.batches, args.resume_at)
+        child(args.child, folder, args.docs, args.batches, args.resume_at, args.prepare)
         return
     t0 = time.perf_counter()
     files = write_corpus(folder, args.docs)
@@ -433,9 +470,18 @@ def main() -> None:
         "workload": "tokens", "docs": args.docs, "batches": args.batches, "rounds": args.rounds,
     }  # fmt: skip
     rounds: dict[str, list[dict[str, Any] | str]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            rounds[name].append(run_child(name, args, folder))
+    with contextlib.ExitStack() as stack:
+        where = None
+        if args.store:
+            summary["store"] = f"SeaweedFS behind a {DELAY_MS:.0f} ms proxy"
+            litdata = None
+            if "litdata" in names and run_child("litdata", args, folder, prepare=True) == {}:
+                litdata = folder / "litdata"  # its offline step, done: its chunks go up too
+            where = stack.enter_context(serving(files, litdata))
+            print(f"store: {summary['store']}, the files put in its bucket")
+        for r in range(args.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                rounds[name].append(run_child(name, args, folder, where))
     for name in names:
         result = best_of(rounds[name])
         summary[name] = result
