@@ -142,10 +142,16 @@ class LitData(Peer):
             }  # fmt: skip
         parts = [
             StreamingDataset(
-                inputs[i], item_loader=TokensLoader(block_size=self.seq_len), shuffle=True, seed=i,
-                **({} if where is None else {"cache_dir": caches[i],
-                                            "storage_options": boto3_options(where)}),
-            )  # fmt: skip
+                inputs[i],
+                item_loader=TokensLoader(block_size=self.seq_len),
+                shuffle=True,
+                seed=i,
+                **(
+                    {}
+                    if where is None
+                    else {"cache_dir": caches[i], "storage_options": boto3_options(where)}
+                ),
+            )
             for i in range(len(self.dirs))
         ]
         mixed = CombinedStreamingDataset(

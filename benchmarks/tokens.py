@@ -181,8 +181,9 @@ def aioloader_packed(
     if rows_per_item:  # a loader per source, mixed row by row
         loaders = [
             Loader(
-                sources.parquet(paths, [column], rows_per_sample=rows_per_sample, seed=i,
-                                **options),
+                sources.parquet(
+                    paths, [column], rows_per_sample=rows_per_sample, seed=i, **options
+                ),
                 batch_size=None,
                 collate=None,
             )
@@ -412,8 +413,10 @@ def run_child(
     )
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()
-        said = next((x for x in reversed(lines) if "Error" in x or "Exception" in x),
-                    lines[-1] if lines else "")
+        said = next(
+            (x for x in reversed(lines) if "Error" in x or "Exception" in x),
+            lines[-1] if lines else "",
+        )
         log = Path(tempfile.gettempdir()) / f"aioloader-bench-tokens-{name}.err"
         log.write_text(done.stderr)
         return f"failed (exit {done.returncode}): {said.strip()[:300]} (all of it: {log})"

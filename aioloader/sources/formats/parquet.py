@@ -237,7 +237,10 @@ class Parquet:
         file, rg = self.row_groups[group.index]
         meta, store = self.metas[file], self._stores[file]
         pieces = None
+        lead, group.after = group.after, None
         if store.path is None:  # remote: the chunks first; a local file is read by pyarrow
+            if lead is not None and not group.waited():  # read ahead: after the walk's first
+                await lead.read_ended()
             pieces = await fetch_row_group(store, meta, rg, self._leaves[file])
         loop = asyncio.get_running_loop()
 
