@@ -343,6 +343,7 @@ def child(
         result["tokenizer_cpu_s_per_m_tokens"] = tokenizer_cost(contender)
     if name in OURS:
         result["event_loop"] = event_loop()
+        result["read_from"] = "s3" if contender.files != files else "local"
     print(json.dumps({**result, **getattr(contender, "extra", {})}))
 
 

