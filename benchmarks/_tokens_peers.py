@@ -181,9 +181,24 @@ class Grain(Peer):
         def with_eos(row: dict[str, Any]) -> dict[str, Any]:
             return {"tokens": np.append(row["tokens"], np.int32(eos))}
 
+        files, options = self.files, {}
+        where = store()
+        if where is not None:  # the files in the bucket, through pyarrow's S3 filesystem
+            from pyarrow import fs
+
+            key, secret = where["credentials"]
+            endpoint = where["endpoint"]
+            options["filesystem"] = fs.S3FileSystem(
+                access_key=key, secret_key=secret, region=where["region"],
+                endpoint_override=endpoint.split("://", 1)[1], scheme="http",
+            )  # fmt: skip
+            files = {
+                name: [f"{where['bucket']}/tokens/{Path(p).name}" for p in paths]
+                for name, paths in files.items()
+            }
         parts = [
-            grain.experimental.ParquetIterDataset(paths).map(with_eos)
-            for paths in self.files.values()
+            grain.experimental.ParquetIterDataset(paths, **options).map(with_eos)
+            for paths in files.values()
         ]
         mixed = grain.IterDataset.mix(parts, weights=self.weights)
         packed = grain.experimental.ConcatThenSplitIterDataset(

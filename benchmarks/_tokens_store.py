@@ -10,9 +10,11 @@ address in `STORE_ENV`: a contender then reads nothing from the local files.
   obstore, told `allow_http`), into cache folders of its process, empty when its first loader is
   made; the restore's loader finds the chunks there (its state names the folders: a state saved
   with other ones is refused), as a job restarted on the same machine would;
-- Grain and HF datasets are not run here: both reach S3 only through fsspec's `s3fs`, whose
-  `aiobotocore` pins a botocore other than the one LitData's boto3 needs in the same environment
-  (they are measured on the local files, where they trail aioloader 7-40x).
+- Grain opens `bucket/tokens/<file>` through pyarrow's `S3FileSystem` (`ParquetIterDataset` hands
+  its keyword arguments to `pyarrow.parquet.ParquetFile`, which takes a `filesystem`);
+- HF datasets is not run here: it reaches S3 only through fsspec's `s3fs`, whose `aiobotocore`
+  pins a botocore other than the one LitData's boto3 needs in the same environment (it is
+  measured on the local files, where it trails aioloader 30-40x).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 STORE_ENV = "AIOLOADER_BENCH_TOKENS_STORE"
 DELAY_MS = 20.0
-RUNS_ON_STORE = ("aioloader", "aioloader-batches", "aioloader-per-doc", "litdata")
+RUNS_ON_STORE = ("aioloader", "aioloader-batches", "aioloader-per-doc", "litdata", "grain")
 
 
 def store() -> dict[str, Any] | None:

@@ -1,10 +1,11 @@
 """Language-model data: Parquet tokens mixed 0.7 / 0.3, packed into [8, 2048] rows with EOS, resumed.
 
-The workload (issue 33): 90,000 tokenized documents (~53 M tokens) in local Parquet files, a
-`tokens` list<int32> column and three columns not to be read (`id`, `url`, `raw`: ~1 KB a row);
-two sources ("web", 70% of the documents, and "code", 30%) mixed 0.7 / 0.3; greedy packing into
-rows of 2,048 tokens with EOS after each document; batches of [8, 2048]. Each contender runs in a
-fresh interpreter and reports:
+The workload (issue 33): 90,000 tokenized documents (~53 M tokens) in Parquet files (local, or
+with `--store` on SeaweedFS behind a proxy that holds each request 20 ms, as the issue measured
+it: see `_tokens_store.py`), a `tokens` list<int32> column and three columns not to be read
+(`id`, `url`, `raw`: ~1 KB a row); two sources ("web", 70% of the documents, and "code", 30%)
+mixed 0.7 / 0.3; greedy packing into rows of 2,048 tokens with EOS after each document; batches
+of [8, 2048]. Each contender runs in a fresh interpreter and reports:
 
 - M tokens/s over the epoch (or `--batches`), from making the loader to the last batch;
 - CPU s per M tokens (this process and its threads, user + system; worker processes included
@@ -42,11 +43,12 @@ use no event loop. Each of aioloader's results says which loop it ran on (`event
 
 The corpus is written once into `--folder` (default: a folder in the temp directory, kept for the
 next run; its text copy beside it, when "aioloader-text" runs), then flushed and read once, so
-every contender finds it in the page cache. Figures are the machine's of the moment: compare
+every contender finds it in the page cache (with `--store`, it is put into the bucket, and
+LitData's chunks, made on disk first, beside it). Figures are the machine's of the moment: compare
 contenders of the same run. With `--rounds R` (3 by default, 1 with `--quick`) every contender
 runs R times, in alternating order, and each figure is its best round's.
 
-Usage: python benchmarks/tokens.py [--quick] [--docs N] [--batches N] [--rounds R]
+Usage: python benchmarks/tokens.py [--quick] [--store] [--docs N] [--batches N] [--rounds R]
            [--contenders a,b,...]
 The last line printed is a JSON summary.
 """
