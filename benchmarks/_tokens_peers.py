@@ -234,11 +234,19 @@ class HF(Peer):
             n = len(flat) // seq_len
             return {"tokens": list(flat[: n * seq_len].reshape(n, seq_len))}
 
+        files = self.files
+        where = store()
+        if where is not None:  # the files in the bucket, through fsspec (see `_arrow_s3`)
+            _arrow_s3(where)
+            files = {
+                name: [f"{_ARROW_S3}://{where['bucket']}/tokens/{Path(p).name}" for p in paths]
+                for name, paths in files.items()
+            }
         parts = [
             load_dataset(
                 "parquet", data_files=paths, split="train", streaming=True, columns=["tokens"]
             )
-            for paths in self.files.values()
+            for paths in files.values()
         ]
         mixed = interleave_datasets(parts, probabilities=self.weights, seed=1)
         rows = mixed.map(packed, batched=True, batch_size=1000).with_format("numpy")
@@ -247,3 +255,35 @@ class HF(Peer):
     def batches(self, made: Any) -> Iterator[np.ndarray]:
         for batch in made:
             yield batch["tokens"].numpy()
+
+
+_ARROW_S3 = "arrows3"
+
+
+def _arrow_s3(where: dict[str, Any]) -> None:
+    """The workaround HF datasets needs here: it reads remote files through fsspec, whose S3
+    filesystem (`s3fs`, with `aiobotocore`) pins a botocore other than the one LitData's boto3
+    needs in the same environment. So pyarrow's S3 filesystem, through fsspec's wrapper of it,
+    is registered as the protocol `arrows3://` for the store."""
+    import fsspec
+    from fsspec.implementations.arrow import ArrowFSWrapper
+    from pyarrow import fs
+
+    key, secret = where["credentials"]
+
+    class ArrowS3(ArrowFSWrapper):  # type: ignore[misc]
+        protocol = _ARROW_S3
+
+        @classmethod
+        def _strip_protocol(cls, path: Any) -> Any:  # "arrows3://bucket/key" -> "bucket/key"
+            if isinstance(path, list):
+                return [cls._strip_protocol(p) for p in path]
+            return str(path).split("://", 1)[-1].lstrip("/").rstrip("/")
+
+        def __init__(self, **_: Any) -> None:
+            super().__init__(fs.S3FileSystem(
+                access_key=key, secret_key=secret, region=where["region"],
+                endpoint_override=where["endpoint"].split("://", 1)[1], scheme="http",
+            ))  # fmt: skip
+
+    fsspec.register_implementation(_ARROW_S3, ArrowS3, clobber=True)

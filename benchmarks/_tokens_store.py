@@ -12,9 +12,9 @@ address in `STORE_ENV`: a contender then reads nothing from the local files.
   with other ones is refused), as a job restarted on the same machine would;
 - Grain opens `bucket/tokens/<file>` through pyarrow's `S3FileSystem` (`ParquetIterDataset` hands
   its keyword arguments to `pyarrow.parquet.ParquetFile`, which takes a `filesystem`);
-- HF datasets is not run here: it reaches S3 only through fsspec's `s3fs`, whose `aiobotocore`
-  pins a botocore other than the one LitData's boto3 needs in the same environment (it is
-  measured on the local files, where it trails aioloader 30-40x).
+- HF datasets reads `arrows3://bucket/tokens/<file>`: pyarrow's `S3FileSystem` through fsspec's
+  wrapper of it, registered under that protocol (its own way to S3, fsspec's `s3fs`, pins through
+  `aiobotocore` a botocore other than the one LitData's boto3 needs in the same environment).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 STORE_ENV = "AIOLOADER_BENCH_TOKENS_STORE"
 DELAY_MS = 20.0
-RUNS_ON_STORE = ("aioloader", "aioloader-batches", "aioloader-per-doc", "litdata", "grain")
+RUNS_ON_STORE = ("aioloader", "aioloader-batches", "aioloader-per-doc", "litdata", "grain", "hf")
 
 
 def store() -> dict[str, Any] | None:
