@@ -383,6 +383,32 @@ def test_a_remote_walks_first_row_group_is_read_before_those_read_ahead(
         origin.stop()
 
 
+def test_a_remote_walks_first_row_group_that_fails_fails_the_loader_and_no_read_waits_on(
+    tmp_path: Path, files: list[str]
+) -> None:
+    # The reads ahead wait for the first row group's read: its failure ends the wait too, the
+    # error names the file and row group, and the loader closes with nothing left running.
+    data = bytearray(Path(files[0]).read_bytes())
+    col = pq.read_metadata(files[0]).row_group(0).column(0)
+    start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+    data[start : start + 24] = b"\xff" * 24  # the first page header of row group 0's "id"
+    origin = OrderedOrigin({"bad.parquet": bytes(data)})
+    try:
+        source = parquet([f"{origin.url}/bad.parquet"], ["id"], shuffle=False,
+                         row_groups_in_flight=4)  # fmt: skip
+        before = {t.name for t in threading.enumerate()}
+        with (
+            Loader(source, batch_size=None, collate=None) as ld,
+            pytest.raises(ParquetError, match=r"bad.parquet: row group 0 does not decode"),
+        ):
+            list(ld)
+        assert source._live == {}
+        left = {t.name for t in threading.enumerate()} - before
+        assert not [name for name in left if name.startswith("aioloader")]
+    finally:
+        origin.stop()
+
+
 def test_early_break_and_cancel_leave_nothing_running(
     files: list[str], loop_tasks_left: Callable[..., set[Any]]
 ) -> None:

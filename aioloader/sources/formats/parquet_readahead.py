@@ -45,7 +45,7 @@ class RowGroup:
     samples whose rows they hold (`rows`)."""
 
     __slots__ = (
-        "__weakref__", "_over", "_waiters", "after", "index", "nbytes", "needed", "order", "parts",
+        "__weakref__", "_waiters", "after", "index", "nbytes", "needed", "order", "parts",
         "ready", "task",
     )  # fmt: skip
 
@@ -60,7 +60,6 @@ class RowGroup:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []  # (rows wanted, woken when in)
         # the row group whose read a remote one's fetch waits for (a walk's first, see `Ahead`)
         self.after: RowGroup | None = None
-        self._over: asyncio.Future[None] | bool = False  # True once its read has ended
 
     def start(self, source: Reader) -> asyncio.Task[Any]:
         """Begin the read (once), on the running loop."""
@@ -107,23 +106,18 @@ class RowGroup:
         """On the loop, as the read ends (done, failed or cancelled): every waiter goes on; the
         parts are let go (the row group's value holds what it needs of them)."""
         self.parts, self.ready = [], 0
-        waiting, self._over = self._over, True
-        if isinstance(waiting, asyncio.Future) and not waiting.done():
-            waiting.set_result(None)  # the fetches that waited for it go
         self._wake(None)
 
     def reading(self) -> bool:
         """Whether its read has begun and not ended."""
-        return self._over is not True and self.task is not None and not self.task.done()
+        return self.task is not None and not self.task.done()
 
     async def read_ended(self) -> None:
-        """Until its read has ended (at once if it has, or never began)."""
-        if self._over is True or self.task is None or self.task.done():
-            return
-        if self._over is False:
-            self._over = asyncio.get_running_loop().create_future()
-        assert isinstance(self._over, asyncio.Future)
-        await asyncio.shield(self._over)
+        """Until its read has ended, however it ends (at once if it has, or never began); a
+        waiter cancelled leaves the read to go on."""
+        task = self.task
+        if task is not None and not task.done():
+            await asyncio.wait([task])
 
     def _wake(self, ready: int | None) -> None:
         waiting, self._waiters = self._waiters, []
