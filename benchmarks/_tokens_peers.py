@@ -17,18 +17,16 @@ says why one cannot run, `peer(name, ...)` makes it. Each does the workload its 
 
 from __future__ import annotations
 
-import atexit
 import copy
 import importlib.util
 import itertools
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _tokens_store import boto3_options, fresh_cache, store
+from _tokens_store import arrow_s3, boto3_options, fresh_cache, in_bucket, store
 
 NEEDS = {"litdata": ["litdata"], "grain": ["grain"], "hf": ["datasets", "torchdata"]}
 
@@ -131,7 +129,6 @@ class LitData(Peer):
             inputs = [f"s3://{where['bucket']}/litdata/{d.name}" for d in self.dirs]
             if not self.caches:  # empty for the first loader; the restore's finds its chunks
                 self.caches = [fresh_cache() for _ in self.dirs]  # (its state names them)
-                atexit.register(shutil.rmtree, self.caches[0].rsplit("/", 1)[0], True)
             caches = self.caches
             # the workaround it needs here: its chunk downloads go through obstore, which takes
             # only https endpoints unless told `allow_http` (the store here speaks plain http)
@@ -184,18 +181,7 @@ class Grain(Peer):
         files, options = self.files, {}
         where = store()
         if where is not None:  # the files in the bucket, through pyarrow's S3 filesystem
-            from pyarrow import fs
-
-            key, secret = where["credentials"]
-            endpoint = where["endpoint"]
-            options["filesystem"] = fs.S3FileSystem(
-                access_key=key, secret_key=secret, region=where["region"],
-                endpoint_override=endpoint.split("://", 1)[1], scheme="http",
-            )  # fmt: skip
-            files = {
-                name: [f"{where['bucket']}/tokens/{Path(p).name}" for p in paths]
-                for name, paths in files.items()
-            }
+            files, options["filesystem"] = in_bucket(files, where, ""), arrow_s3(where)
         parts = [
             grain.experimental.ParquetIterDataset(paths, **options).map(with_eos)
             for paths in files.values()
@@ -238,10 +224,7 @@ class HF(Peer):
         where = store()
         if where is not None:  # the files in the bucket, through fsspec (see `_arrow_s3`)
             _arrow_s3(where)
-            files = {
-                name: [f"{_ARROW_S3}://{where['bucket']}/tokens/{Path(p).name}" for p in paths]
-                for name, paths in files.items()
-            }
+            files = in_bucket(files, where, f"{_ARROW_S3}://")
         parts = [
             load_dataset(
                 "parquet", data_files=paths, split="train", streaming=True, columns=["tokens"]
@@ -267,9 +250,6 @@ def _arrow_s3(where: dict[str, Any]) -> None:
     is registered as the protocol `arrows3://` for the store."""
     import fsspec
     from fsspec.implementations.arrow import ArrowFSWrapper
-    from pyarrow import fs
-
-    key, secret = where["credentials"]
 
     class ArrowS3(ArrowFSWrapper):  # type: ignore[misc]
         protocol = _ARROW_S3
@@ -281,9 +261,6 @@ def _arrow_s3(where: dict[str, Any]) -> None:
             return str(path).split("://", 1)[-1].lstrip("/").rstrip("/")
 
         def __init__(self, **_: Any) -> None:
-            super().__init__(fs.S3FileSystem(
-                access_key=key, secret_key=secret, region=where["region"],
-                endpoint_override=where["endpoint"].split("://", 1)[1], scheme="http",
-            ))  # fmt: skip
+            super().__init__(arrow_s3(where))
 
     fsspec.register_implementation(_ARROW_S3, ArrowS3, clobber=True)

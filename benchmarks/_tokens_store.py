@@ -19,6 +19,7 @@ address in `STORE_ENV`: a contender then reads nothing from the local files.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -41,10 +42,12 @@ def store() -> dict[str, Any] | None:
     return json.loads(raw) if raw else None
 
 
-def s3_urls(files: dict[str, list[str]], where: dict[str, Any]) -> dict[str, list[str]]:
-    """Each source's files as their URLs in the bucket."""
+def in_bucket(
+    files: dict[str, list[str]], where: dict[str, Any], scheme: str = "s3://"
+) -> dict[str, list[str]]:  # fmt: skip
+    """Each source's files as their copies in the bucket: `scheme` + "bucket/tokens/<file>"."""
     return {
-        name: [f"s3://{where['bucket']}/tokens/{Path(p).name}" for p in paths]
+        name: [f"{scheme}{where['bucket']}/tokens/{Path(p).name}" for p in paths]
         for name, paths in files.items()
     }
 
@@ -66,6 +69,17 @@ def boto3_options(where: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def arrow_s3(where: dict[str, Any]) -> Any:
+    """pyarrow's S3 filesystem for the store (Grain's and HF datasets' way to it)."""
+    from pyarrow import fs
+
+    key, secret = where["credentials"]
+    return fs.S3FileSystem(
+        access_key=key, secret_key=secret, region=where["region"],
+        endpoint_override=where["endpoint"].split("://", 1)[1], scheme="http",
+    )  # fmt: skip
+
+
 def fresh_cache() -> str:
     """A new folder for LitData's downloaded chunks, in this process's own (one per process)."""
     return tempfile.mkdtemp(dir=_caches())
@@ -73,7 +87,10 @@ def fresh_cache() -> str:
 
 @functools.cache
 def _caches() -> str:
-    return tempfile.mkdtemp(prefix="aioloader-bench-litdata-cache-")
+    """This process's folder of LitData's caches, removed as it exits."""
+    path = tempfile.mkdtemp(prefix="aioloader-bench-litdata-cache-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 @contextmanager

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _tokens_store import DELAY_MS, RUNS_ON_STORE, STORE_ENV, s3_options, s3_urls, serving, store
+from _tokens_store import DELAY_MS, RUNS_ON_STORE, STORE_ENV, in_bucket, s3_options, serving, store
 
 SEQ_LEN, BATCH, EOS = 2048, 8, 0
 WEIGHTS = {"web": 0.7, "code": 0.3}
@@ -228,7 +228,7 @@ class Ours:
         self.options: dict[str, Any] = {}
         where = store()
         if where is not None:  # the files' copies in the bucket, behind the 20 ms proxy
-            self.files, self.options = s3_urls(files, where), {"s3_options": s3_options(where)}
+            self.files, self.options = in_bucket(files, where), {"s3_options": s3_options(where)}
 
     def make(self) -> Any:
         return aioloader_packed(self.files, self.rows_per_sample, self.tokenizer,
@@ -449,7 +449,7 @@ def main() -> None:
     parser.add_argument(
         "--store", action="store_true",
         help="read the files from SeaweedFS (S3) on 127.0.0.1 behind a proxy that holds each "
-        "request 20 ms, as issue 33 measured it (aioloader's contenders and LitData)",
+        "request 20 ms, as issue 33 measured it (every contender but aioloader-text)",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

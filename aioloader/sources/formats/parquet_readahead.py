@@ -179,8 +179,7 @@ class Ahead:
         # ahead waits to fetch. Side by side, the first batch waited for every read ahead's
         # bytes (on the 20 ms store of benchmarks/tokens.py --store, 16 row groups a source came
         # in 0.5 s where one takes 40 ms), then for its decode among their fetches' CPU.
-        self.lead: RowGroup | None = None
-        self.led = False  # whether the walk has had its first row group (then `lead` is let go)
+        self.lead: RowGroup | None = None  # (let go once read)
 
     def reach(self, a: int, b: int) -> None:
         """The walk hands out positions [a, b): pin what they need and read ahead; let go of the
@@ -202,8 +201,8 @@ class Ahead:
             group.order = self.next
             group.needed = group.needed or self.next < reached  # not read ahead: wanted now
             lead = self.lead
-            if not self.led:
-                self.lead, self.led = group, True
+            if self.next == 0:  # the walk's first
+                self.lead = group
             elif lead is not None and not lead.reading():
                 self.lead = None  # (not held by the walk once read)
             elif lead is not None and not group.needed and group.task is None:
