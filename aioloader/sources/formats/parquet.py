@@ -11,7 +11,9 @@ are `RowRef`s (one row) or `RowsRef`s (`rows_per_sample` rows) that name their r
 `fetch` turns one into its sample. A row group is held while the order has rows of it to hand out and
 while any sample of it is in flight; at most `row_groups_in_flight` are read ahead of the rows handed
 out, fewer when their decoded bytes would pass half of the loader's `max_bytes_in_flight`, asked for a
-quarter of them at a time (the reads and the read-ahead: `parquet_readahead.py`).
+quarter of them at a time (the reads and the read-ahead: `parquet_readahead.py`). From a remote
+store, a walk's first row group is read (fetched and decoded) before those read ahead fetch, so
+that the first batch does not wait for their bytes.
 
 From its second epoch on, a reader that has asked for every row group of its epoch reads the first
 row groups of the next epoch (as a fresh epoch of this reader would begin it) in the room left,
