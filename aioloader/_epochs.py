@@ -30,6 +30,7 @@ from ._exceptions import LoaderClosedError, LoaderTimeout
 from ._parts import Describer, EpochHooks
 from ._pipeline.epoch import Epoch, Unraised
 from ._pipeline.feed import BatchStage, Feed
+from ._pipeline.inline import InlineRead
 from ._pipeline.loop_thread import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
 from ._pipeline.stages import END, SKIPPED, BatchFailed, Stages
@@ -61,8 +62,10 @@ class Epochs:
         device: BatchStage | None,
         timeout: float | None,
         use_caller_loop: bool,
+        inline: InlineRead | None = None,
     ) -> None:
         self._stages, self._ledger, self._hooks, self._describer = stages, ledger, hooks, describer
+        self.inline = inline  # `for` makes each batch in the consumer's thread (see `_inline`)
         self.source = source  # told each epoch; closed here (None once closed in the caller's loop)
         self.device = device
         self._timeout = timeout
@@ -128,7 +131,35 @@ class Epochs:
         """The next epoch's batches, for `for`. The epoch's generator holds `owner` (the loader):
         `for batch in Loader(...)` holds nothing else of it, and a loader that is dropped is closed
         (its `__del__`); dropping the iterator ends the epoch first, then lets the loader go."""
+        if self.inline is not None:
+            return _Batches(self._inline(owner, self.inline))
         return _Batches(self._iter(owner))
+
+    def _inline(self, owner: object, read: InlineRead) -> Generator[Any, None, None]:
+        """`_iter` without the pipeline: each batch read and collated here, when `next()` asks
+        for it, as torch's main-process loading makes it (`owner`: see `iter`)."""
+        progress, groups = self._start()
+        rec, batch_errors = self._stages.recorder, self._stages.batch_errors
+        if not isinstance(groups, Iterable):
+            raise TypeError("an inline epoch needs groups it can iterate without an event loop")
+        for group in groups:
+            if self.closed:
+                raise LoaderClosedError("the loader was closed")
+            t0 = time.perf_counter()
+            try:
+                batch = read(group)
+            except Exception as exc:
+                if not batch_errors:
+                    raise
+                batch = BatchFailed(exc)
+            else:
+                rec.batches += 1
+                rec.samples += len(group.items)
+            handed = self._take(progress, t0, group.index, batch)
+            del batch  # not held here while the consumer has it: its buffers can be reused
+            if handed:
+                yield handed.pop()  # a BatchFailed is raised by `_Batches`
+        self._take(progress, time.perf_counter(), -1, END)
 
     def _iter(self, owner: object) -> Generator[Any, None, None]:  # `owner`: see `iter`
         progress, groups = self._start()

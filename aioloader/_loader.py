@@ -37,12 +37,14 @@ from ._observe.trace import Trace, env_trace_path
 from ._parts import KeyPlanState, LoaderDescriber, Parts, Read
 from ._pipeline.collate import DEFAULT_COLLATE, make_collate
 from ._pipeline.fetch import Fetcher
+from ._pipeline.inline import InlineRead
 from ._pipeline.order import KeyOrder, KeyPlan
 from ._pipeline.own_order import OrdersItself, OwnPlan, StreamPlan
 from ._pipeline.stages import Stages
 from ._pipeline.transfer import make_device_stage
 from ._resume.resume import Ledger
 from ._resume.state import check_config
+from ._torch.copies import never_waits, safe_to_share
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import ErrorPolicy
 from ._tuning.memory import AUTO, MemoryBudget
@@ -73,8 +75,12 @@ class Loader(Generic[T]):
 
     Args:
         keys: a sequence, iterable or async iterable of keys; a `Source` (its keys and its
-            `fetch`); or, without `fetch`, a map-style dataset (keys `range(len(dataset))`,
-            fetched with `dataset[i]`).
+            `fetch`); or, without `fetch`, a map-style dataset or samples in memory (a list, a
+            tuple, an array: keys `range(len(dataset))`, fetched with `dataset[i]`). A dataset is
+            read one call at a time, as torch's workers read theirs, unless it declares
+            `thread_safe = True` or its `__getitem__` is a coroutine function; with `for`, these
+            reads (and samples in memory) run in the consumer's own thread, as its batch is
+            asked for, without the pipeline (unless a decode, a device or a timeout is given).
         fetch: key -> raw sample; a coroutine function (runs on the event loop, `concurrency` at a time)
             or a plain function (runs in up to `concurrency` threads, started as they block). Defaults
             to the source's fetch.
@@ -171,13 +177,19 @@ class Loader(Generic[T]):
     ) -> None:
         source: Source | None = None
         described: str | None = None
+        inline = False
         key_list: Sequence[Any] | Iterable[Any] | AsyncIterable[Any]
         if isinstance(keys, Source):
             source, key_list = keys, keys.keys()
             fetch = fetch or keys.fetch
-        elif fetch is None and is_map_style(keys):
+        elif fetch is None and (is_map_style(keys) or never_waits(keys)):
             key_list, fetch = range(len(keys)), keys.__getitem__  # type: ignore[arg-type,index]
-            described = origin(keys)  # a dataset
+            described = origin(keys)  # a dataset, or samples in memory
+            # reads one at a time, in `for`'s own thread, unless threads may share the dataset
+            # (torch's contract, see `_torch/copies.py`); samples in memory, all the same there
+            if not safe_to_share(keys):
+                concurrency = 1
+            inline = timeout is None and (never_waits(keys) or not safe_to_share(keys))
         else:
             key_list = keys
             owner = getattr(fetch, "__self__", None)
@@ -223,7 +235,7 @@ class Loader(Generic[T]):
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch,
                 memory_format=memory_format, stacklevel=3,
             ), errors=ErrorPolicy(on_error, max_skipped), budget=budget, stats=stats,
-            origin=described or origin(keys, source, fetch),
+            origin=described or origin(keys, source, fetch), inline=inline and on_error == "raise",
         ))  # fmt: skip
 
     def _assemble(self, parts: Parts) -> None:
@@ -276,9 +288,13 @@ class Loader(Generic[T]):
         self._hooks, self._state = parts.hooks, parts.state or KeyPlanState(plan)
         self._ledger = Ledger(plan, in_order)
         self._trace: Trace | None = None
+        inline = None
+        if parts.inline and parts.device is None and decode is None:
+            inline = InlineRead(fetch, collate)
         self._epochs = Epochs(
             self._stages, self._ledger, self._hooks, self._describer, source=parts.source,
             device=parts.device, timeout=timeout, use_caller_loop=parts.use_caller_loop,
+            inline=inline,
         )  # fmt: skip
         traced = env_trace_path()
         if traced is not None and parts.stats:
@@ -483,6 +499,8 @@ class Loader(Generic[T]):
             extra["decode_pool"] = pool_stats
         if self._epochs.device is not None:
             extra["transfer"] = self._epochs.device.stats()
+        if self._epochs.inline is not None:
+            extra["inline_reads"] = self._epochs.inline.stats()
         return extra
 
 

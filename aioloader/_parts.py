@@ -230,6 +230,9 @@ class Parts:
     budget: MemoryBudget | None = None  # None: the default byte budget
     stats: bool = True
     batch_errors: bool = False  # an error ends its batch only (torch's DataLoader), not the epoch
+    # `for` makes each batch in the consumer's thread, without the pipeline (`_pipeline/inline.py`):
+    # for reads that do not wait, or must not overlap; not with a decode or a device stage
+    inline: bool = False
     origin: str = ""  # where the samples come from, for the default describer's repr
     hooks: EpochHooks = field(default_factory=NoHooks)
     describer: Describer | None = None  # None: a `LoaderDescriber`, once the stages are made

@@ -2,11 +2,14 @@
 
 Switching a training script is one import: `from aioloader import DataLoader`. The same arguments mean
 the same things and fail the same way, and for the same dataset, sampler and generator the batches
-come in the same order as torch's DataLoader. What changes is how samples are fetched: `__getitem__`
-calls run concurrently (`concurrency` at a time) instead of one after another per worker process.
+come in the same order as torch's DataLoader. torch's contract with the dataset holds too: no dataset
+object is entered by two threads at once, unless it declares `thread_safe = True`, its `__getitem__`
+is a coroutine function, or it is a container in memory (see `_torch/copies.py`). What changes is
+how reads that wait are waited for: side by side, each thread on its own copy of the dataset.
 
-What `num_workers` means here: with 0, `__getitem__` calls run in `concurrency` threads (default
-16), which pays when the dataset waits on disk or network. With N > 0, batch i is read and collated
+What `num_workers` means here: with 0, `for` reads and collates each batch in the consumer's own
+thread, as torch does (no pipeline); a dataset that may be shared is read in `concurrency` threads
+(default 16), which pays when it waits on disk or network. With N > 0, batch i is read and collated
 by worker i % N of N persistent worker processes (aioloader's process pool), with threads of its
 own where the reads block (`threads_per_worker`); the batch comes back in shared memory (see
 `_torch/workers`), and `torch.utils.data.get_worker_info()` and `worker_init_fn` behave as in
@@ -56,6 +59,7 @@ from ._torch.arguments import (
     warn_pin_memory_device,
     worker_mode_of,
 )
+from ._torch.copies import DatasetCopies, never_waits, safe_to_share
 from ._torch.defaults import collates, samplers
 from ._torch.reads import WorkerIds, batch_reader, converting, reads_batches
 from ._torch.sampler import SamplerPlan, draw_seed
@@ -77,7 +81,7 @@ async def _same(item: Any) -> Any:
 
 
 class DataLoader(Loader[T]):
-    """A drop-in for `torch.utils.data.DataLoader` whose `__getitem__` calls run concurrently.
+    """A drop-in for `torch.utils.data.DataLoader` whose reads that wait are waited for side by side.
 
     Takes torch's arguments (see the module docstring for `num_workers`) plus:
 
@@ -86,9 +90,10 @@ class DataLoader(Loader[T]):
             with `num_workers > 0` and batches, whole batches in flight (default
             `num_workers * prefetch_factor`, torch's bound).
         threads_per_worker: with `num_workers > 0`, the threads each worker reads a batch's samples
-            with. "auto" (the default): none until a batch read one by one shows reads that wait
-            while cores sit idle, then more while they go on waiting; 1: one read at a time, as
-            torch's workers do (for a dataset that is not thread-safe); k: up to k at once.
+            with, each on its own copy of the dataset (see `_torch/copies.py`). "auto" (the
+            default): none until a batch read one by one shows reads that wait while cores sit
+            idle, then more while they go on waiting; 1: one read at a time, as torch's workers
+            do; k: up to k at once.
         worker_mode: with `num_workers > 0`, "process", "thread" or "auto" (the default: see the
             module docstring); the attribute `worker_mode` says which it resolved to.
         device, device_prefetch: move batches to this device through pinned memory and a side
@@ -164,6 +169,8 @@ class DataLoader(Loader[T]):
             generator=generator, persistent_workers=persistent_workers, in_order=in_order,
         )  # fmt: skip
         self._workers: ProcessExecutor | None = None  # the worker processes, if any
+        self._inline = False  # `for` reads each batch in its own thread (num_workers=0)
+        self._copies: _CopiesAsDataset | None = None  # threads as workers: their dataset copies
         self._worker_setup: WorkerSetup | None = None  # how they are seeded and set up
         if device is None:
             warn_pin_memory_device(pin_memory, pin_memory_device)
@@ -192,7 +199,14 @@ class DataLoader(Loader[T]):
             fetch_threads=1 if processes else max(1, num_workers),  # threads for the workers
         )  # fmt: skip
         torch_parts = _TorchParts(
-            self, plan, processes, executor, concurrency, self._workers, self._worker_setup
+            self,
+            plan,
+            processes,
+            executor,
+            concurrency,
+            self._workers,
+            self._worker_setup,
+            self._copies.copies if self._copies is not None else None,
         )
         self._assemble(Parts(
             plan, read, collate=collate_fn if auto_collation and not reads_batches(plan) else None,
@@ -200,7 +214,7 @@ class DataLoader(Loader[T]):
             device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
             ),
-            batch_errors=True, budget=self._budget,
+            batch_errors=True, budget=self._budget, inline=self._inline,
             hooks=torch_parts, describer=torch_parts, state=torch_parts,
         ))  # fmt: skip
         warn_if_many_workers(num_workers)
@@ -240,9 +254,20 @@ class DataLoader(Loader[T]):
             concurrency = given_concurrency or num_workers * max(1, prefetch_factor or 0)
             prefetch = 1  # batches asked for count those done: torch's bound, not twice it
         else:
-            fetch, plan = self._plan_for(
-                self.dataset, iterable, auto_collation, collate_fn, concurrency
-            )
+            reader: Any = self.dataset
+            # torch's main-process reads, in `for`'s own thread where nothing can wait for them:
+            # reads that never wait (a list), or that must not overlap (see `_torch/copies.py`)
+            self._inline = num_workers == 0 and not iterable and not self.timeout and (
+                never_waits(self.dataset) or not safe_to_share(self.dataset)
+            )  # fmt: skip
+            if not processes and not iterable and not safe_to_share(self.dataset):
+                if num_workers == 0:  # one at a time (in `async for` too)
+                    concurrency = 1
+                else:  # threads as workers: each reads its own copy
+                    reader = self._copies = _CopiesAsDataset(
+                        DatasetCopies(self.dataset, concurrency)
+                    )
+            fetch, plan = self._plan_for(reader, iterable, auto_collation, collate_fn, concurrency)
             if processes:
                 fetch, decode, executor = self._per_item(collate_fn)
         return fetch, decode, executor, plan, auto_collation, concurrency, prefetch
@@ -335,6 +360,19 @@ class DataLoader(Loader[T]):
         return converting(collate_fn, getitem), plan
 
 
+class _CopiesAsDataset:
+    """A dataset read through `DatasetCopies`: each thread on its own copy."""
+
+    def __init__(self, copies: DatasetCopies) -> None:
+        self.copies = copies
+        self.__getitem__ = copies.getitem
+        if hasattr(copies.dataset, "__getitems__"):
+            self.__getitems__ = copies.getitems
+
+    def __len__(self) -> int:
+        return len(self.copies.dataset)
+
+
 class _TorchParts:
     """What torch's DataLoader does at a Loader's set points: a DataLoader's epoch hooks, describer
     and state codec (see `_parts.py`).
@@ -357,6 +395,7 @@ class _TorchParts:
         concurrency: int,
         workers: ProcessExecutor | None,
         worker_setup: WorkerSetup | None,
+        copies: DatasetCopies | None,
     ) -> None:
         # the DataLoader's torch attributes, read as they are now (a script may set some after
         # init); through a weak proxy: its parts must not keep it alive (`Loader.__del__` closes it)
@@ -364,6 +403,7 @@ class _TorchParts:
         self._plan, self._processes, self._executor = plan, processes, executor
         self._concurrency = concurrency
         self._workers, self._worker_setup = workers, worker_setup
+        self._copies = copies
         self._len_called: int | None = None  # IterableDataset: len(dataset) when len(self) asked
         self._yielded = 0  # batches handed over this epoch
         self._epochs_started = 0
@@ -388,6 +428,8 @@ class _TorchParts:
             if self._epochs_started and not torch_.persistent_workers:
                 workers.renew()  # torch forks them anew each epoch: they see the dataset as it is
             workers.start()  # forked here, from the consumer's thread, as torch's are
+        if self._copies is not None:  # threads as workers: copies of the dataset as it is now
+            self._copies.snapshot()
         self._epochs_started += 1
 
     def handing_over(self) -> None:

@@ -7,6 +7,10 @@ The reasoning, from a `LoaderStats` snapshot:
    worker taken: `StageStats.full_pct`) is the bottleneck, if it was full most of the time.
 4. Decode that runs inline and keeps the event loop busy, or no stage full while the consumer waits,
    points at the event loop itself.
+5. Reads that run one at a time in the consumer's thread (a dataset that may not be shared, at
+   `num_workers=0`: `_pipeline/inline.py`) are the bottleneck whenever the consumer waits; the
+   text says what reading them side by side would save, from the share of their time they spent
+   off the CPU, and how to allow it.
 
 A tar-shard source's reads are its fetch stage (see `_observe/stats.py`): when its readers are the limit, the
 advice is its `parallel=`. Latencies are shown split into the time at work and the time waiting for a
@@ -28,6 +32,7 @@ CONSUMER_BOUND_PCT = 10.0  # data-bound below this: the loader is ahead of the m
 SATURATED = 0.6  # share of the consumer's time a stage was full from which it is the limit
 INLINE_BUSY = 0.5  # ... for inline decode: the share of the loop's time spent decoding
 RETRY_SHARE = 0.05  # retries per fetch from which the source's retries are the story
+SIDE_BY_SIDE = 16  # reads side by side, for what one-at-a-time reads would gain (the default)
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,41 @@ def _fetch_text(v: _View) -> str:
     )
 
 
+def _inline_fact(reads: dict[str, float]) -> str:
+    per_read = reads["read_s"] / reads["samples"]
+    off = reads["blocked_s"] / reads["read_s"] if reads["read_s"] else 0.0
+    return (
+        f"reads: {reads['samples']:.0f} in {reads['batches']:.0f} batches, one at a time in the "
+        f"consumer's thread, {_ms(per_read)} each, {100 * off:.0f}% of it off the CPU"
+    )
+
+
+def _inline_text(v: _View, reads: dict[str, float]) -> str:
+    """Reads run one at a time in the consumer's thread (`_pipeline/inline.py`): what reading
+    them side by side would save, and how to allow it."""
+    batches = max(1.0, reads["batches"])
+    per_batch = v.active / batches  # the consumer's whole step: its reads, collate and its own work
+    read, blocked = reads["read_s"] / batches, reads["blocked_s"] / batches
+    if blocked < read / 4:
+        return (
+            f"Reading the dataset is the bottleneck: its reads run one at a time in this thread "
+            f"and compute ({100 * (1 - blocked / max(read, 1e-12)):.0f}% of their time on the "
+            f"CPU). Worker processes read on every core: {v.workers_argument}={v.cores}."
+        )
+    side_by_side = max(read - blocked, read / SIDE_BY_SIDE)
+    faster = per_batch / max(1e-12, per_batch - read + side_by_side)
+    return (
+        f"Reading the dataset is the bottleneck: its reads run one at a time in this thread, as "
+        f"torch's main process reads them (the dataset does not say several threads may call it "
+        f"at once), and {100 * blocked / read:.0f}% of their time they waited off the CPU (disk, "
+        f"network). With {SIDE_BY_SIDE} reads side by side an epoch would take about "
+        f"{faster:.1f}x less time. To allow them: declare `thread_safe = True` on the dataset's "
+        "class if several threads may call it at once (no handle shared between calls), make "
+        f"`__getitem__` an `async def`, or use {v.workers_argument}=N (worker processes, where "
+        "each read thread reads its own copy of the dataset)."
+    )
+
+
 def _decode_text(v: _View, executor: str) -> str:
     d = v.st.stages["decode"]
     workers = d.limit or 1
@@ -227,6 +267,9 @@ def diagnose(
         ), evidence)  # fmt: skip
     if v.retry_share >= RETRY_SHARE or v.throttles > 0:
         return Diagnosis("fetch", _fetch_text(v), evidence)
+    reads = st.extra.get("inline_reads")
+    if reads and reads["samples"]:  # read one at a time in the consumer's thread
+        return Diagnosis("fetch", _inline_text(v, reads), [*evidence, _inline_fact(reads)])
     full = {name: v.full(s) for name, s in st.stages.items() if s.items or s.busy}
     busiest = max(full, key=lambda n: full[n], default="loop")
     inline = busiest == "decode" and executor == "inline"

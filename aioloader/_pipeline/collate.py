@@ -14,6 +14,7 @@ the pool allocate, never overwrite.
 
 from __future__ import annotations
 
+import array
 import sys
 import threading
 import weakref
@@ -235,6 +236,10 @@ def make_collate(pool: Buffers | None) -> Callable[[Sequence[Any]], Any]:
     fn_map = _make_fn_map(pool)
 
     def collate(batch: Sequence[Any]) -> Any:
+        if batch and type(batch[0]) in _NUMBERS:  # indices, token ids, labels, scores
+            numbers = _numbers(batch)
+            if numbers is not None:
+                return numbers
         try:
             return _torch_collate(batch, collate_fn_map=fn_map)
         except CollateError:
@@ -244,6 +249,23 @@ def make_collate(pool: Buffers | None) -> Callable[[Sequence[Any]], Any]:
 
     collate.stacks = True  # type: ignore[attr-defined]
     return collate
+
+
+# Python numbers as torch batches them (int64, float64), through an array: torch.tensor(list) reads
+# each number on its own (measured: 11 µs for 64 ints, 1.9 µs through array.array)
+_NUMBERS = {int: ("q", torch.int64), float: ("d", torch.float64)}
+
+
+def _numbers(batch: Sequence[Any]) -> torch.Tensor | None:
+    """`torch.tensor(batch)` for a batch of Python ints (or floats) as torch's default_collate makes
+    it; None where another type among them (a float among ints) or a value out of range calls for
+    torch's own."""
+    code, dtype = _NUMBERS[type(batch[0])]
+    try:
+        values = array.array(code, batch)
+    except (TypeError, OverflowError):
+        return None
+    return torch.frombuffer(values, dtype=dtype)
 
 
 def stacks(collate: object) -> bool:

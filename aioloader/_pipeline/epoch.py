@@ -35,6 +35,7 @@ from .._util.aiters import closing
 from .._util.loops import is_async_callable
 from .._util.rng import call_seeded, derive_seed
 from .collate import RowPlan
+from .inline import note_error
 from .order import Group
 from .reorder import Item, reorder
 from .stages import END, SKIPPED, BatchFailed, Gap, Stages
@@ -82,12 +83,6 @@ class Unraised:
 
 class _Failed(Exception):
     """Internal: an error was handed to the consumer; stop the epoch."""
-
-
-def _note(exc: BaseException, stage: str, keys: list[Any]) -> BaseException:
-    what = "" if not keys else f" for key {keys[0]!r}" if len(keys) == 1 else f" for keys {keys!r}"
-    exc.add_note(f"aioloader: raised in stage {stage!r}{what}")
-    return exc
 
 
 class _GroupState:
@@ -276,11 +271,13 @@ class Epoch:
                 if rest.subgroup(lambda e: not isinstance(e, Exception)) is not None:
                     raise
                 # a bug, or an error raised while iterating the keys: hand it to the consumer
-                self._out.put_nowait(Item(-1, None, 0, 0, _note(rest.exceptions[0], "order", [])))
+                self._out.put_nowait(
+                    Item(-1, None, 0, 0, note_error(rest.exceptions[0], "order", []))
+                )
             return
         except (KeyboardInterrupt, SystemExit) as exc:
             # TaskGroup raises these bare; escaping this task they would stop the event loop itself
-            self._out.put_nowait(Item(-1, None, 0, 0, _note(exc, "order", [])))
+            self._out.put_nowait(Item(-1, None, 0, 0, note_error(exc, "order", [])))
             return
         self._out.put_nowait(Item(-1, END, 0, 0, None))
 
@@ -293,7 +290,8 @@ class Epoch:
                 self._order.launch(group.index)
                 state = _GroupState(group, self._stages.rows)
                 for slot, (_, key) in enumerate(group.items):
-                    await self._held.acquire()
+                    # a group larger than the bound (a batch sampler's batches vary) still goes
+                    await self._held.acquire(at_least=len(group.items))
                     expected = self._bytes.expect(self._size_of(key))
                     await self._bytes.room(functools.partial(self._oldest, group.index), expected)
                     await self._in_flight.acquire()
@@ -496,9 +494,9 @@ class Epoch:
             state.faults.append((slot, stage, key, exc))
         elif not self._skip(exc, stage, [key]):
             if not self._stages.batch_errors:
-                return self._deliver(state.group, None, _note(exc, stage, [key]), state.bytes)
+                return self._deliver(state.group, None, note_error(exc, stage, [key]), state.bytes)
             if state.error is None:  # the batch fails once its other samples have ended
-                state.error = _note(exc, stage, [key])
+                state.error = note_error(exc, stage, [key])
         state.skipped.add(slot)
         await self._done(state)
 
@@ -509,7 +507,7 @@ class Epoch:
             if not self._skip(exc, stage, [key]):
                 if item.error is None:
                     self._rec.ready -= 1  # (counted as made; the consumer gets the error instead)
-                return item._replace(batch=None, error=_note(exc, stage, [key]), faults=())
+                return item._replace(batch=None, error=note_error(exc, stage, [key]), faults=())
         return item
 
     def _skip(self, exc: BaseException, stage: str, keys: list[Any]) -> bool:
@@ -563,7 +561,7 @@ class Epoch:
             keys = [key for i, (_, key) in enumerate(group.items) if i not in state.skipped]
             if self._skip(exc, "collate", keys):
                 return self._deliver(group, SKIPPED, None, state.bytes, state.faults)
-            error = _note(exc, "collate", keys)
+            error = note_error(exc, "collate", keys)
             return self._deliver(group, None, error, state.bytes, state.faults)
         rec.stop("collate", t0, state.bytes, key=group.index)
         self._deliver(group, batch, None, state.bytes, state.faults)

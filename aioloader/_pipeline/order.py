@@ -102,6 +102,8 @@ def shard(remaining: Sequence[int], rank: int, world_size: int, drop_last: bool)
     m = len(remaining)
     if m == 0:
         return []
+    if world_size == 1:
+        return list(remaining)
     total = (m // world_size) * world_size if drop_last else -(-m // world_size) * world_size
     return [remaining[j % m] for j in range(rank, total, world_size)]
 
@@ -178,7 +180,9 @@ class KeyOrder:
         keys = self.keys
         if isinstance(keys, Sequence):
             perm = permutation(len(keys), self.shuffle, self.seed, epoch)
-            return ((perm[i], keys[perm[i]]) for i in self.mine(consumed))
+            mine = self.mine(consumed)
+            positions = mine if isinstance(perm, range) else list(map(perm.__getitem__, mine))
+            return zip(positions, map(keys.__getitem__, positions), strict=True)
         if self.one_shot and self.epochs_read:
             raise ValueError(
                 f"keys: a one-shot {type(keys).__name__} (an iterator: its keys come once) was used "

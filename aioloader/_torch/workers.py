@@ -44,6 +44,7 @@ from .._util.threads import (
     idle_ticks,
     runnable_clock,
 )
+from .copies import DatasetCopies, thread_safe
 
 __all__ = [
     "AUTO_THREADS", "ReadItem", "ReadSamples", "RoundRobin", "WorkerSetup", "check_threads",
@@ -56,6 +57,7 @@ __all__ = [
 AUTO_THREADS = 32
 
 _worker: dict[str, int] = {}  # in a worker process: its id, the number of workers, its seed
+_copies: dict[int, DatasetCopies] = {}  # in a worker process: its read threads' dataset copies
 
 
 class WorkerSetup:
@@ -141,13 +143,16 @@ class ReadSamples:
     """(batch number, indices) -> the collated batch, read and collated in one worker process.
 
     Reads with `dataset.__getitems__(indices)` when the dataset has it (one call, as torch makes
-    it), else `dataset[i]` for each index: one after another with `threads` = 1 (torch's calls,
-    for datasets that are not thread-safe), else in up to `threads` threads of this worker, which
-    start as calls find none free. With `lazy`, a worker reads one after another on its own thread
-    (no thread, no event loop, no malloc arena more than torch's worker) until a batch's reads are
-    seen to block (`_Blocking`); only then do threads start, and only while the reads block and
-    cores are idle (`_util/threads.LazyThreadPool`'s `spare_cores`). The batch keeps the sampler's
-    order; the first failing read, in that order, raises. `collate` None is the default collate (see
+    it), else `dataset[i]` for each index: one after another with `threads` = 1 (torch's calls),
+    else in up to `threads` threads of this worker, which start as calls find none free. No two
+    threads enter one dataset object (torch's contract, see `_torch/copies.py`): each read thread
+    reads a copy of its own, and where none can be made the worker reads one after another; a
+    dataset that declares `thread_safe = True` is read by its threads as it is. With `lazy`, a
+    worker reads one after another on its own thread (no thread, no event loop, no malloc arena
+    more than torch's worker) until a batch's reads are seen to block (`_Blocking`); only then do
+    threads start, and only while the reads block and cores are idle
+    (`_util/threads.LazyThreadPool`'s `spare_cores`). The batch keeps the sampler's order; the
+    first failing read, in that order, raises. `collate` None is the default collate (see
     `collate_here`).
     """
 
@@ -166,16 +171,29 @@ class ReadSamples:
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             samples = getitems(indices)
-        elif self.threads == 1 or len(indices) == 1 or (self.lazy and not _Blocking.seen):
-            reading = self._one_by_one(indices)  # kept until collated: its batch tensors with it
-            samples = reading if isinstance(reading, list) else reading.samples
         else:
-            readers = _Readers.here(self.threads, self.lazy)
-            reading = self._collector(len(indices))
-            readers.read(self.dataset.__getitem__, indices, reading)
+            getitem, threads = self._reads()
+            if threads == 1 or len(indices) == 1 or (self.lazy and not _Blocking.seen):
+                reading = self._one_by_one(indices, threads)  # kept until collated (its tensors)
+            else:
+                reading = self._collector(len(indices))
+                _Readers.here(threads, self.lazy).read(getitem, indices, reading)
             samples = reading if isinstance(reading, list) else reading.samples
         keep_freed_memory(samples)
         return collate_here(self.collate, samples)
+
+    def _reads(self) -> tuple[Callable[[Any], Any], int]:
+        """(what a read thread calls, the threads that may read at once) in this worker: the
+        dataset itself where it is `thread_safe`, else each thread's own copy of it, made from
+        the dataset as it was before this worker's first read (`DatasetCopies`); one thread where
+        no copy can be made."""
+        if thread_safe(self.dataset):
+            return self.dataset.__getitem__, self.threads
+        copies = _copies.get(id(self))
+        if copies is None:  # this worker's first batch: nothing read yet
+            copies = _copies[id(self)] = DatasetCopies(self.dataset, self.threads)
+            copies.snapshot()
+        return copies.getitem, copies.threads
 
     def _collector(self, size: int) -> list[Any] | StackAsRead:
         """Where a batch's samples go as they are read, in order: with the default collate and an
@@ -185,11 +203,11 @@ class ReadSamples:
             return StackAsRead(carver, size)
         return []
 
-    def _one_by_one(self, indices: list[Any]) -> list[Any] | StackAsRead:
+    def _one_by_one(self, indices: list[Any], threads: int) -> list[Any] | StackAsRead:
         """The samples read on this thread, in order; with the default collate and an output slot,
         each is stacked into the batch as it is read (`StackAsRead`)."""
         out = self._collector(len(indices))
-        if self.threads == 1 or len(indices) == 1:
+        if threads == 1 or len(indices) == 1:
             for i in indices:
                 out.append(self.dataset[i])
         else:
@@ -198,25 +216,33 @@ class ReadSamples:
 
 
 class _Blocking:
-    """Whether a worker's reads block: a batch read one by one whose calls were blocked (neither
-    ran nor waited for a core: `runnable_clock`) `SLOW_CALL_S` or more at the median while cores
-    sat idle. Set once per process; calls that compute (a JPEG decode) never set it, and need no
-    thread, however long other processes keep them from a core."""
+    """Whether a worker's reads block: a batch read one by one whose calls took `SLOW_CALL_S` or
+    more at the median, and which was blocked (neither ran nor waited for a core) as long as half
+    its calls took that, while cores sat idle. Set once per process; calls that compute (a JPEG
+    decode) never set it, and need no thread, however long other processes keep them from a core.
+
+    The batch's blocked time is its wall time less the time it ran or waited in a run queue
+    (`runnable_clock`), read twice a batch: read around every call, it cost ~0.9 ms a batch of 64
+    here, more than reading 64 ints."""
 
     seen = False
 
     @classmethod
     def watch(cls, getitem: Callable[[Any], Any], indices: list[Any], samples: Any) -> None:
         """Read `indices` one by one into `samples` (`append`), watching how the calls wait."""
-        waits = []
-        start, idle = time.monotonic(), idle_ticks()
+        took = []
+        start, idle, runnable = time.monotonic(), idle_ticks(), runnable_clock()
         for i in indices:
-            began, cpu = time.monotonic(), runnable_clock()
+            began = time.monotonic()
             samples.append(getitem(i))
-            waits.append(time.monotonic() - began - (runnable_clock() - cpu))
-        spare = cores_idle(idle, idle_ticks(), time.monotonic() - start)
-        waits.sort()
-        cls.seen = waits[len(waits) // 2] >= SLOW_CALL_S and spare >= IDLE_TO_GROW
+            took.append(time.monotonic() - began)
+        took.sort()
+        if took[len(took) // 2] < SLOW_CALL_S:
+            return  # quick calls: no thread would help
+        wall = time.monotonic() - start
+        blocked = wall - (runnable_clock() - runnable)
+        spare = cores_idle(idle, idle_ticks(), wall)
+        cls.seen = blocked >= SLOW_CALL_S * len(took) / 2 and spare >= IDLE_TO_GROW
 
 
 def keep_freed_memory(samples: list[Any]) -> None:

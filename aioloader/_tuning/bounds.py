@@ -66,8 +66,9 @@ class Gate:
         self.busy = 0
         self._changed = asyncio.Event()
 
-    async def acquire(self) -> None:
-        while self.busy >= max(1, self.tuner.limit):
+    async def acquire(self, at_least: int = 1) -> None:
+        """Wait until fewer than the limit (or `at_least`, if larger) hold it, then hold it."""
+        while self.busy >= max(at_least, self.tuner.limit):
             self._changed.clear()
             await self._changed.wait()
         self.busy += 1

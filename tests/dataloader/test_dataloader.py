@@ -105,11 +105,14 @@ def test_set_epoch_reaches_distributed_sampler() -> None:
     assert first != second
 
 
-def test_getitem_calls_overlap() -> None:
-    """Plain __getitem__ calls run in threads at the same time (torch with 0 workers: one at a time)."""
+def test_getitem_calls_overlap_where_the_dataset_is_thread_safe() -> None:
+    """A dataset that declares `thread_safe = True` is read in threads, calls at the same time
+    (torch with 0 workers: one at a time; without the declaration, here too)."""
     barrier = threading.Barrier(4, timeout=10)
 
     class Blocking(MapDataset):
+        thread_safe = True
+
         def __getitem__(self, i: int) -> Any:
             barrier.wait()  # only passes when 4 calls are in flight together
             return super().__getitem__(i)
@@ -138,6 +141,8 @@ def test_worker_init_fn_runs_once_per_fetch_thread() -> None:
 
 def test_timeout_raises_loader_timeout_naming_the_limit() -> None:
     class Slow(MapDataset):
+        thread_safe = True  # read side by side: both keys in flight
+
         def __getitem__(self, i: int) -> Any:
             time.sleep(1.0)
             return super().__getitem__(i)

@@ -175,12 +175,19 @@ class NotThreadSafe(Dataset[torch.Tensor]):
             self.inside -= 1
 
 
+class SaysThreadSafe(NotThreadSafe):
+    thread_safe = True
+
+
 def test_threads_per_worker_1_reads_one_sample_at_a_time() -> None:
     with DataLoader(NotThreadSafe(), batch_size=16, num_workers=2, threads_per_worker=1) as dl:
         assert [b[0, 0].item() for b in dl] == [0.0, 16.0, 32.0]
-    # more threads read a batch's samples at once
+    # more threads read a batch's samples, each its own copy of the dataset ...
+    with DataLoader(NotThreadSafe(), batch_size=16, num_workers=2, threads_per_worker=4) as dl:
+        assert [b[0, 0].item() for b in dl] == [0.0, 16.0, 32.0]
+    # ... or, where it declares itself thread-safe, the dataset itself at once
     with (
-        DataLoader(NotThreadSafe(), batch_size=16, num_workers=2, threads_per_worker=4) as dl,
+        DataLoader(SaysThreadSafe(), batch_size=16, num_workers=2, threads_per_worker=4) as dl,
         pytest.raises(RuntimeError, match="two reads at once"),
     ):
         list(dl)

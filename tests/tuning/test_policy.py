@@ -153,7 +153,7 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], error: type, na
 
 def test_missing_fetch_is_a_type_error_naming_it() -> None:
     with pytest.raises(TypeError, match="fetch"):
-        Loader([1, 2, 3])
+        Loader(k for k in range(3))  # keys, not samples: a list would be its own samples
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
