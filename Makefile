@@ -7,7 +7,7 @@ AZURITE := .azurite/.installed
 TORCH   ?= torch==2.13.0
 
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead per_batch h2d_overlap ft_threads ranks
-BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams token_lists
+BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams token_lists peers_rs
 
 .PHONY: setup test test-stress test-containers test-slow lint demo bench bench-quick chart soak clean
 
@@ -99,3 +99,25 @@ bench-ft: ft-env
 	$(FTPY) -c '$(FTPEERS)' >$(FTVENV)/bench-ft.txt
 	$(FTPY) -m pip install -q --only-binary=:all: -c $(FTVENV)/constraints.txt -r $(FTVENV)/bench-ft.txt
 	$(FTPY) benchmarks/ft_threads.py
+
+# dataloader-rs, the peer of benchmarks/peers_rs.py (its rows are skipped without it), in a venv of
+# its own: .venv-rs, CPython 3.13 (pyenv's 3.13.0 where there is one, else python3.13 on PATH;
+# PY313=... picks another), with the bench-rs extra's pins, binary wheels only. No torch:
+# dataloader-rs does not need it. Its x86-64 wheels need a CPU with AVX2.
+RSVENV  := .venv-rs
+RSPY    := $(RSVENV)/bin/python
+PYENV313 := $(shell pyenv root 2>/dev/null)/versions/3.13.0/bin/python
+PY313   ?= $(if $(wildcard $(PYENV313)),$(PYENV313),python3.13)
+RSPEERS := import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"] \
+	["optional-dependencies"]["bench-rs"]))
+
+.PHONY: rs-env
+
+rs-env: $(RSVENV)/.installed
+
+$(RSVENV)/.installed: pyproject.toml
+	test -x $(RSPY) || $(PY313) -m venv $(RSVENV)
+	$(RSPY) -c '$(RSPEERS)' >$(RSVENV)/bench-rs.txt
+	$(RSPY) -m pip install -q --only-binary=:all: -r $(RSVENV)/bench-rs.txt
+	$(RSPY) -c "import dataloader_rs, numpy, psutil"
+	touch $@

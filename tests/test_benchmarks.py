@@ -71,6 +71,25 @@ def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
     assert b["pipe_share_max"] < 0.01  # the lists of arrays came back in shared memory
 
 
+def test_peers_rs_runs_torch_aioloader_and_dataloader_rs_on_the_same_user_code() -> None:
+    # Two workloads, one worker count each: a fresh interpreter per contender, one-second windows.
+    # dataloader-rs runs from .venv-rs (`make rs-env`); without it the benchmark says so and goes on.
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "peers_rs.py"), "--quick", "--workloads", "int,io"], 60
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "peers_rs"
+    for case in ("int-N2", "io-N4"):
+        for library in ("torch", "aioloader"):
+            assert summary[case][library]["samples_per_s"] > 0
+            assert summary[case][library]["peak_pss_mb"] > 0
+        assert summary[case]["aioloader/torch"]["samples_per_s"] > 0
+    if summary["dataloader_rs"] != "ran":
+        pytest.skip(f"dataloader-rs: {summary['dataloader_rs']['skipped']}")
+    assert summary["int-N2"]["aioloader/dataloader-rs"]["samples_per_s"] > 0
+    assert summary["io-N4"]["aioloader/dataloader-rs ip16"]["samples_per_s"] > 0
+
+
 def test_mix_runs_both_sides_and_ends_with_its_json() -> None:
     out = run_benchmark(
         [sys.executable, str(BENCHMARKS / "mix.py"), "--quick", "--repeats", "1", "--no-w2"], 120
