@@ -298,7 +298,7 @@ class DataLoader(Loader[T]):
         plan.read_batches(numbered=True)
         collate = None if collate_fn is DEFAULT_COLLATE else collate_fn
         read = ReadSamples(self.dataset, collate, threads, lazy)
-        return _same, read, RoundRobin(self._worker_pool(read, size_first=True)), plan
+        return _same, read, RoundRobin(self._worker_pool(read, size_first=True), read), plan
 
     def _streams(
         self, collate_fn: Callable[..., Any], auto_collation: bool

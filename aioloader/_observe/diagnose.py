@@ -208,6 +208,15 @@ def _decode_text(v: _View, executor: str) -> str:
         )
         if executor != "process":
             advice += "; if the decoder holds the GIL, executor='process' runs it on all of them"
+    why = v.st.extra.get("decode_pool", {}).get("reads_one_at_a_time")
+    if why:  # a DataLoader's workers, each reading its batch one call at a time
+        advice = (
+            f"let each worker read its batch's samples side by side: now it reads them one "
+            f"call at a time, since its read threads cannot each get a copy of the dataset: "
+            f"{why}. Open handles lazily in `__getitem__` (not in `__init__`), so that the dataset "
+            "pickles; or, if several threads may call it at once, declare `thread_safe = True` "
+            f"on its class; or {advice}"
+        )
     waiting = max(0.0, d.busy_mean - workers)
     return (
         f"Decode is the bottleneck: all {workers} decode workers were busy "

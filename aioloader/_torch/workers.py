@@ -182,6 +182,18 @@ class ReadSamples:
         keep_freed_memory(samples)
         return collate_here(self.collate, samples)
 
+    def one_at_a_time(self) -> str | None:
+        """Why a worker reads its batches one call at a time, whatever its reads wait (the dataset
+        cannot be copied for its threads), else None; asked of the dataset as it is now, in this
+        process (a worker's copy may differ: its `worker_init_fn` may have opened a handle)."""
+        if self.threads == 1 or thread_safe(self.dataset):
+            return None
+        if hasattr(self.dataset, "__getitems__"):
+            return None  # one call per batch, as torch makes it
+        copies = DatasetCopies(self.dataset, self.threads)
+        copies.snapshot()
+        return copies.why
+
     def _reads(self) -> tuple[Callable[[Any], Any], int]:
         """(what a read thread calls, the threads that may read at once) in this worker: the
         dataset itself where it is `thread_safe`, else each thread's own copy of it, made from
@@ -347,9 +359,11 @@ class RoundRobin:
     """Sends batch i (the key `(i, indices)` of `ReadSamples`) to worker i % N of `pool`, as torch's
     DataLoader hands out its batches."""
 
-    def __init__(self, pool: ProcessExecutor) -> None:
+    def __init__(self, pool: ProcessExecutor, read: ReadSamples | None = None) -> None:
         self.pool = pool
         self.workers = pool.workers
+        self._read = read
+        self._why: str | None | bool = False  # False: not asked yet (see `stats`)
 
     async def run(self, fn: Callable[[Any], Any], key: Any, seed: int | None = None) -> Any:
         batch, indices = key
@@ -363,8 +377,15 @@ class RoundRobin:
             )
             raise
 
-    def stats(self) -> dict[str, int]:
-        return self.pool.stats()
+    def stats(self) -> dict[str, Any]:
+        """The pool's counters, and why each worker reads one call at a time, where it must
+        ("reads_one_at_a_time": for `diagnose()`; worked out once, at the first call)."""
+        out: dict[str, Any] = dict(self.pool.stats())
+        if self._why is False:
+            self._why = None if self._read is None else self._read.one_at_a_time()
+        if self._why:
+            out["reads_one_at_a_time"] = self._why
+        return out
 
     def close(self) -> None:
         self.pool.close()

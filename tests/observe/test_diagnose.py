@@ -159,6 +159,27 @@ def test_dataloader_advice_names_num_workers() -> None:
     assert " workers=" not in d.text.replace("num_workers=", ""), d
 
 
+class SlowItemsWithALambda(SlowItems):
+    """Does not pickle, so a worker's read threads cannot each get a copy of it."""
+
+    def __init__(self) -> None:
+        self.transform = lambda i: i
+
+    def __getitem__(self, i: int) -> int:
+        return self.transform(super().__getitem__(i))  # type: ignore[no-any-return]
+
+
+def test_dataloader_advice_says_why_a_worker_reads_one_call_at_a_time() -> None:
+    loader = DataLoader(SlowItemsWithALambda(), batch_size=4, num_workers=1, worker_mode="process")
+    d = verdict(loader)
+    assert d.bottleneck == "decode", d
+    assert "one call at a time" in d.text, d
+    assert "it does not pickle" in d.text, d
+    assert "thread_safe = True" in d.text, d
+    fine = verdict(DataLoader(SlowItems(), batch_size=4, num_workers=1, worker_mode="process"))
+    assert "one call at a time" not in fine.text, fine  # it pickles: its threads read copies
+
+
 def test_str_is_the_text_then_the_evidence() -> None:
     d = Diagnosis("fetch", "Fetch is slow.", ["a", "b"])
     assert str(d) == "Fetch is slow.\n  - a\n  - b"
