@@ -363,7 +363,7 @@ class RoundRobin:
         self.pool = pool
         self.workers = pool.workers
         self._read = read
-        self._why: str | None | bool = False  # False: not asked yet (see `stats`)
+        self._why: str | bool | None = False  # False: not asked yet (see `stats`)
 
     async def run(self, fn: Callable[[Any], Any], key: Any, seed: int | None = None) -> Any:
         batch, indices = key
