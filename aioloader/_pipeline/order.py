@@ -181,7 +181,12 @@ class KeyOrder:
         if isinstance(keys, Sequence):
             perm = permutation(len(keys), self.shuffle, self.seed, epoch)
             mine = self.mine(consumed)
-            positions = mine if isinstance(perm, range) else list(map(perm.__getitem__, mine))
+            if isinstance(perm, range) or (not consumed and self.world_size == 1):
+                positions = perm if not consumed and self.world_size == 1 else mine
+            else:
+                positions = list(map(perm.__getitem__, mine))
+            if isinstance(keys, range) and keys == range(len(keys)):  # each key its position
+                return zip(positions, positions, strict=True)
             return zip(positions, map(keys.__getitem__, positions), strict=True)
         if self.one_shot and self.epochs_read:
             raise ValueError(
