@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 from support.azurite import ACCOUNT, KEY, AzuriteServer
-from support.faultproxy import Fault, FaultProxy
+from support.faultproxy import Fault, FaultProxy, Origin
 from support.stores import FAST, PREFIXES, clear_store_setup, write_objects
 
 from aioloader import FetchError, Loader
@@ -28,6 +29,8 @@ from aioloader.sources.stores.azureauth import (
     parse_connection_string,
     parse_listing,
 )
+from aioloader.sources.transport.client import Transport
+from aioloader.sources.transport.retry import Retry, Timeouts
 
 PREFIX = PREFIXES["azure"]
 
@@ -362,27 +365,105 @@ def test_default_azure_credential_is_the_last_resort() -> None:
 
 
 class CountingToken:
-    """A token credential (anything with get_token) whose tokens expire after `life` seconds."""
+    """A token credential (anything with get_token) whose tokens expire after `life` seconds; a
+    call blocks while `held` is clear (a credential that is slow to answer)."""
 
     def __init__(self, life: float) -> None:
         self.life, self.calls = life, 0
+        self.held = threading.Event()
+        self.held.set()
+        self.asked = threading.Event()  # a call is waiting for `held`
+        self.answered = threading.Semaphore(0)  # released as each call returns
 
     def get_token(self, *scopes: str) -> Any:
-        self.calls += 1
         from types import SimpleNamespace
 
+        self.calls += 1
+        self.asked.set()
+        assert self.held.wait(10)
+        self.answered.release()
         return SimpleNamespace(token=f"tok{self.calls}", expires_on=time.time() + self.life)
 
 
-def test_bearer_tokens_are_reused_then_refreshed_before_expiry() -> None:
-    lasting, expiring = CountingToken(3600), CountingToken(60)
-    for cred, tokens in ((lasting, ["tok1", "tok1"]), (expiring, ["tok1", "tok2"])):
-        signer = AzureSigner(find_credentials(account_name="a", account_key=None, sas_token=None,
-                             credential=cred, connection_string=None, anonymous=False))  # fmt: skip
-        sent = [signer("GET", "https://a.blob.core.windows.net/c/x", {})["Authorization"]
-                for _ in range(2)]  # fmt: skip
-        assert sent == [f"Bearer {t}" for t in tokens]
-    assert "tok1" not in repr(signer)
+def _bearer_signer(cred: Any) -> AzureSigner:
+    return AzureSigner(find_credentials(account_name="a", account_key=None, sas_token=None,
+                       credential=cred, connection_string=None, anonymous=False))  # fmt: skip
+
+
+def test_bearer_tokens_are_reused_then_fetched_anew_beside_the_requests() -> None:
+    async def three(cred: CountingToken) -> list[str | None]:
+        """Three tokens asked for, the third once the credential answered every call made."""
+        signer = _bearer_signer(cred)
+        sent = [await signer.ready(), await signer.ready()]
+        for _ in range(cred.calls):
+            assert await asyncio.to_thread(cred.answered.acquire, True, 5)
+        return [*sent, await signer.ready()]
+
+    lasting, expiring, ending = CountingToken(3600), CountingToken(120), CountingToken(10)
+    assert asyncio.run(three(lasting)) == ["tok1", "tok1", "tok1"]
+    # within TOKEN_EARLY_S of its end, a token is still sent while the next one is fetched
+    assert asyncio.run(three(expiring)) == ["tok1", "tok1", "tok2"]
+    # within TOKEN_LAST_S, the next one is waited for
+    signer = _bearer_signer(ending)
+    assert asyncio.run(signer.ready()) == "tok1"
+    assert asyncio.run(signer.ready()) == "tok2"
+    # signed without `ready()` (a direct call): a token ending within TOKEN_LAST_S is not sent
+    assert (
+        signer("GET", "https://a.blob.core.windows.net/c/x", {})["Authorization"] == "Bearer tok3"
+    )
+    assert "tok3" not in repr(signer)
+
+
+def test_a_slow_token_refresh_holds_no_other_fetch() -> None:
+    """A credential that takes its time (2 s and more) to answer: the fetches signed with a token
+    still good go on meanwhile, and where none is yet, other fetches on the loop do."""
+    origin = Origin({f"o{i}": bytes([i]) * 64 for i in range(40)})
+    try:
+
+        async def run() -> None:
+            options: dict[str, Any] = {
+                "timeouts": Timeouts(5, 5, 30), "retry": Retry(attempts=2),
+            }  # fmt: skip
+            cred = CountingToken(120)  # within TOKEN_EARLY_S: fetched anew at the first use
+            cold = CountingToken(3600)
+            signed = Transport(limit=8, sign=_bearer_signer(cred), **options)
+            plain = Transport(limit=8, **options)
+            unready = Transport(limit=8, sign=_bearer_signer(cold), **options)
+            try:
+                await steps(cred, cold, signed, plain, unready)
+            finally:
+                cred.held.set()
+                cold.held.set()
+                await asyncio.gather(signed.aclose(), plain.aclose(), unready.aclose())
+
+        async def steps(
+            cred: CountingToken, cold: CountingToken, signed: Transport, plain: Transport,
+            unready: Transport,
+        ) -> None:  # fmt: skip
+            got = await signed.get(f"{origin.url}/o0", key="o0")  # tok1; tok2 asked for
+            assert got == bytes(64)
+            assert await asyncio.to_thread(cred.asked.wait, 5)
+            cred.held.clear()  # ... and the credential holds its answer from now on
+            cred.asked.clear()
+            ready = await asyncio.gather(
+                *(signed.get(f"{origin.url}/o{i}", key=i) for i in range(1, 20))
+            )  # every one of them while the refresh may take as long as it likes
+            assert [bytes(b) for b in ready] == [bytes([i]) * 64 for i in range(1, 20)]
+            cred.held.set()
+            # no token at all: its fetches wait for one, and the loop goes on with the others
+            cold.held.clear()
+            waiting = asyncio.ensure_future(unready.get(f"{origin.url}/o20", key=20))
+            assert await asyncio.to_thread(cold.asked.wait, 5)
+            others = await asyncio.gather(
+                *(plain.get(f"{origin.url}/o{i}", key=i) for i in range(21, 40))
+            )
+            assert len(others) == 19 and not waiting.done()
+            cold.held.set()
+            assert bytes(await waiting) == bytes([20]) * 64
+
+        asyncio.run(run())
+    finally:
+        origin.stop()
 
 
 def test_signer_headers_and_listing_parse() -> None:

@@ -5,7 +5,8 @@ Credentials are looked for where the official SDKs look, first found wins (`find
 2. AZURE_STORAGE_CONNECTION_STRING;
 3. AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN;
 4. azure-identity's DefaultAzureCredential, when that package is installed (a bearer token per
-   request, fetched again a few minutes before it expires).
+   request, fetched again a few minutes before it expires, in a thread of its own beside the
+   requests: `AzureSigner.ready`).
 
 An account key signs each request with SharedKey (HMAC-SHA256 of its canonical form under the
 base64-decoded key, with x-ms-date and x-ms-version); a SAS token is added to every URL's query; a
@@ -16,10 +17,13 @@ formatted into text.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import concurrent.futures
 import hashlib
 import hmac
+import inspect
 import os
 import threading
 import time
@@ -46,7 +50,8 @@ __all__ = [
 
 API_VERSION = "2021-12-02"  # x-ms-version sent with every request
 TOKEN_SCOPE = "https://storage.azure.com/.default"
-TOKEN_EARLY_S = 300.0  # fetch a bearer token again this long before it expires
+TOKEN_EARLY_S = 300.0  # fetch a bearer token again this long before it expires (beside requests)
+TOKEN_LAST_S = 30.0  # ... and wait for the new one from this long before (not sent so near its end)
 DEFAULT_SUFFIX = "core.windows.net"
 # The emulator's account, published with it for local development (no secret).
 _DEV_ACCOUNT = "devstoreaccount1"
@@ -294,8 +299,9 @@ class AzureSigner:
                 "account_name=, or use https://ACCOUNT.blob.core.windows.net/... as the url"
             )
         self._credential = found.token
-        self._token: tuple[str, float] | None = None
+        self._token: tuple[str, float] | None = None  # (token, expires_on as time.time())
         self._lock = threading.Lock()
+        self._pending: concurrent.futures.Future[str] | None = None  # a token being fetched
 
     @property
     def kind(self) -> str:
@@ -306,7 +312,7 @@ class AzureSigner:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_lock=None, _token=None)
+        state.update(_lock=None, _token=None, _pending=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -327,13 +333,68 @@ class AzureSigner:
             out["Authorization"] = f"Bearer {self._bearer()}"
         return out
 
-    def _bearer(self) -> str:
-        """The current token, fetched again when it is within TOKEN_EARLY_S of its expiry."""
-        with self._lock:
-            if self._token is None or self._token[1] - TOKEN_EARLY_S < time.time():
-                got = self._credential.get_token(TOKEN_SCOPE)
-                self._token = (str(got.token), float(got.expires_on))
+    async def ready(self) -> str | None:
+        """The bearer token to sign with (None without one), for the transport (`Prepares`).
+
+        The credential's `get_token` blocks (an HTTP call, a CLI, a file), so it runs in a thread
+        of its own, one fetch at a time, and the event loop goes on meanwhile (an async
+        credential, such as azure.identity.aio's, is awaited instead). A token within
+        `TOKEN_EARLY_S` of its expiry is still used while its successor is fetched beside the
+        requests; only a missing one, or one within `TOKEN_LAST_S`, is waited for."""
+        credential = self._credential
+        if credential is None:
+            return None
+        token, now = self._token, time.time()
+        if token is not None and now < token[1] - TOKEN_EARLY_S:
+            return token[0]
+        if inspect.iscoroutinefunction(credential.get_token):
+            got = await credential.get_token(TOKEN_SCOPE)
+            self._token = (str(got.token), float(got.expires_on))
             return self._token[0]
+        fetching = self._fetching()
+        if token is not None and now < token[1] - TOKEN_LAST_S:
+            return token[0]  # good a while yet: the next one comes beside the requests
+        return await asyncio.wrap_future(fetching)
+
+    def refused(self, made: str | None) -> str | None:
+        """A 401 answered the token `made`: forget it, so that the retry asks for a new one."""
+        if made is None:
+            return None  # not a bearer token's answer
+        with self._lock:
+            if self._token is None or self._token[0] != made:
+                return ""  # fetched anew meanwhile: the retry signs with the new one
+            self._token = None
+        return "the bearer token was refused, a new one will be asked for"
+
+    def _fetching(self) -> concurrent.futures.Future[str]:
+        """The token being fetched, in a thread of its own (started here if none is)."""
+        with self._lock:
+            if self._pending is None or self._pending.done():
+                self._pending = concurrent.futures.Future()
+                threading.Thread(
+                    target=self._fetch, args=(self._pending,), name="aioloader-azure-token",
+                    daemon=True,
+                ).start()  # fmt: skip
+            return self._pending
+
+    def _fetch(self, into: concurrent.futures.Future[str]) -> None:
+        try:
+            got = self._credential.get_token(TOKEN_SCOPE)
+            token = (str(got.token), float(got.expires_on))
+        except BaseException as exc:  # to whoever waits for it
+            into.set_exception(exc)
+            return
+        with self._lock:
+            self._token = token
+        into.set_result(token[0])
+
+    def _bearer(self) -> str:
+        """The token `ready()` made ready; where it was not awaited (a direct call), the current
+        one, fetched here when there is none or it expired."""
+        with self._lock:
+            if self._token is not None and time.time() < self._token[1] - TOKEN_LAST_S:
+                return self._token[0]
+        return self._fetching().result()
 
 
 def string_to_sign(method: str, url: str, headers: Mapping[str, str], account: str) -> str:

@@ -23,7 +23,6 @@ from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
 from ..transport.remote import Remote, RemoteOptions
-from ..transport.responses import Failure
 from . import listobjects
 from .gcsauth import Bearer, Found, Tokens, find_credentials, parse_gs_url
 from .keyspace import PARTS
@@ -96,9 +95,7 @@ class GCS(Remote):
         self.transport = self._transport(shared.concurrency, self.limiter)
 
     def _transport(self, limit: int, limiter: Aimd | None = None) -> Transport:
-        if self.tokens is None:
-            return Transport(limit=limit, limiter=limiter, **self._options)
-        return _OAuthTransport(self.tokens, limit=limit, limiter=limiter, **self._options)
+        return Transport(limit=limit, limiter=limiter, **self._options)  # `Bearer` prepares
 
     def __repr__(self) -> str:
         return (
@@ -219,39 +216,6 @@ def _endpoint(endpoint_url: str | None) -> tuple[str, bool]:
     if port == {"http": 80, "https": 443}[parts.scheme]:  # as both engines send Host
         endpoint = endpoint.replace(f":{port}", "", 1)
     return endpoint, emulator
-
-
-class _OAuthTransport(Transport):
-    """A `Transport` whose every attempt first makes sure of a fresh OAuth token; a 401 answer
-    drops the token it refused, so that the next attempt asks for a new one."""
-
-    def __init__(self, tokens: Tokens, **options: Any) -> None:
-        super().__init__(**options)
-        self.tokens = tokens
-
-    async def _send(self, url: str, headers: dict[str, str], offset: int | None) -> Any:
-        token = await self.tokens.fresh()
-        try:
-            return await super()._send(url, headers, offset)
-        except Failure as failure:
-            raise self._refused(failure, token) from None
-
-    async def _fast_get(
-        self, url: str, headers: dict[str, str], offset: int | None, version: dict[str, str] | None
-    ) -> bytearray:
-        token = await self.tokens.fresh()
-        try:
-            return await super()._fast_get(url, headers, offset, version)
-        except Failure as failure:
-            raise self._refused(failure, token) from None
-
-    def _refused(self, failure: Failure, token: str) -> Failure:
-        if failure.status != 401 or not self.tokens.credentials.refreshable:
-            return failure
-        if not self.tokens.invalidate(token):
-            return Failure(failure.reason, retryable=True, status=401)  # refreshed meanwhile
-        reason = f"{failure.reason}; the OAuth token was refused, a new one will be asked for"
-        return Failure(reason, retryable=True, status=401)
 
 
 def gcs(url: str, keys: Sequence[str] | None = None, **options: Any) -> GCS:

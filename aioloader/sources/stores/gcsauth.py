@@ -445,6 +445,19 @@ class Bearer:
         token = self.tokens.token
         return headers if token is None else {**headers, "Authorization": f"Bearer {token}"}
 
+    async def ready(self) -> str:
+        """A fresh token (`Tokens.fresh`), for the transport to sign with (`Prepares`)."""
+        return await self.tokens.fresh()
+
+    def refused(self, made: str) -> str | None:
+        """The server refused `made`: forget it, so that the retry asks for a new one (None where
+        the credentials cannot be refreshed: the 401 stands)."""
+        if not self.tokens.credentials.refreshable:
+            return None
+        if not self.tokens.invalidate(made):
+            return ""  # refreshed meanwhile: the retry signs with the new one
+        return "the OAuth token was refused, a new one will be asked for"
+
 
 # -- HMAC keys: V4 signatures (`_sigv4.py`) with Google's names ---------------------------------
 

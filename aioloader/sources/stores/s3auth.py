@@ -13,6 +13,7 @@ on "botocore.auth"; those lines can hold a session token, so a filter on that lo
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import os
@@ -223,6 +224,19 @@ class Signer:
     def __repr__(self) -> str:
         who = "anonymous" if self.credentials is None else "credentials=***"
         return f"Signer({who}, region={self.region!r})"
+
+    async def ready(self) -> None:
+        """Credentials that expire (a role's, SSO's, a process's) are refreshed off the event loop
+        (`Prepares`): botocore refreshes them inside `get_frozen_credentials()`, which blocks on
+        the call it makes; so where a refresh is due, that call runs in a thread, and the
+        signature then finds them fresh. Keys that never expire are never waited for."""
+        refresh_needed = getattr(self.credentials, "refresh_needed", None)
+        if refresh_needed is not None and refresh_needed():
+            await asyncio.to_thread(self.credentials.get_frozen_credentials)
+
+    def refused(self, made: None) -> str | None:
+        """A 401 answer is not the credentials' to mend (S3 says 403 for an expired token)."""
+        return None
 
     def __call__(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
         """`headers` plus the SigV4 ones (Authorization, X-Amz-Date, X-Amz-Content-SHA256, ...)."""

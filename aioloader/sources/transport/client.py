@@ -21,7 +21,7 @@ import asyncio
 import logging
 import ssl as _ssl
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -37,12 +37,28 @@ from .retry import Retry, Timeouts, parse_retry_after
 if TYPE_CHECKING:
     from ..cache.disk import Cache
 
-__all__ = ["VERSION_HEADERS", "Signer", "Transport", "keep_version"]
+__all__ = ["VERSION_HEADERS", "Prepares", "Signer", "Transport", "keep_version"]
 
 log = logging.getLogger("aioloader")
 
 # (method, url, headers) -> the headers to send; called once per attempt (signatures carry the time).
 Signer = Callable[[str, str, dict[str, str]], dict[str, str]]
+
+
+@runtime_checkable
+class Prepares(Protocol):
+    """A signer whose credentials (a token, refreshable keys) must be made ready first: the
+    transport awaits `ready()` before each attempt and only then signs, so a credential that is
+    fetched or refreshed (an HTTP call, a file, a subprocess) is waited for off the event loop,
+    never on it. What `ready()` returns names what it made ready (a token); after a 401 answer to
+    an attempt, `refused(it)` says why a new one is asked for (the attempt is retried), or None
+    where the credential is not the cause (the answer stands)."""
+
+    async def ready(self) -> Any: ...
+
+    def refused(self, made: Any) -> str | None: ...
+
+
 _THROTTLE_STATUSES = frozenset({429, 503})
 _SUFFIX = -1  # `_send`'s offset for a suffix Range ("the last n bytes"): 206, or 200 for all
 # Response headers (lower case) that tell one version of an object from another.
@@ -59,7 +75,8 @@ class Transport:
         timeouts, retry: see `Timeouts` and `Retry`.
         ssl: True verifies certificates (the default), False does not, or an `ssl.SSLContext`.
         headers: sent with every request.
-        sign: called per attempt to add authentication headers (S3's SigV4).
+        sign: called per attempt to add authentication headers (S3's SigV4); one that
+            `Prepares` its credentials is awaited first (see `Prepares`).
         limiter: an `Aimd` limit on requests in flight that 429/503 answers shrink.
         throttle_codes: error codes (from the XML error body) that count as throttling too, with
             any status (Azure's "OperationTimedOut" comes as a 500).
@@ -305,7 +322,28 @@ class Transport:
             f": {code}:" in failure.reason + ":" for code in self.throttle_codes
         )
 
+    async def _signed(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt()` once the signer's credentials are ready (where it `Prepares` them); a 401
+        answer that they caused is retried with new ones."""
+        sign = self.sign
+        if not isinstance(sign, Prepares):
+            return await attempt()
+        made = await sign.ready()
+        try:
+            return await attempt()
+        except Failure as failure:
+            why = sign.refused(made) if failure.status == 401 else None
+            if why is None:
+                raise
+            reason = f"{failure.reason}; {why}" if why else failure.reason
+            raise Failure(reason, retryable=True, status=401) from None
+
     async def _send(
+        self, url: str, headers: dict[str, str], offset: int | None
+    ) -> aiohttp.ClientResponse:
+        return await self._signed(lambda: self._send_now(url, headers, offset))
+
+    async def _send_now(
         self, url: str, headers: dict[str, str], offset: int | None
     ) -> aiohttp.ClientResponse:
         session = self.session()
@@ -339,6 +377,11 @@ class Transport:
         )
 
     async def _fast_get(
+        self, url: str, headers: dict[str, str], offset: int | None, version: dict[str, str] | None
+    ) -> bytearray:
+        return await self._signed(lambda: self._fast_get_now(url, headers, offset, version))
+
+    async def _fast_get_now(
         self, url: str, headers: dict[str, str], offset: int | None, version: dict[str, str] | None
     ) -> bytearray:
         if self._fast is None:
