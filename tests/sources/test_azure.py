@@ -457,7 +457,8 @@ def test_a_slow_token_refresh_holds_no_other_fetch() -> None:
             others = await asyncio.gather(
                 *(plain.get(f"{origin.url}/o{i}", key=i) for i in range(21, 40))
             )
-            assert len(others) == 19 and not waiting.done()
+            assert len(others) == 19
+            assert not waiting.done()
             cold.held.set()
             assert bytes(await waiting) == bytes([20]) * 64
 
