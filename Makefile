@@ -7,7 +7,7 @@ AZURITE := .azurite/.installed
 TORCH   ?= torch==2.13.0
 
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead per_batch h2d_overlap ft_threads ranks
-BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams token_lists peers_rs
+BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams token_lists trainer_tax peers_rs
 
 .PHONY: setup test test-stress test-containers test-slow lint demo bench bench-quick chart soak clean
 

@@ -58,6 +58,17 @@ def test_token_lists_decodes_every_width_as_pyarrow_does_and_ends_with_its_json(
         assert summary[width]["pyarrow_ns_per_id"] > 0
 
 
+def test_trainer_tax_times_the_step_beside_every_contender() -> None:
+    out = run_benchmark([sys.executable, str(BENCHMARKS / "trainer_tax.py"), "--quick"], 120)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == "trainer_tax"
+    for name in ("resident", "torch-8", "frontdoor-8", "native"):
+        assert summary[name]["best_steps_per_s"] > 0
+        assert summary[name]["step_compute_ms"][0] > 0
+    assert summary["resident"]["inflation"] == [1.0]
+    assert summary["native/torch-8 steps/s"] > 0
+
+
 def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
     # One workload at one worker count: two fresh interpreters, a few batches each.
     out = run_benchmark(

@@ -1,0 +1,228 @@
+"""The trainer's tax: what each loader costs a launch-bound training step that runs beside it.
+
+A GPU training step is Python that launches kernels, each launch needing the GIL of the training
+process; a loader whose Python runs as threads of that process takes the GIL from the step. The
+step here is that shape on the CPU: `STEP_OPS` small torch ops on the main thread (~20 ms of Python
+and dispatch), reading batches of 64 objects of 128 KiB from an HTTP store on 127.0.0.1 that answers
+each GET after 5 ms (`_objserver.py`, in a process of its own). Each contender runs in a fresh
+interpreter (`--run NAME`):
+
+  resident     the batches already in memory: the floor (no loader at all);
+  torch-8      torch's `DataLoader(num_workers=8)`, one blocking urllib GET per `__getitem__`;
+  frontdoor-8  the same user code through `aioloader.DataLoader(num_workers=8)`;
+  native       `aioloader.Loader(sources.http(...), concurrency=64)`: the event loop and its
+               callbacks in the training process.
+
+Figures per contender: the step's own compute time (timed inside the step: its median, and its
+inflation over the resident floor's), the wait for each batch (`next()`), steps/s, and the CPU
+seconds of the process tree per step. The step's inflation is the tax: a loader that delivers every
+batch on time still slows training if the step itself runs slower beside it.
+
+Usage: python benchmarks/trainer_tax.py [--quick] [--rounds R] [--contenders a,b,...]
+(--quick: one round of fewer steps, under 60 s.) The last line printed is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+SIZE = 128 * 1024
+DELAY_MS = 5.0
+BATCH = 64
+STEP_OPS = 2_500
+OBJECTS = 4_096
+CONTENDERS = ("resident", "torch-8", "frontdoor-8", "native")
+STEPS = {"full": (8, 60), "quick": (4, 20)}  # (warm-up, measured)
+
+
+# -- the user's code ----------------------------------------------------------------------------------
+
+
+def train_step(batch: Any, state: Any) -> tuple[Any, float]:
+    """A launch-bound step: `STEP_OPS` small ops (a GPU step's kernel launches, on the CPU here);
+    returns the new state and the step's own compute time."""
+    t0 = time.perf_counter()
+    x = state + batch[:, :16].float().mean(0)
+    for _ in range(STEP_OPS // 2):
+        x = x * 1.0001 + 0.0001
+    return x, time.perf_counter() - t0
+
+
+class HttpObjects:
+    """Map-style dataset: one blocking urllib GET per item, as a torch user writes it."""
+
+    def __init__(self, base: str, n: int) -> None:
+        self.base, self.n = base, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        import torch
+
+        with urllib.request.urlopen(f"{self.base}/obj/{index}", timeout=30) as resp:
+            return torch.frombuffer(bytearray(resp.read()), dtype=torch.uint8)
+
+
+def to_tensor(raw: Any) -> Any:
+    import torch
+
+    return torch.frombuffer(raw, dtype=torch.uint8)
+
+
+def make_loader(name: str, base: str) -> Any:
+    if name == "resident":
+        import torch
+
+        return [torch.randint(0, 255, (BATCH, SIZE), dtype=torch.uint8) for _ in range(8)]
+    if name == "torch-8":
+        from torch.utils.data import DataLoader
+
+        return DataLoader(HttpObjects(base, OBJECTS), batch_size=BATCH, shuffle=True,
+                          num_workers=8, persistent_workers=True)  # fmt: skip
+    if name == "frontdoor-8":
+        from aioloader import DataLoader as FrontDoor
+
+        return FrontDoor(HttpObjects(base, OBJECTS), batch_size=BATCH, shuffle=True,
+                         num_workers=8, persistent_workers=True)  # fmt: skip
+    from aioloader import Loader, sources
+
+    source = sources.http(f"{base}/obj/", keys=[str(i) for i in range(OBJECTS)], concurrency=64)
+    return Loader(source, decode=to_tensor, executor="inline", batch_size=BATCH, shuffle=True,
+                  concurrency=64)  # fmt: skip
+
+
+# -- one contender, in its own interpreter --------------------------------------------------------
+
+
+def tree_cpu() -> float:
+    import psutil
+
+    me, total = psutil.Process(), 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def run_one(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
+    import torch
+
+    loader = make_loader(name, base)
+    state = torch.zeros(16)
+    computes: list[float] = []
+    waits: list[float] = []
+    steps = 0
+    t0 = cpu0 = 0.0
+    while steps < warmup + measured:
+        it = iter(loader)
+        while steps < warmup + measured:
+            began = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            came = time.perf_counter()
+            state, compute = train_step(batch, state)
+            del batch
+            steps += 1
+            if steps == warmup:
+                t0, cpu0 = time.perf_counter(), tree_cpu()
+            elif steps > warmup:
+                computes.append(compute)
+                waits.append(came - began)
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    wall, cpu = time.perf_counter() - t0, tree_cpu() - cpu0
+    if hasattr(loader, "close"):
+        loader.close()
+    return {
+        "step_compute_s": statistics.median(computes),
+        "wait_s": statistics.mean(waits),
+        "steps_per_s": measured / wall,
+        "cpu_s_per_step": cpu / measured,
+    }
+
+
+# -- the orchestrator ---------------------------------------------------------------------------------
+
+
+def measure(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--run", name, base, str(warmup), str(measured)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--run", nargs=4, metavar=("NAME", "BASE", "WARMUP", "MEASURED"))
+    args = parser.parse_args()
+    if args.run:
+        name, base, warmup, measured = args.run
+        print(json.dumps(run_one(name, base, int(warmup), int(measured))), flush=True)
+        return
+    from _objserver import start_server
+
+    rounds = args.rounds or (1 if args.quick else 2)
+    warmup, measured = STEPS["quick" if args.quick else "full"]
+    names = args.contenders.split(",")
+    server, base = start_server(SIZE, DELAY_MS)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    try:
+        for _ in range(rounds):
+            for name in names:
+                results[name].append(measure(name, base, warmup, measured))
+    finally:
+        server.kill()
+        server.wait()
+    floor = min((r["step_compute_s"] for r in results.get("resident", [])), default=None)
+    print(f"{'contender':<13}{'step compute ms':>17}{'x floor':>9}{'wait ms':>9}"
+          f"{'steps/s':>9}{'CPU s/step':>12}")  # fmt: skip
+    summary: dict[str, Any] = {"workload": "trainer_tax", "date": time.strftime("%Y-%m-%d"),
+                               "step_ops": STEP_OPS, "rounds": rounds}  # fmt: skip
+    for name, runs in results.items():
+        for r in runs:
+            inflation = r["step_compute_s"] / floor if floor else None
+            shown = "-" if inflation is None else f"{inflation:.2f}"
+            print(f"{name:<13}{r['step_compute_s'] * 1e3:>17.1f}{shown:>9}"
+                  f"{r['wait_s'] * 1e3:>9.1f}{r['steps_per_s']:>9.1f}"
+                  f"{r['cpu_s_per_step']:>12.3f}")  # fmt: skip
+        best = max(runs, key=lambda r: r["steps_per_s"])
+        summary[name] = {
+            "step_compute_ms": [round(r["step_compute_s"] * 1e3, 2) for r in runs],
+            "inflation": [round(r["step_compute_s"] / floor, 3) if floor else None for r in runs],
+            "wait_ms": [round(r["wait_s"] * 1e3, 2) for r in runs],
+            "steps_per_s": [round(r["steps_per_s"], 2) for r in runs],
+            "best_steps_per_s": round(best["steps_per_s"], 2),
+        }
+    torch_best = summary.get("torch-8", {}).get("best_steps_per_s")
+    for name in ("frontdoor-8", "native"):
+        if torch_best and name in summary:
+            summary[f"{name}/torch-8 steps/s"] = round(
+                summary[name]["best_steps_per_s"] / torch_best, 3
+            )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
