@@ -23,11 +23,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import collate as _torch_collate
-from torch.utils.data._utils.collate import default_collate_fn_map as _torch_fn_map
 
 from .._exceptions import CollateError
 from .._executors.base import RowWriter
+from .._util.deps import storage_uses, torch_collate
 
 __all__ = [
     "DEFAULT_COLLATE",
@@ -39,6 +38,9 @@ __all__ = [
     "make_collate",
     "stacks",
 ]
+
+
+_torch_collate, _torch_fn_map = torch_collate()
 
 
 class _DefaultCollate:
@@ -64,7 +66,7 @@ def _counts(buf: torch.Tensor) -> tuple[int, int, int]:
     return (
         sys.getrefcount(buf),
         sys.getrefcount(storage),
-        int(torch._C._storage_Use_Count(storage._cdata)),
+        storage_uses(storage),
     )
 
 

@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
-from torch.utils.data._utils import worker as torch_worker
 
 from .._exceptions import WorkerDied
 from .._executors.process import slot_carver
 from .._executors.process.executor import ProcessExecutor
 from .._pipeline.collate import StackAsRead, make_collate
+from .._util.deps import publish_worker_info, worker_info_published, worker_numpy_seed
 from .._util.threads import (
     GROW_AFTER_S,
     IDLE_TO_GROW,
@@ -77,8 +77,7 @@ class WorkerSetup:
         _worker.update(id=worker_id, num_workers=self.num_workers, seed=seed)
         torch.manual_seed(seed)
         random.seed(seed)
-        generate = torch_worker._generate_state  # numpy's seed, as torch's workers derive it
-        np.random.seed(generate(self.base_seed, worker_id))  # type: ignore[no-untyped-call]
+        np.random.seed(worker_numpy_seed(self.base_seed, worker_id))  # as torch's workers
         publish(self.dataset)
         if isinstance(self.dataset, IterDataPipe | MapDataPipe):  # each worker its shard, as torch
             world, rank = _world()
@@ -100,11 +99,8 @@ def _world() -> tuple[int, int]:
 
 def publish(dataset: Any) -> None:
     """Make `get_worker_info()` describe this worker, with the dataset the reads run on."""
-    if _worker and torch_worker._worker_info is None:
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=_worker["id"], num_workers=_worker["num_workers"], seed=_worker["seed"],
-            dataset=dataset,
-        )  # fmt: skip
+    if _worker and not worker_info_published():
+        publish_worker_info(_worker["id"], _worker["num_workers"], _worker["seed"], dataset)
 
 
 class ReadItem:

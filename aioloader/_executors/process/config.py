@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..._util.deps import forkserver_preloaded
 from .main_guard import check_main_guard
 from .zygote import zygote_allowed
 
@@ -72,9 +73,7 @@ def pick_start_method(
     check_main_guard(method, no_zygote)  # before a forkserver or worker runs the script again
     ctx = mp.get_context(method)
     if method == "forkserver":
-        from multiprocessing import forkserver
-
-        preload = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+        preload = forkserver_preloaded()
         ctx.set_forkserver_preload(preload + [m for m in _PRELOAD if m not in preload])
     return method, ctx
 

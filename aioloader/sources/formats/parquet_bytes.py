@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._exceptions import FetchError
 from ..._util.bytearrays import Bytearrays, landing
+from ..._util.deps import parquet_reader
 from ..transport.redact import redact_url
 from .shards import SCHEMES, StoreOptions
 
@@ -426,12 +427,12 @@ def _pooled(
     pool = decode_pool()
     if pool is None:
         return file
+    reader = parquet_reader(pool)
+    if reader is None:  # another pyarrow's reader: its own pool, then
+        return file
     try:
-        from pyarrow._parquet import ParquetReader
-
-        reader = ParquetReader(memory_pool=pool)
         reader.open(source, use_memory_map=memory_map, pre_buffer=False, metadata=meta.metadata)
-    except (ImportError, TypeError):  # another pyarrow's reader: its own pool, then
+    except TypeError:  # another pyarrow's reader: its own pool, then
         return file
     file.reader = reader
     return file

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..._util.deps import arrow_take
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
@@ -357,15 +359,8 @@ def _unit(width: int) -> int:
 def _take(words: pa.Array, keys: pa.Array, pool: Any) -> pa.Array:
     """`words[keys]` (keys checked already), by Arrow's `take` called through `pyarrow._compute`:
     `pyarrow.compute`, which wraps it, takes ~90 ms to import, in the first batch's way."""
-    function, options = _take_function()
+    function, options = arrow_take()
     return function.call([words, keys], options, memory_pool=pool)
-
-
-@functools.cache
-def _take_function() -> tuple[Any, Any]:
-    import pyarrow._compute as compute
-
-    return compute.get_function("take"), compute.TakeOptions(boundscheck=False)
 
 
 _scratches = threading.local()

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..._exceptions import FetchError
+from ..._util.deps import c10d_default_store
 
 __all__ = ["Manifest", "share_listing"]
 
@@ -177,8 +178,8 @@ def job_store() -> KeyValueStore | None:
         return None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
-    return None if get_store is None else get_store()
+    store: KeyValueStore | None = c10d_default_store()
+    return store
 
 
 def share_listing(

@@ -1,0 +1,134 @@
+"""The private APIs of dependencies, gathered in `aioloader/_util/deps.py`: the versions installed are
+those they were checked with, and each does what its callers count on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from aioloader._util.deps import (
+    CHECKED,
+    arrow_take,
+    c10d_default_store,
+    forkserver_preloaded,
+    parquet_reader,
+    storage_uses,
+    torch_collate,
+)
+
+
+def _installed() -> dict[str, str]:
+    versions = {
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "torch": torch.__version__.split("+")[0],
+    }
+    try:
+        import pyarrow
+    except ImportError:
+        return versions
+    return {**versions, "pyarrow": pyarrow.__version__}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKED))
+def test_the_versions_installed_are_those_the_private_apis_were_checked_with(name: str) -> None:
+    version = _installed().get(name)
+    if version is None:
+        pytest.skip(f"{name} is not installed")
+    assert version in CHECKED[name], (
+        f"{name} {version} is not among the versions aioloader/_util/deps.py was checked with "
+        f"({', '.join(sorted(CHECKED[name]))}): check each of its private APIs against {version}, "
+        "then add it to CHECKED"
+    )
+
+
+def test_torch_collate_is_torchs_default_collate() -> None:
+    collate, fn_map = torch_collate()
+    batch = [{"x": torch.tensor([1.0]), "y": 2}, {"x": torch.tensor([3.0]), "y": 4}]
+    got = collate(batch, collate_fn_map=fn_map)
+    expected = torch.utils.data.default_collate(batch)
+    assert torch.equal(got["x"], expected["x"])
+    assert torch.equal(got["y"], expected["y"])
+
+
+def test_storage_uses_counts_each_tensor_of_a_storage() -> None:
+    t = torch.empty(4)
+    storage = t.untyped_storage()
+    before = storage_uses(storage)
+    view = t[1:]
+    assert storage_uses(storage) == before + 1
+    del view
+    assert storage_uses(storage) == before
+
+
+def test_a_workers_seed_and_info_are_torchs() -> None:
+    """In torch's own worker (a process of its own): the numpy seed torch drew is ours for the
+    same base seed and id, and `get_worker_info()` answers what `publish_worker_info` set."""
+    code = textwrap.dedent("""
+        import numpy as np, torch
+        from torch.utils.data import DataLoader, Dataset, get_worker_info
+        from aioloader._util import deps
+
+        class Seeds(Dataset):
+            def __len__(self):
+                return 2
+            def __getitem__(self, i):
+                info = get_worker_info()
+                return info.seed - info.id, info.id, int(np.random.randint(2**31))
+
+        for base, wid, drawn in DataLoader(Seeds(), batch_size=None, num_workers=2):
+            np.random.seed(deps.worker_numpy_seed(int(base), int(wid)))
+            assert int(np.random.randint(2**31)) == drawn, (base, wid)
+        assert not deps.worker_info_published()
+        deps.publish_worker_info(3, 4, 99, "ds")
+        info = get_worker_info()
+        assert (info.id, info.num_workers, info.seed, info.dataset) == (3, 4, 99, "ds")
+        assert deps.worker_info_published()
+        print("ok")
+    """)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_forkserver_preloaded_names_modules() -> None:
+    preloaded = forkserver_preloaded()
+    assert preloaded
+    assert all(isinstance(name, str) for name in preloaded)
+
+
+def test_c10d_default_store_is_the_groups_store(tmp_path: Path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        store = c10d_default_store()
+        store.set("aioloader-deps", "checked")
+        assert store.get("aioloader-deps") == b"checked"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parquet_reader_decodes_into_the_pool_given(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "t.parquet"
+    table = pa.table({"a": list(range(1000))})
+    pq.write_table(table, path)
+    pool = pa.proxy_memory_pool(pa.default_memory_pool())
+    reader = parquet_reader(pool)
+    assert reader is not None
+    reader.open(str(path), use_memory_map=False, pre_buffer=False)
+    assert reader.read_all().equals(table)
+    assert pool.max_memory() > 0  # it decoded into the pool given
+
+
+def test_arrow_take_takes() -> None:
+    pa = pytest.importorskip("pyarrow")
+    function, options = arrow_take()
+    got = function.call([pa.array([10, 20, 30]), pa.array([2, 0])], options)
+    assert got.to_pylist() == [30, 10]
