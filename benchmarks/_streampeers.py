@@ -47,7 +47,7 @@ class _LitSample:
         self.n = n
 
     def __call__(self, i: int) -> dict[str, Any]:
-        from streams import make_samples, sample_bytes
+        from _streamsamples import make_samples, sample_bytes
 
         if not hasattr(self, "data"):
             self.data = make_samples(self.n)
@@ -89,8 +89,8 @@ def run_litdata(spec: dict[str, Any]) -> tuple[Iterable[Any], Callable[[], None]
 
 
 def write_mosaic(folder: Path, n: int, shards: int) -> None:
+    from _streamsamples import make_samples, sample_bytes
     from streaming import MDSWriter
-    from streams import make_samples, sample_bytes
 
     sizes, pool = make_samples(n)
     limit = sum(sizes) // shards + 2 * max(sizes)

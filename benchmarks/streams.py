@@ -80,10 +80,10 @@ import psutil
 from _delayproxy import Proxy, read_counts
 from _lifetime import exit_with_parent
 from _pss import PeakPss
+from _streamsamples import SIZES, make_samples, sample_bytes
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 SAMPLES, SHARDS, BATCH, BUFFER, DELAY_MS = 4000, 64, 64, 1000, 20
-SIZES = (100_000, 120_000)  # each sample's bytes, drawn uniformly
 PSS_PERIOD_S = 0.25  # psutil reads /proc/PID/smaps_rollup per process: a few times a second
 PREFIX = "streams"
 PEERS = ("webdataset", "litdata", "mosaic")
@@ -91,20 +91,6 @@ OPTIONAL = ("litdata", "mosaic")  # run under --peers-python, skipped where they
 
 
 # -- the data -------------------------------------------------------------------------------------------
-
-
-def make_samples(n: int) -> tuple[list[int], bytes]:
-    """The byte length of each sample, and a pool of random bytes the samples are cut from."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    sizes = rng.integers(SIZES[0], SIZES[1], n).tolist()
-    return sizes, rng.bytes(4 * SIZES[1])
-
-
-def sample_bytes(i: int, sizes: list[int], pool: bytes) -> bytes:
-    start = (i * 7919) % (len(pool) - sizes[i])
-    return pool[start : start + sizes[i]]
 
 
 def write_tars(folder: Path, sizes: list[int], pool: bytes, shards: int) -> list[Path]:
