@@ -34,10 +34,10 @@ from ._pipeline.inline import InlineRead
 from ._pipeline.loop_thread import STOP_TIMEOUT_S, LoopThread
 from ._pipeline.order import Group
 from ._pipeline.stages import END, SKIPPED, BatchFailed, Stages
+from ._protocol import HasSetEpoch
 from ._resume.resume import Ledger
 from ._resume.state import Progress
 from .sources import Source
-from .sources.protocol import HasSetEpoch
 
 __all__ = ["Epochs", "timeout_error"]
 

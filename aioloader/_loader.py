@@ -42,6 +42,16 @@ from ._pipeline.order import KeyOrder, KeyPlan
 from ._pipeline.own_order import OrdersItself, OwnPlan, StreamPlan
 from ._pipeline.stages import Stages
 from ._pipeline.transfer import make_device_stage
+from ._protocol import (
+    Bindable,
+    HandsOver,
+    HasSize,
+    HasStats,
+    ReadsAhead,
+    SaysHowItShuffles,
+    SharesItsKeys,
+    ShufflesItself,
+)
 from ._resume.resume import Ledger
 from ._resume.state import check_config
 from ._torch.copies import never_waits, safe_to_share
@@ -53,16 +63,6 @@ from ._util.ranges import Ranges
 from ._util.ranks import resolve_rank
 from ._util.validate import check_callable, check_int, check_timeout
 from .sources import Source
-from .sources.protocol import (
-    Bindable,
-    HandsOver,
-    HasSize,
-    HasStats,
-    ReadsAhead,
-    SaysHowItShuffles,
-    SharesItsKeys,
-    ShufflesItself,
-)
 
 __all__ = ["DEFAULT_COLLATE", "Loader"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from .._util.ranges import Ranges
+from ._util.ranges import Ranges
 
 __all__ = [
     "Bindable",

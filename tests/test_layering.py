@@ -4,9 +4,9 @@ Every module of `aioloader/` is read (not imported) and each of its imports reso
 module belongs to a *layer*: its folder (`_pipeline`, `_executors/process`, `sources/stores`, `_mix`,
 ...), or, for the files directly in `aioloader/`, the errors (`_exceptions`), the loader (`LOADER`:
 `Loader`, its parts, arguments and epochs) or else the front door (`aioloader`: the package's face,
-`DataLoader`, the CLI); in `sources/`, the protocol (`sources/protocol.py`) is a layer of its own, just
-above `_util`. `LAYERS` lists them from the ground up; a module may import its own layer and any layer
-below it, never one above.
+`DataLoader`, the CLI); the protocol (`_protocol.py`: what a source is, and the hooks the loader looks
+for) is a layer of its own, just above `_util`. `LAYERS` lists them from the ground up; a module may
+import its own layer and any layer below it, never one above.
 Imports under `if TYPE_CHECKING:` name types only and never run, so they are left out.
 """
 
@@ -26,7 +26,7 @@ LAYERS = (
     "_util",  # thread pools, bytearrays, seeds, ranges, checks, event loops
     # what a source is, and the optional hooks (of sources, executors, a mix's inputs) the loader
     # looks for: contracts only, which every layer above may check
-    "sources.protocol",
+    "_protocol",
     "_observe",  # stats, traces, diagnosis, progress: read by every stage, reading none
     "_executors.process",  # worker processes and their arena: know nothing of the pipeline
     "_executors",  # the executor contract, inline and threads, the choice among them

@@ -16,10 +16,10 @@ from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import torch
 
+from .._protocol import HasStats
 from .._util.heap import keep_freed_blocks
 from .._util.rng import call_seeded
 from .._util.threads import LazyThreadPool
-from ..sources.protocol import HasStats
 
 __all__ = [
     "Executor",
@@ -67,7 +67,7 @@ class Executor(Protocol):
 
     - `workers: int` (`HasWorkers`): calls that run at once (the decode stage's limit in `stats()`,
       the repr, `diagnose()`); without it, one. Read with `workers_of`.
-    - `stats() -> dict[str, int]` (`sources.protocol.HasStats`): counters shown as
+    - `stats() -> dict[str, int]` (`_protocol.HasStats`): counters shown as
       `stats().extra["decode_pool"]`. Read with `stats_of`.
     - writing batch rows in place: `batch_buffer(shape, dtype)` and `run(..., into=row)`, as
       `RowWriter` declares. With one, the default collate's batches are made by the workers.

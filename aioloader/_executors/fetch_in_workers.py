@@ -38,11 +38,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from .._protocol import HasAclose, HasSetEpoch
 from .._util.bytearrays import landing, task_output
 from .._util.loops import is_async_callable
 from .._util.threads import LazyThreadPool, default_workers
 from .._util.validate import check_int
-from ..sources.protocol import HasAclose, HasSetEpoch
 from .base import KeyedDecode
 from .process.executor import ProcessExecutor
 

@@ -32,12 +32,7 @@ from torch.utils.data import Sampler
 from .._arguments import is_map_style
 from .._exceptions import FetchError
 from .._pipeline.own_order import OrdersItself
-from .._resume.state import keys_digest
-from .._util.loops import is_async_callable
-from .._util.ranges import Ranges
-from .._util.threads import LazyThreadPool
-from ..sources.formats.parquet_order import remaining
-from ..sources.protocol import (
+from .._protocol import (
     Bindable,
     HasAclose,
     HasSetEpoch,
@@ -45,6 +40,11 @@ from ..sources.protocol import (
     SharesItsStream,
     Source,
 )
+from .._resume.state import keys_digest
+from .._util.loops import is_async_callable
+from .._util.ranges import Ranges
+from .._util.threads import LazyThreadPool
+from ..sources.formats.parquet_order import remaining
 
 __all__ = ["END", "READ_AHEAD", "Indexed", "Part", "Pass", "Streamed", "make_part"]
 

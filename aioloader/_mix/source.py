@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from .._exceptions import FetchError, InvalidKeyError, StateError
+from .._protocol import HasAclose, HasStats
 from .._util.ranges import Ranges
 from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
-from ..sources.protocol import HasAclose, HasStats
 from .choices import Choices
 from .parts import END, Indexed, Part, Pass, make_part
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from .._exceptions import StateError
+from .._protocol import HandsOverRowRuns, HasAclose
 from .._resume.state import STATE_VERSION, check_config
 from .._util.validate import check_int
-from ..sources.protocol import HandsOverRowRuns, HasAclose
 from .documents import RowRuns, run_of
 from .packer import Packer
 from .state import held_of, place_of, share_held

@@ -21,9 +21,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .._exceptions import StateError
+from .._protocol import SharesItsKeys
 from .._util.aiters import closing
 from .._util.ranges import Ranges
-from ..sources.protocol import SharesItsKeys
 from .order import Group, KeyOrder, KeyPlan, achunk, dealt
 
 __all__ = ["OrdersItself", "OwnOrder", "OwnPlan", "StreamPlan"]

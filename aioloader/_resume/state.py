@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._exceptions import StateError
+from .._protocol import HasDigest
 from .._util.ranges import Ranges
-from ..sources.protocol import HasDigest
 
 __all__ = ["STATE_VERSION", "Progress", "Resume", "check_config", "keys_digest", "pick_own"]
 

@@ -12,8 +12,8 @@ from torch.utils.data import DistributedSampler
 
 from .._exceptions import StateError
 from .._pipeline.order import Group, shard
+from .._protocol import HasSetEpoch
 from .._util.ranges import Ranges
-from ..sources.protocol import HasSetEpoch
 
 __all__ = ["SamplerPlan", "draw_seed"]
 

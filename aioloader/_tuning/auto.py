@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 from .._executors.base import Executor, ThreadExecutor
 from .._executors.choose import make_executor
 from .._observe.stats import NullRecorder, Recorder
+from .._protocol import HasStats
 from .._util.threads import default_workers
 from .._util.validate import check_int
-from ..sources.protocol import HasStats
 from .aimd import Slots
 from .bounds import Tuner
 from .climber import Climber

@@ -1,5 +1,6 @@
 """Where bytes come from: each source lists keys and fetches one key's raw sample."""
 
+from .._protocol import Source as Source
 from .azure import Azure as Azure
 from .azure import azure as azure
 from .files import Files as Files
@@ -13,7 +14,6 @@ from .http import http as http
 from .parquet import Parquet as Parquet
 from .parquet import ParquetError as ParquetError
 from .parquet import parquet as parquet
-from .protocol import Source as Source
 from .s3 import S3 as S3
 from .s3 import s3 as s3
 from .stores.manifest import Manifest as Manifest

@@ -18,8 +18,7 @@ from aioloader._executors.base import (
     stats_of,
     workers_of,
 )
-from aioloader.sources import files, http, s3, tar_shards
-from aioloader.sources.protocol import (
+from aioloader._protocol import (
     Bindable,
     HasAclose,
     HasDigest,
@@ -31,6 +30,7 @@ from aioloader.sources.protocol import (
     ShufflesItself,
     Source,
 )
+from aioloader.sources import files, http, s3, tar_shards
 
 HOOKS = (Bindable, HasEtag, HasSetEpoch, HasSize, HasStats, SaysHowItShuffles, ShufflesItself)
 

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..._protocol import HasAclose
 from ..._util.bytearrays import give_back_freed_memory
 from ..._util.rng import call_seeded
-from ...sources.protocol import HasAclose
 from . import slot_carver
 from .slot_carver import Carver
 from .wire import (

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._exceptions import FetchError
+from ..._protocol import HasEtag, HasSize
 from ..._util.validate import check_int
 from ..cache.disk import Cache, Expect, check_cache_args
-from ..protocol import HasEtag, HasSize
 from .client import Transport
 from .redact import redact_url
 from .retry import (
