@@ -19,6 +19,7 @@ from support.shardfiles import write_mixed_shards
 from aioloader import FetchError, Loader, sample_seed
 from aioloader.sources.formats.options import ShardOptions
 from aioloader.sources.formats.tar import split_name
+from aioloader.sources.formats.tar_counts import count_local
 from aioloader.sources.tar import TarShards, tar_shards
 
 N_SHARDS, PER_SHARD = 6, 7
@@ -90,6 +91,36 @@ def test_truncated_and_corrupt_shards_name_shard_and_offset(
     ended.write_bytes(data[:end])  # whole members, but no end-of-archive blocks
     with pytest.raises(FetchError, match="without the end-of-archive"):
         collect(tar_shards([str(ended)], shuffle=False))
+
+
+def test_a_local_count_reads_the_headers_as_a_read_of_the_shard_does(
+    shards: list[str], tmp_path: Path
+) -> None:
+    """`count_local` parses with the shards' own parser: the count of a read, and its errors."""
+    for shard in shards[:2]:
+        assert count_local(shard, sample_key) == len(reference([shard]))
+    named = tmp_path / "named.tar"  # a GNU long name and a pax path name members
+    with tarfile.open(named, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name in ("a" * 120 + "/x.txt", "a" * 120 + "/x.cls", "b.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+    assert count_local(str(named), sample_key) == 2
+    data = Path(shards[0]).read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[:3000])
+    with pytest.raises(FetchError, match=r"cut\.tar: file ended inside a member .* offset \d+"):
+        count_local(str(tmp_path / "cut.tar"), sample_key)
+    with tarfile.open(shards[0]) as tar:
+        at = tar.getmembers()[2].offset
+    bad = bytearray(data)
+    bad[at + 10] ^= 0xFF
+    (tmp_path / "corrupt.tar").write_bytes(bytes(bad))
+    with pytest.raises(FetchError, match=rf"corrupt\.tar: bad header checksum .* offset {at}$"):
+        count_local(str(tmp_path / "corrupt.tar"), sample_key)
+
+
+def sample_key(name: str) -> str | None:
+    return split_name(name)[0]
 
 
 def test_shards_split_across_ranks_and_workers_without_overlap(shards: list[str]) -> None:

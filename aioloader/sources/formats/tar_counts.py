@@ -18,28 +18,57 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import tarfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from ..._exceptions import FetchError
 from ..stores.manifest import KeyValueStore, job_store
 from ..transport.redact import redact_url
+from .tar_members import BLOCK, Names
 
 __all__ = ["count_all", "count_local", "count_members", "count_together"]
 
 _SHARED_PREFIX = "aioloader/tar-counts/"
 
 KeyOf = Callable[[str], "str | None"]  # a member's name -> its sample's key (None: not a sample's)
+_NAMING = (b"L", b"x")  # members whose data names the next member (GNU long name, pax header)
 
 
 def count_local(path: str, key_of: KeyOf) -> int:
-    """The samples of the tar file at `path`, from its headers (blocks; run it in a thread)."""
+    """The samples of the tar file at `path`, from its headers, read by the shards' own parser
+    (`tar_members.Names`: the same names and the same errors as a read of the shard); members'
+    data is skipped, but for long names and pax headers. Blocks: run it in a thread."""
     try:
-        with tarfile.open(Path(path.removeprefix("file://")), "r:") as archive:
-            return _count((m.name for m in archive if m.isreg()), key_of)
-    except (OSError, tarfile.TarError) as exc:
+        with open(Path(path.removeprefix("file://")), "rb") as f:
+            return _count(_local_names(f, path), key_of)
+    except OSError as exc:
         raise FetchError(f"tar shard {path}: {exc}", key=redact_url(path)) from exc
+
+
+def _local_names(f: BinaryIO, shard: str) -> Iterator[str]:
+    """The names of the regular members of the tar archive `f`, in order."""
+    names, size, at = Names(shard), os.fstat(f.fileno()).st_size, 0
+    while True:
+        f.seek(at)
+        header = f.read(BLOCK)
+        if len(header) < BLOCK:
+            raise names.broken(f"file ended without the end-of-archive blocks ({size} bytes)", at)
+        head = names.header(header, at)
+        if head is None:
+            return
+        kind, length = head
+        end = at + BLOCK + -(-length // BLOCK) * BLOCK
+        if end > size:
+            raise names.broken(
+                f"file ended inside a member of {length} bytes (truncated shard)", at
+            )
+        data = f.read(length) if kind in _NAMING else b""
+        name = names.member(kind, header, data, at)
+        if name is not None:
+            yield name
+        at = end
 
 
 async def count_members(members: AsyncIterator[tuple[str, bytes]], key_of: KeyOf) -> int:
