@@ -357,16 +357,12 @@ class Transport:
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise failure_from(exc, url) from None
         self._resolved.add(urlsplit(url).hostname or "")
-        if resp.status == (200 if offset is None else 206) or (
-            offset == _SUFFIX and resp.status == 200
-        ):
-            if (
-                offset is not None
-                and offset >= 0
-                and not _range_ok(resp.headers.get("Content-Range"), offset)
-            ):
-                resp.close()
-                raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
+        try:
+            answered = _answered(resp.status, resp.headers.get("Content-Range"), offset)
+        except Failure:
+            resp.close()
+            raise
+        if answered:
             return resp
         try:
             detail = await error_detail(resp)
@@ -396,9 +392,7 @@ class Transport:
         except ValueError as exc:
             raise failure_from(exc, url) from None
         self._resolved.add(urlsplit(url).hostname or "")
-        if resp.status == (200 if offset is None else 206):
-            if offset is not None and not _range_ok(resp.headers.get("content-range"), offset):
-                raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
+        if _answered(resp.status, resp.headers.get("content-range"), offset):
             self.counts["bytes"] += len(resp.body)
             keep_version(resp.headers, version)
             # a memoryview only where `_util/bytearrays.landing` is set: by `FetchDecode` without a decode,
@@ -430,6 +424,17 @@ def keep_version(headers: Mapping[str, str], version: dict[str, str] | None) -> 
         value = headers.get(name)
         if value is not None:
             version[name] = value
+
+
+def _answered(status: int, content_range: str | None, offset: int | None) -> bool:
+    """Whether an answer of `status` is the body asked for (both engines check it here): 200 for
+    a whole object, 206 for a range starting at `offset` (its Content-Range checked: else a
+    `Failure` that retrying cannot mend), 206 or 200 for a suffix; False: an error's answer."""
+    if status == (200 if offset is None else 206) or (offset == _SUFFIX and status == 200):
+        if offset is not None and offset >= 0 and not _range_ok(content_range, offset):
+            raise Failure(f"bad Content-Range for offset {offset}", retryable=False)
+        return True
+    return False
 
 
 def _range_ok(content_range: str | None, offset: int) -> bool:
