@@ -229,6 +229,14 @@ class Parquet:
         g = int(np.searchsorted(self._starts, row, side="right")) - 1
         return g, row - int(self._starts[g])
 
+    def begin(self, group: RowGroup) -> asyncio.Task[Any]:
+        """Start reading row group `group` (fetch and decode) on the running loop; the task, which
+        `close()` cancels while it runs, gives its value (`readahead.Reader`)."""
+        task = asyncio.get_running_loop().create_task(self._load(group))
+        self._reads.add(task)
+        task.add_done_callback(self._reads.discard)
+        return task
+
     async def _load(self, group: RowGroup) -> Any:
         try:
             return await self._read(group)
@@ -435,7 +443,16 @@ class Parquet:
             self._live[index] = group
         return group
 
+    def forget(self, index: int, group: RowGroup) -> None:
+        """Row group `index` is held no more by a walk, if it is `group` (`readahead.Reader`)."""
+        if self._live.get(index) is group:
+            del self._live[index]
+
     # -- the next epoch's first row groups -----------------------------------------------------
+
+    def early_reads(self, epoch: int) -> int:
+        """How many of `epoch`'s first row groups are read early now (`readahead.Reader`)."""
+        return len(self._early) if self._early_for == epoch else 0
 
     def _claim_early(self, epoch: int) -> None:
         """A walk over `epoch` begins: keep the early reads only if they are for it, on this loop."""
@@ -447,7 +464,7 @@ class Parquet:
         if self._early_for != epoch or any(t.get_loop() is not loop for t in tasks):
             self._early.clear()  # dropped: a read still going is cancelled (`RowGroup.__del__`)
 
-    def _read_early(self, epoch: int, room: int, order: int) -> None:
+    def read_early(self, epoch: int, room: int, order: int) -> None:
         """Read the first row groups of `epoch`, this reader's fresh share of it, up to `room`
         of them (`order`: where their decodes queue, after this epoch's)."""
         if self._early_for != epoch:

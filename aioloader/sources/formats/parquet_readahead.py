@@ -14,7 +14,7 @@ import contextlib
 import heapq
 import itertools
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,16 +27,27 @@ class Reader(Protocol):
 
     row_groups_in_flight: int
     max_bytes_ahead: int | None
-    _reads: set[asyncio.Task[Any]]
-    _live: dict[int, RowGroup]
-    _early: dict[int, RowGroup]
-    _early_for: int
 
-    def _load(self, group: RowGroup) -> Coroutine[Any, Any, Any]: ...
+    def begin(self, group: RowGroup) -> asyncio.Task[Any]:
+        """Start reading `group` (fetch and decode) on the running loop; the task gives its value."""
+        ...
 
-    def group(self, index: int) -> RowGroup: ...
+    def group(self, index: int) -> RowGroup:
+        """The row group `index` while anything holds it, else a new one (not read yet)."""
+        ...
 
-    def _read_early(self, epoch: int, room: int, order: int) -> None: ...
+    def forget(self, index: int, group: RowGroup) -> None:
+        """Row group `index` is no longer held by the walk, if it is `group`."""
+        ...
+
+    def early_reads(self, epoch: int) -> int:
+        """How many of `epoch`'s first row groups are read early now."""
+        ...
+
+    def read_early(self, epoch: int, room: int, order: int) -> None:
+        """Read `epoch`'s first row groups now, up to `room` of them (`order`: their decodes'
+        place in the queue)."""
+        ...
 
 
 class RowGroup:
@@ -64,9 +75,7 @@ class RowGroup:
     def start(self, source: Reader) -> asyncio.Task[Any]:
         """Begin the read (once), on the running loop."""
         if self.task is None:
-            self.task = task = asyncio.get_running_loop().create_task(source._load(self))
-            source._reads.add(task)
-            task.add_done_callback(source._reads.discard)
+            self.task = task = source.begin(self)
             task.add_done_callback(_retrieve)
         return self.task
 
@@ -217,9 +226,8 @@ class Ahead:
         if self.early and self.next == len(self.need):
             ahead = max(0, self.next - reached)
             source = self.source
-            early = len(source._early) if source._early_for == self.epoch + 1 else 0
-            if ahead + early <= low:
-                source._read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
+            if ahead + source.early_reads(self.epoch + 1) <= low:
+                source.read_early(self.epoch + 1, self._early_room(ahead), len(self.need))
 
     def _early_room(self, ahead: int) -> int:
         """How many of the next epoch's row groups may be read now, `ahead` of this one's being
@@ -246,10 +254,7 @@ class Ahead:
         return self.pinned[g]
 
     def _let_go(self, g: int) -> None:
-        group = self.pinned.pop(g)
-        live = self.source._live
-        if live.get(g) is group:
-            del live[g]  # the samples that hold it keep it until they are done
+        self.source.forget(g, self.pinned.pop(g))  # the samples that hold it keep it until done
 
     def close(self) -> None:
         for g in list(self.pinned):
