@@ -228,7 +228,7 @@ class Loader(Generic[T]):
             plan = OwnPlan(source, batch_size, drop_last, budget.read_ahead_bytes)
         elif keys is source and isinstance(source, SharesItsKeys):  # tar shards, a mix
             plan = StreamPlan(order, source, batch_size, drop_last)
-        self._assemble(Parts(
+        self.assemble(Parts(
             plan, Read(fetch, decode, executor, workers, own_executor=owned), collate=collate,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, timeout=timeout,
             use_caller_loop=use_caller_loop, source=source, seed=seed, device=make_device_stage(
@@ -238,8 +238,10 @@ class Loader(Generic[T]):
             origin=described or origin(keys, source, fetch), inline=inline and on_error == "raise",
         ))  # fmt: skip
 
-    def _assemble(self, parts: Parts) -> None:
-        """Wire the stages from `parts` (the one way parts come into a Loader)."""
+    def assemble(self, parts: Parts) -> None:
+        """Wire the stages from `parts` (the one way parts come into a Loader): `__init__` makes
+        them from its arguments; a front door built on `Loader` (`DataLoader`) makes its own and
+        calls this instead. Called once, before the loader is used."""
         plan, read = parts.plan, parts.read
         fetch, decode, collate = read.fetch, read.decode, parts.collate
         check_callable("fetch", fetch)
@@ -333,12 +335,6 @@ class Loader(Generic[T]):
         self._ledger.set_epoch(epoch)
         self._hooks.set_epoch(epoch)
 
-    def _start_epoch_afresh(self, epoch: int) -> None:
-        """`set_epoch(epoch)`, the iteration from the epoch's start even where a loaded state
-        pointed into it (a mix starting its next epoch, its loaders' states taken mid-way)."""
-        self.set_epoch(epoch)
-        self._ledger.set_epoch(epoch, afresh=True)
-
     # -- closing -----------------------------------------------------------------------------------
 
     @property
@@ -419,17 +415,25 @@ class Loader(Generic[T]):
         """
         self._ledger.load_state_dict(state, type(self).__name__, self._state.state_config)
 
-    # -- a mix's side of resuming on another world size (`_mix/elastic.py`) --------------------
+    # -- composing loaders: what a mix (`_mix/`) asks of the loaders it interleaves -----------------
+    # Public and stable: a mix resumes each of its loaders at its own epoch, and on another world
+    # size shares out what every old rank of each loader delivered (`_mix/elastic.py`).
 
-    def _place(self) -> tuple[int, int]:
+    def start_epoch_afresh(self, epoch: int) -> None:
+        """`set_epoch(epoch)`, the iteration from the epoch's start even where a loaded state
+        pointed into it (a mix starting its next epoch, its loaders' states taken mid-way)."""
+        self.set_epoch(epoch)
+        self._ledger.set_epoch(epoch, afresh=True)
+
+    def place(self) -> tuple[int, int]:
         """(rank, world size) of this loader's share, as its state records them."""
         return self._plan.rank_and_world()
 
-    def _check_state(self, state: Mapping[str, Any]) -> None:
+    def check_state(self, state: Mapping[str, Any]) -> None:
         """StateError naming the field where `state` (of any rank) does not fit this loader."""
         check_config(state, type(self).__name__, self._state.state_config())
 
-    def _indices(
+    def indices(
         self, epoch: int, rank: int, world_size: int, consumed: Ranges,
         groups: Iterable[int] | None,
     ) -> np.ndarray:  # fmt: skip
@@ -437,7 +441,7 @@ class Loader(Generic[T]):
         is dealt in its `groups` (None: all of them); see `Ledger.indices`."""
         return self._ledger.indices(epoch, rank, world_size, consumed, groups)
 
-    def _resume_at(self, epoch: int, consumed: Ranges) -> None:
+    def resume_at(self, epoch: int, consumed: Ranges) -> None:
         """`set_epoch(epoch)`, the epoch without the permutation indices in `consumed`: what a
         mix counted delivered by every old rank, the rest shared among this loader's ranks."""
         self.set_epoch(epoch)

@@ -208,7 +208,7 @@ class DataLoader(Loader[T]):
             self._worker_setup,
             self._copies.copies if self._copies is not None else None,
         )
-        self._assemble(Parts(
+        self.assemble(Parts(
             plan, read, collate=collate_fn if auto_collation and not reads_batches(plan) else None,
             concurrency=concurrency, prefetch=prefetch, in_order=in_order, timeout=timeout or None,
             device=make_device_stage(

@@ -74,9 +74,9 @@ def resume_loader(
         try:
             for s in seen:
                 if s.epoch > k:  # its whole share of `k`
-                    parts.append(loader._indices(k, s.rank, world_size, before, None))
+                    parts.append(loader.indices(k, s.rank, world_size, before, None))
                 elif s.epoch == k and s.state is not None:
-                    parts.append(loader._indices(k, s.rank, world_size, before, _groups(s.state)))
+                    parts.append(loader.indices(k, s.rank, world_size, before, _groups(s.state)))
                     if s.part is not None:
                         parts.append(_used_rows(loader, k, s, world_size, before))
         except StateError as e:
@@ -111,7 +111,7 @@ def _used_rows(loader: Loader[Any], k: int, s: Seen, world_size: int, before: Ra
     group's first indices, where the group has one index per row of the item."""
     assert s.part is not None
     group, used, rows = s.part
-    indices = loader._indices(k, s.rank, world_size, before, [group])
+    indices = loader.indices(k, s.rank, world_size, before, [group])
     if len(indices) != rows:
         raise StateError(
             f"rank {s.rank}'s partly used item has {rows} rows and {len(indices)} "

@@ -118,7 +118,7 @@ class MixedLoaders:
             progress = _Progress(epoch, 0, [epoch] * len(self.loaders))
             self._later = {}
             for loader in self.loaders:
-                loader._start_epoch_afresh(epoch)
+                loader.start_epoch_afresh(epoch)
         self._progress = progress
         return progress
 
@@ -174,7 +174,7 @@ class MixedLoaders:
         if consumed is None:
             self.loaders[i].set_epoch(progress.epochs[i])
         else:  # what the old ranks of an elastic load delivered of it
-            self.loaders[i]._resume_at(progress.epochs[i], consumed)
+            self.loaders[i].resume_at(progress.epochs[i], consumed)
         return False
 
     def _first(self, i: int, progress: _Progress, item: Any) -> Any:
@@ -199,7 +199,7 @@ class MixedLoaders:
 
     def _place(self) -> tuple[int, int] | None:
         """(rank, world size) of the loaders' shares: the mix's, where all of them agree."""
-        places = {loader._place() for loader in self.loaders}
+        places = {loader.place() for loader in self.loaders}
         return places.pop() if len(places) == 1 else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,7 +248,7 @@ class MixedLoaders:
             if len(states) > 1:
                 raise StateError(
                     "states: this mix's loaders are on different ranks or world sizes "
-                    f"({sorted({loader._place() for loader in self.loaders})}), so it resumes "
+                    f"({sorted({loader.place() for loader in self.loaders})}), so it resumes "
                     "from its own state only (not from a list of states)",
                     field="states",
                 )
@@ -319,7 +319,7 @@ class MixedLoaders:
             set.intersection(*(set(map(int, s.get("ran_out", []))) for s in by_rank)),
         )  # fmt: skip
         for i, where in resumed.items():
-            self.loaders[i]._resume_at(where.epoch, where.consumed)
+            self.loaders[i].resume_at(where.epoch, where.consumed)
             progress.epochs[i] = where.epoch
             if where.later:
                 self._later[i] = where.later
@@ -331,7 +331,7 @@ class MixedLoaders:
         saved = own.get("state") if isinstance(own, Mapping) else None
         if not isinstance(saved, Mapping):
             raise StateError(f"sources: {label}: expected the loader's state", field="sources")
-        self.loaders[i]._check_state(saved)
+        self.loaders[i].check_state(saved)
         if (saved.get("rank"), saved.get("world_size")) != (rank, world_size):
             raise StateError(
                 f"sources: {label}: the state of rank {rank} of {world_size} holds its loader's "
