@@ -341,6 +341,12 @@ class OrderedOrigin(RangeOrigin):
         self.log: list[tuple[str, int]] = []
         self.hold_first = False
         self.asked = asyncio.Event()
+        self.logged = threading.Condition()  # told of each ("sent", first) logged
+
+    def wait_logged(self, entry: tuple[str, int]) -> None:
+        """Until `entry` is in the log (its server logs it on its own thread)."""
+        with self.logged:
+            assert self.logged.wait_for(lambda: entry in self.log, 10), (entry, self.log)
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         first = int(request.headers.get("Range", "bytes=0-").split("=")[1].split("-")[0] or 0)
@@ -353,7 +359,9 @@ class OrderedOrigin(RangeOrigin):
         resp = await super()._get(request)
         await resp.prepare(request)
         await resp.write_eof()  # sent: the client has all of it in its socket
-        self.log.append(("sent", first))
+        with self.logged:
+            self.log.append(("sent", first))
+            self.logged.notify_all()
         return resp
 
 
@@ -369,6 +377,7 @@ def test_a_remote_walks_first_row_group_is_read_before_those_read_ahead(
                          row_groups_in_flight=4)  # fmt: skip
         footer = [first for kind, first in origin.log if kind == "ask"]
         assert len(footer) == 1
+        origin.wait_logged(("sent", footer[0]))  # its server may log it after the client has it
         origin.log.clear()
         origin.hold_first = True
         with Loader(source, batch_size=None, collate=None) as ld:
