@@ -18,6 +18,10 @@ What is private, and why it is used:
   `WorkerInfo`): a DataLoader worker seeds numpy and answers `get_worker_info()` as torch's do.
 - `multiprocessing.forkserver._forkserver._preload_modules`: the modules a fork server already
   preloads, kept when aioloader's are added.
+- `sys._getframe`: the frames of this thread's stack, to find the script's own top-level code (a
+  worker start method that would run the script again, `_executors/process/main_guard.py`).
+- fsspec's `AsyncFileSystem._cat_file`: an async filesystem's read, awaited on the loader's loop
+  (fsspec names its coroutines with a leading underscore; it documents them so).
 - `torch.distributed.distributed_c10d._get_default_store`: the job's key-value store, over which
   ranks share one listing.
 - `pyarrow._parquet.ParquetReader`: a Parquet reader that decodes into a given memory pool.
@@ -27,12 +31,14 @@ What is private, and why it is used:
 from __future__ import annotations
 
 import functools
+import sys
+from types import FrameType
 from typing import Any
 
 __all__ = [
-    "CHECKED", "arrow_take", "c10d_default_store", "forkserver_preloaded", "parquet_reader",
-    "publish_worker_info", "storage_uses", "torch_collate", "worker_info_published",
-    "worker_numpy_seed",
+    "CHECKED", "arrow_take", "c10d_default_store", "caller_frame", "forkserver_preloaded",
+    "fsspec_cat_file", "parquet_reader", "publish_worker_info", "storage_uses", "torch_collate",
+    "worker_info_published", "worker_numpy_seed",
 ]  # fmt: skip
 
 # The versions the functions below were checked with (the free-threaded venv's torch builds, which
@@ -101,6 +107,23 @@ def forkserver_preloaded() -> list[str]:
     from multiprocessing import forkserver
 
     return list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+
+
+def caller_frame(depth: int) -> FrameType | None:
+    """The frame `depth` calls above the caller of this function (None past the stack's end)."""
+    try:
+        return sys._getframe(depth + 1)
+    except ValueError:
+        return None
+
+
+# -- fsspec -------------------------------------------------------------------------------------------
+
+
+async def fsspec_cat_file(fs: Any, path: str, start: int | None, end: int | None) -> Any:
+    """`fs.cat_file(path, start, end)` awaited, for an fsspec `AsyncFileSystem` made for the
+    running loop."""
+    return await fs._cat_file(path, start=start, end=end)
 
 
 # -- pyarrow ----------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import sys
 import tokenize
 from types import FrameType
 
+from ..._util.deps import caller_frame
+
 __all__ = ["check_main_guard", "guarded", "unguarded_call"]
 
 _FRESH = ("forkserver", "spawn")  # start methods whose workers run the main script again
@@ -113,7 +115,7 @@ def _is_main_test(test: ast.expr) -> bool:
 
 def _script_frame(main_globals: dict[str, object]) -> FrameType | None:
     """The frame on this thread's stack running the main module's top-level code, if any."""
-    frame: FrameType | None = sys._getframe(1)
+    frame = caller_frame(1)
     while frame is not None:
         if frame.f_globals is main_globals and frame.f_code.co_name == "<module>":
             return frame

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._exceptions import FetchError, InvalidKeyError
+from ..._util.deps import fsspec_cat_file
 from ..cache.disk import Cache, Expect, check_cache_args
 from ..transport.redact import redact_text, redact_url
 
@@ -122,7 +123,7 @@ class Fsspec:
         self.counts["requests"] += 1
         try:
             if self.is_async:
-                data = await self._async_fs()._cat_file(path, start=start, end=end)
+                data = await fsspec_cat_file(self._async_fs(), path, start, end)
             else:
                 data = await asyncio.to_thread(self.fs.cat_file, path, start=start, end=end)
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
