@@ -54,7 +54,7 @@ from ._protocol import (
 )
 from ._resume.resume import Ledger
 from ._resume.state import check_config
-from ._torch.copies import never_waits, safe_to_share
+from ._torch.copies import never_waits, read_in_place, safe_to_share
 from ._tuning.auto import resolve_concurrency, resolve_decoder
 from ._tuning.bounds import ErrorPolicy
 from ._tuning.memory import AUTO, MemoryBudget
@@ -189,7 +189,7 @@ class Loader(Generic[T]):
             # (torch's contract, see `_torch/copies.py`); samples in memory, all the same there
             if not safe_to_share(keys):
                 concurrency = 1
-            inline = timeout is None and (never_waits(keys) or not safe_to_share(keys))
+            inline = timeout is None and read_in_place(keys)
         else:
             key_list = keys
             owner = getattr(fetch, "__self__", None)

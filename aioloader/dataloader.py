@@ -59,7 +59,7 @@ from ._torch.arguments import (
     warn_pin_memory_device,
     worker_mode_of,
 )
-from ._torch.copies import DatasetCopies, never_waits, safe_to_share
+from ._torch.copies import DatasetCopies, read_in_place, safe_to_share
 from ._torch.defaults import collates, samplers
 from ._torch.reads import WorkerIds, batch_reader, converting, reads_batches
 from ._torch.sampler import SamplerPlan, draw_seed
@@ -257,8 +257,9 @@ class DataLoader(Loader[T]):
             reader: Any = self.dataset
             # torch's main-process reads, in `for`'s own thread where nothing can wait for them:
             # reads that never wait (a list), or that must not overlap (see `_torch/copies.py`)
-            self._inline = num_workers == 0 and not iterable and not self.timeout and (
-                never_waits(self.dataset) or not safe_to_share(self.dataset)
+            self._inline = (
+                num_workers == 0 and not iterable and not self.timeout
+                and read_in_place(self.dataset)
             )  # fmt: skip
             if not processes and not iterable and not safe_to_share(self.dataset):
                 if num_workers == 0:  # one at a time (in `async for` too)

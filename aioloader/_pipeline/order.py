@@ -180,11 +180,11 @@ class KeyOrder:
         keys = self.keys
         if isinstance(keys, Sequence):
             perm = permutation(len(keys), self.shuffle, self.seed, epoch)
-            mine = self.mine(consumed)
-            if isinstance(perm, range) or (not consumed and self.world_size == 1):
-                positions = perm if not consumed and self.world_size == 1 else mine
+            if not consumed and self.world_size == 1:
+                positions = perm  # the whole epoch, in its order
             else:
-                positions = list(map(perm.__getitem__, mine))
+                mine = self.mine(consumed)
+                positions = mine if isinstance(perm, range) else list(map(perm.__getitem__, mine))
             if isinstance(keys, range) and keys == range(len(keys)):  # each key its position
                 return zip(positions, positions, strict=True)
             return zip(positions, map(keys.__getitem__, positions), strict=True)

@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["COPY_BYTES", "DatasetCopies", "never_waits", "safe_to_share", "thread_safe"]
+__all__ = [
+    "COPY_BYTES", "DatasetCopies", "never_waits", "read_in_place", "safe_to_share", "thread_safe",
+]  # fmt: skip
 
 # the pickled bytes of one process's dataset copies together: a dataset of a list of paths pickles
 # to about 40 bytes a path, so a million paths (40 MB) are read one at a time rather than copied
@@ -52,6 +54,13 @@ def safe_to_share(dataset: Any) -> bool:
         thread_safe(dataset) or never_waits(dataset)
         or inspect.iscoroutinefunction(dataset.__getitem__)
     )  # fmt: skip
+
+
+def read_in_place(dataset: Any) -> bool:
+    """Whether a front door reads `dataset` in the consumer's own thread (with `for`, when nothing
+    calls for the pipeline): samples in memory, which never wait, or a dataset that may not be
+    shared, which torch's main process reads one call at a time."""
+    return never_waits(dataset) or not safe_to_share(dataset)
 
 
 class _TooLarge(Exception):
@@ -126,23 +135,26 @@ class DatasetCopies:
 
     def getitem(self, index: Any) -> Any:
         """`dataset[index]`, on the calling thread's own copy where it has one."""
-        local = self._local
-        if getattr(local, "taken", 0) != self._taken:
-            local.copy, local.taken = self._new_copy(), self._taken
-        if local.copy is not None:
-            return local.copy[index]
+        copy = self._own()
+        if copy is not None:
+            return copy[index]
         with self._lock:
             return self.dataset[index]
 
     def getitems(self, indices: list[Any]) -> Any:
         """`dataset.__getitems__(indices)`, on the calling thread's own copy where it has one."""
+        copy = self._own()
+        if copy is not None:
+            return copy.__getitems__(indices)
+        with self._lock:
+            return self.dataset.__getitems__(indices)
+
+    def _own(self) -> Any:
+        """The calling thread's copy of the last snapshot (made now if it has none), or None."""
         local = self._local
         if getattr(local, "taken", 0) != self._taken:
             local.copy, local.taken = self._new_copy(), self._taken
-        if local.copy is not None:
-            return local.copy.__getitems__(indices)
-        with self._lock:
-            return self.dataset.__getitems__(indices)
+        return local.copy
 
     def _new_copy(self) -> Any:
         """A copy for the calling thread, or None (it reads the dataset itself)."""

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import functools
 import itertools
 import random
 import threading
@@ -359,7 +360,6 @@ class RoundRobin:
         self.pool = pool
         self.workers = pool.workers
         self._read = read
-        self._why: str | bool | None = False  # False: not asked yet (see `stats`)
 
     async def run(self, fn: Callable[[Any], Any], key: Any, seed: int | None = None) -> Any:
         batch, indices = key
@@ -377,11 +377,13 @@ class RoundRobin:
         """The pool's counters, and why each worker reads one call at a time, where it must
         ("reads_one_at_a_time": for `diagnose()`; worked out once, at the first call)."""
         out: dict[str, Any] = dict(self.pool.stats())
-        if self._why is False:
-            self._why = None if self._read is None else self._read.one_at_a_time()
-        if self._why:
-            out["reads_one_at_a_time"] = self._why
+        if self._one_at_a_time:
+            out["reads_one_at_a_time"] = self._one_at_a_time
         return out
+
+    @functools.cached_property
+    def _one_at_a_time(self) -> str | None:
+        return None if self._read is None else self._read.one_at_a_time()
 
     def close(self) -> None:
         self.pool.close()
