@@ -202,8 +202,8 @@ def measure(workload: str, workers: int, library: str, args: argparse.Namespace)
 
 
 def ratio(ours: dict[str, Any] | None, theirs: dict[str, Any] | None, key: str) -> float | None:
-    if ours is None or theirs is None:
-        return None
+    if ours is None or theirs is None or not float(theirs[key]):
+        return None  # (a CPU time under psutil's 10 ms tick reads 0 in --quick's short windows)
     return round(float(ours[key]) / float(theirs[key]), 3)
 
 
