@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
+import warnings
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
@@ -35,6 +37,7 @@ from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
 from ._observe.trace import Trace, env_trace_path
 from ._parts import KeyPlanState, LoaderDescriber, Parts, Read
+from ._pipeline.beside import Beside, TraceBeside, beside_asked
 from ._pipeline.collate import DEFAULT_COLLATE, make_collate
 from ._pipeline.fetch import Fetcher
 from ._pipeline.inline import InlineRead
@@ -64,7 +67,7 @@ from ._util.ranks import resolve_rank
 from ._util.validate import check_callable, check_int, check_timeout
 from .sources import Source
 
-__all__ = ["DEFAULT_COLLATE", "Loader"]
+__all__ = ["DEFAULT_COLLATE", "BesideLoader", "Loader"]
 
 T = TypeVar("T")
 logger = logging.getLogger("aioloader")
@@ -128,6 +131,11 @@ class Loader(Generic[T]):
             worker process fetches its share of the keys on its own event loop and decodes them,
             so fetching scales past one core; order, batching and `concurrency` (in total) stay
             here. See `_executors/fetch_in_workers.py`.
+        beside: run the whole pipeline (event loop, fetch, decode, collate) in a process of its
+            own beside this one, which maps each finished batch out of shared memory: a training
+            step that launches many kernels then keeps its process's GIL (see
+            `_pipeline/beside.py`). The device stage stays here. Forked as torch forks its workers:
+            the arguments need not pickle. None: `AIOLOADER_BESIDE=1` in the environment says so.
 
     `repr(loader)` shows what it was made with. See inside: `stats()` (numbers per stage),
     `diagnose()` (the bottleneck, in words), `trace(path)` (a Perfetto/Chrome trace; or set
@@ -174,6 +182,7 @@ class Loader(Generic[T]):
         max_skipped: int | float | None = 0.05,
         max_bytes_in_flight: int | str | None = AUTO,
         fetch_in_workers: bool = False,
+        beside: bool | None = None,
     ) -> None:
         source: Source | None = None
         described: str | None = None
@@ -237,6 +246,23 @@ class Loader(Generic[T]):
             ), errors=ErrorPolicy(on_error, max_skipped), budget=budget, stats=stats,
             origin=described or origin(keys, source, fetch), inline=inline and on_error == "raise",
         ))  # fmt: skip
+
+    def __new__(cls, *args: Any, beside: bool | None = None, **kwargs: Any) -> Loader[T]:
+        """A `BesideLoader` where `beside` asks for the pipeline in a process of its own, unless
+        it is given an executor object: that one's workers belong to this process (a warning
+        says so, and the loader runs here)."""
+        if cls is Loader and beside_asked(beside):
+            executor = kwargs.get("executor")
+            if executor is None or isinstance(executor, str):
+                return super().__new__(BesideLoader)
+            if beside:  # asked in the call, not by the environment
+                warnings.warn(
+                    f"aioloader: beside=True with executor={executor!r}: an executor object's "
+                    "workers belong to this process; the loader runs here. Pass executor as a "
+                    'name ("process", "thread", ...) to run it beside.',
+                    stacklevel=2,
+                )
+        return super().__new__(cls)
 
     def assemble(self, parts: Parts) -> None:
         """Wire the stages from `parts` (the one way parts come into a Loader): `__init__` makes
@@ -511,3 +537,130 @@ class Loader(Generic[T]):
 def _wake(done: asyncio.Future[None]) -> None:
     if not done.done():
         done.set_result(None)
+
+
+class BesideLoader(Loader[T]):
+    """`Loader(..., beside=True)`: the same loader, built and run in a process of its own beside the
+    training process (`_pipeline/beside.py`); every method answers as the in-process loader's does.
+
+    What the training process does per batch: wait for the worker's answer and map the batch out
+    of shared memory (and, with a device, hand it over from the transfer thread). `state_dict()` is
+    as of the last batch handed over, whatever the worker made ahead. A worker that dies fails the
+    batch with `WorkerDied`; the next iteration goes on from the last batch handed over, in a new
+    worker.
+    """
+
+    def __init__(
+        self,
+        keys: Any,
+        fetch: Callable[[Any], Any] | None = None,
+        *,
+        beside: bool | None = True,
+        prefetch: int = 2,
+        timeout: float | None = None,
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
+        memory_format: torch.memory_format | None = None,
+        pin_memory: bool | None = None,
+        use_caller_loop: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        check_int("prefetch", prefetch, minimum=1)
+        recipe = functools.partial(
+            Loader, keys, fetch, beside=False, prefetch=prefetch, timeout=timeout, **kwargs
+        )  # fmt: skip
+        stage = make_device_stage(
+            device, pin_memory=pin_memory, device_prefetch=device_prefetch,
+            memory_format=memory_format, stacklevel=4,
+        )  # fmt: skip
+        self._beside = Beside(
+            recipe, ahead=max(prefetch, 2), timeout=check_timeout("timeout", timeout), device=stage
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        if self._beside.closed:
+            return "Loader(beside=True, closed)"
+        shown: str = self._beside.ask("__repr__")
+        return shown[:-1] + ", beside=True)"
+
+    def __iter__(self) -> Iterator[T]:
+        return self._beside.iter(self)
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self._beside.aiter(self)
+
+    def __len__(self) -> int:
+        length: int = self._beside.ask("__len__")
+        return length
+
+    @property
+    def epoch(self) -> int:
+        epoch: int = self._beside.ask("epoch")
+        return epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        check_int("epoch", epoch, minimum=0)
+        self._beside.ask("set_epoch", epoch)
+
+    @property
+    def closed(self) -> bool:
+        return self._beside.closed
+
+    def close(self) -> None:
+        self._beside.close()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._beside.close)
+
+    def __del__(self) -> None:
+        beside = getattr(self, "_beside", None)
+        if beside is not None and not beside.closed:
+            try:  # noqa: SIM105 - at interpreter exit `contextlib` may already be gone
+                beside.close()
+            except Exception:  # a finalizer must not raise
+                pass
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = self._beside.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        self._beside.ask("load_state_dict", state)
+
+    def start_epoch_afresh(self, epoch: int) -> None:
+        self._beside.ask("start_epoch_afresh", epoch)
+
+    def place(self) -> tuple[int, int]:
+        place: tuple[int, int] = self._beside.ask("place")
+        return place
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        self._beside.ask("check_state", state)
+
+    def indices(
+        self, epoch: int, rank: int, world_size: int, consumed: Ranges,
+        groups: Iterable[int] | None,
+    ) -> np.ndarray:  # fmt: skip
+        chosen: np.ndarray = self._beside.ask(
+            "indices", epoch, rank, world_size, consumed, None if groups is None else list(groups)
+        )
+        return chosen
+
+    def resume_at(self, epoch: int, consumed: Ranges) -> None:
+        self._beside.ask("resume_at", epoch, consumed)
+
+    def stats(self) -> LoaderStats:
+        """The worker's `stats()`, with this process's side in `extra["beside"]` (`Beside.stats`:
+        batches handed over, the time the trainer waited for them, the worker's pid, ...)."""
+        stats: LoaderStats = self._beside.ask("stats")
+        stats.extra["beside"] = self._beside.stats()
+        if self._beside.device is not None:
+            stats.extra["transfer"] = self._beside.device.stats()
+        return stats
+
+    def diagnose(self) -> Diagnosis:
+        diagnosis: Diagnosis = self._beside.ask("diagnose")
+        return diagnosis
+
+    def trace(self, path: str | os.PathLike[str]) -> TraceBeside:  # type: ignore[override]
+        return TraceBeside(self._beside, path)
