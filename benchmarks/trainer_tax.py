@@ -12,11 +12,21 @@ interpreter (`--run NAME`):
   frontdoor-8  the same user code through `aioloader.DataLoader(num_workers=8)`;
   native       `aioloader.Loader(sources.http(...), concurrency=64)`: the event loop and its
                callbacks in the training process.
+  native-beside  the same `Loader(..., beside=True)`: the pipeline in a process of its own beside
+               the trainer, each batch mapped out of shared memory (`_pipeline/beside.py`).
 
 Figures per contender: the step's own compute time (timed inside the step: its median, and its
 inflation over the resident floor's), the wait for each batch (`next()`), steps/s, and the CPU
 seconds of the process tree per step. The step's inflation is the tax: a loader that delivers every
-batch on time still slows training if the step itself runs slower beside it.
+batch on time still slows training if the step itself runs slower beside it. Where the step's time
+went (its thread's /proc schedstat, on average): "queued", waiting in a run queue for a core (other
+processes' work: the cores are all busy); "GIL", the rest beyond its time on a CPU (waiting for
+another thread of the training process). "trainer thr": the CPU of the training process's threads
+other than the main one, per step (a loader's work in the trainer's process).
+
+Workaround, the same for every contender: the store runs on the trainer's cores, though it stands in
+for a remote machine; it runs at nice 10 (`STORE_NICE`), so that it takes the CPU the contenders
+leave rather than the trainer's.
 
 Usage: python benchmarks/trainer_tax.py [--quick] [--rounds R] [--contenders a,b,...]
 (--quick: one round of fewer steps, under 60 s.) The last line printed is a JSON summary.
@@ -42,8 +52,11 @@ DELAY_MS = 5.0
 BATCH = 64
 STEP_OPS = 2_500
 OBJECTS = 4_096
-CONTENDERS = ("resident", "torch-8", "frontdoor-8", "native")
+CONTENDERS = ("resident", "torch-8", "frontdoor-8", "native", "native-beside")
 STEPS = {"full": (8, 60), "quick": (4, 20)}  # (warm-up, measured)
+# The store stands in for a remote machine, yet runs on the trainer's cores: at nice 10 it takes the
+# CPU the contenders leave, as a remote store would take none of the trainer's (same for each).
+STORE_NICE = 10
 
 
 # -- the user's code ----------------------------------------------------------------------------------
@@ -100,7 +113,7 @@ def make_loader(name: str, base: str) -> Any:
 
     source = sources.http(f"{base}/obj/", keys=[str(i) for i in range(OBJECTS)], concurrency=64)
     return Loader(source, decode=to_tensor, executor="inline", batch_size=BATCH, shuffle=True,
-                  concurrency=64)  # fmt: skip
+                  concurrency=64, beside=name == "native-beside")  # fmt: skip
 
 
 # -- one contender, in its own interpreter --------------------------------------------------------
@@ -119,6 +132,23 @@ def tree_cpu() -> float:
     return total
 
 
+def schedstat() -> tuple[float, float]:
+    """(seconds this thread ran on a CPU, seconds it waited in a run queue for one)."""
+    with open("/proc/thread-self/schedstat") as f:
+        ran, queued, _ = map(int, f.read().split())
+    return ran / 1e9, queued / 1e9
+
+
+def other_threads_cpu() -> float:
+    """CPU seconds of this process's threads other than the main one (a loader's, in-process)."""
+    import threading
+
+    import psutil
+
+    main = threading.main_thread().native_id
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id != main)
+
+
 def run_one(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
     import torch
 
@@ -126,8 +156,9 @@ def run_one(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
     state = torch.zeros(16)
     computes: list[float] = []
     waits: list[float] = []
+    ran = queued = 0.0
     steps = 0
-    t0 = cpu0 = 0.0
+    t0 = cpu0 = others0 = 0.0
     while steps < warmup + measured:
         it = iter(loader)
         while steps < warmup + measured:
@@ -137,18 +168,22 @@ def run_one(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
             except StopIteration:
                 break
             came = time.perf_counter()
+            ran0, queued0 = schedstat()
             state, compute = train_step(batch, state)
+            ran1, queued1 = schedstat()
             del batch
             steps += 1
             if steps == warmup:
-                t0, cpu0 = time.perf_counter(), tree_cpu()
+                t0, cpu0, others0 = time.perf_counter(), tree_cpu(), other_threads_cpu()
             elif steps > warmup:
                 computes.append(compute)
                 waits.append(came - began)
+                ran, queued = ran + ran1 - ran0, queued + queued1 - queued0
         close = getattr(it, "close", None)
         if close is not None:
             close()
     wall, cpu = time.perf_counter() - t0, tree_cpu() - cpu0
+    others = other_threads_cpu() - others0
     if hasattr(loader, "close"):
         loader.close()
     return {
@@ -156,6 +191,12 @@ def run_one(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
         "wait_s": statistics.mean(waits),
         "steps_per_s": measured / wall,
         "cpu_s_per_step": cpu / measured,
+        # where the step's time went, on average: on a CPU, waiting for one (the cores busy with
+        # other processes), and the rest: waiting for the GIL (another thread of this process)
+        "step_mean_s": statistics.mean(computes),
+        "step_queued_s": queued / measured,
+        "step_gil_s": max(0.0, statistics.mean(computes) - (ran + queued) / measured),
+        "trainer_threads_cpu_s": others / measured,
     }
 
 
@@ -181,12 +222,14 @@ def main() -> None:
         name, base, warmup, measured = args.run
         print(json.dumps(run_one(name, base, int(warmup), int(measured))), flush=True)
         return
+    import psutil
     from _objserver import start_server
 
     rounds = args.rounds or (1 if args.quick else 2)
     warmup, measured = STEPS["quick" if args.quick else "full"]
     names = args.contenders.split(",")
     server, base = start_server(SIZE, DELAY_MS)
+    psutil.Process(server.pid).nice(STORE_NICE)  # a remote store's CPU is not the trainer's
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     try:
         for _ in range(rounds):
@@ -196,27 +239,31 @@ def main() -> None:
         server.kill()
         server.wait()
     floor = min((r["step_compute_s"] for r in results.get("resident", [])), default=None)
-    print(f"{'contender':<13}{'step compute ms':>17}{'x floor':>9}{'wait ms':>9}"
-          f"{'steps/s':>9}{'CPU s/step':>12}")  # fmt: skip
+    print(f"{'contender':<15}{'step compute ms':>17}{'x floor':>9}{'queued ms':>11}{'GIL ms':>8}"
+          f"{'wait ms':>9}{'steps/s':>9}{'CPU s/step':>12}{'trainer thr ms':>16}")  # fmt: skip
     summary: dict[str, Any] = {"workload": "trainer_tax", "date": time.strftime("%Y-%m-%d"),
                                "step_ops": STEP_OPS, "rounds": rounds}  # fmt: skip
     for name, runs in results.items():
         for r in runs:
             inflation = r["step_compute_s"] / floor if floor else None
             shown = "-" if inflation is None else f"{inflation:.2f}"
-            print(f"{name:<13}{r['step_compute_s'] * 1e3:>17.1f}{shown:>9}"
+            print(f"{name:<15}{r['step_compute_s'] * 1e3:>17.1f}{shown:>9}"
+                  f"{r['step_queued_s'] * 1e3:>11.2f}{r['step_gil_s'] * 1e3:>8.2f}"
                   f"{r['wait_s'] * 1e3:>9.1f}{r['steps_per_s']:>9.1f}"
-                  f"{r['cpu_s_per_step']:>12.3f}")  # fmt: skip
+                  f"{r['cpu_s_per_step']:>12.3f}{r['trainer_threads_cpu_s'] * 1e3:>16.2f}")  # fmt: skip
         best = max(runs, key=lambda r: r["steps_per_s"])
         summary[name] = {
             "step_compute_ms": [round(r["step_compute_s"] * 1e3, 2) for r in runs],
             "inflation": [round(r["step_compute_s"] / floor, 3) if floor else None for r in runs],
             "wait_ms": [round(r["wait_s"] * 1e3, 2) for r in runs],
+            "step_queued_ms": [round(r["step_queued_s"] * 1e3, 2) for r in runs],
+            "step_gil_ms": [round(r["step_gil_s"] * 1e3, 2) for r in runs],
+            "trainer_threads_cpu_ms": [round(r["trainer_threads_cpu_s"] * 1e3, 2) for r in runs],
             "steps_per_s": [round(r["steps_per_s"], 2) for r in runs],
             "best_steps_per_s": round(best["steps_per_s"], 2),
         }
     torch_best = summary.get("torch-8", {}).get("best_steps_per_s")
-    for name in ("frontdoor-8", "native"):
+    for name in ("frontdoor-8", "native", "native-beside"):
         if torch_best and name in summary:
             summary[f"{name}/torch-8 steps/s"] = round(
                 summary[name]["best_steps_per_s"] / torch_best, 3

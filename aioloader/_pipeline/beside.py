@@ -51,6 +51,7 @@ from typing import Any
 
 from .._exceptions import LoaderClosedError, LoaderTimeout, WorkerDied
 from .._executors.process.executor import ProcessExecutor
+from .._util.threads import yield_cpu_to_trainer
 
 __all__ = ["BESIDE_ENV", "Beside", "Served", "TraceBeside", "beside_asked"]
 
@@ -120,6 +121,7 @@ class Served:
     def _build(self, address: str) -> None:
         if self.loader is not None:
             raise RuntimeError("aioloader: the loader beside the trainer was built already")
+        yield_cpu_to_trainer()  # the step's thread first, where the cores are all busy
         self.loader = self.recipe()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(address)

@@ -44,6 +44,7 @@ from .._util.threads import (
     cores_idle,
     idle_ticks,
     runnable_clock,
+    yield_cpu_to_trainer,
 )
 from .copies import DatasetCopies, thread_safe
 
@@ -76,6 +77,7 @@ class WorkerSetup:
     def __call__(self, worker_id: int) -> None:
         seed = (self.base_seed + worker_id) % 2**64
         _worker.update(id=worker_id, num_workers=self.num_workers, seed=seed)
+        yield_cpu_to_trainer()  # the training step's thread first, where the cores are all busy
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(worker_numpy_seed(self.base_seed, worker_id))  # as torch's workers
