@@ -1,12 +1,14 @@
 """Leak checks shared by every test: no "aioloader*" thread may outlive the test that made it.
 
 The autouse fixture joins whatever aioloader threads are left when a test ends, for at most
-`STOP_DEADLINE_S` (what `close()` promises), and fails the test if any is still alive then.
+`STOP_DEADLINE_S` (what `close()` promises), and fails the test if any is still alive then. Under
+`AIOLOADER_BESIDE=1` the tests marked `in_process` are skipped (`pytest_runtest_setup`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -15,6 +17,8 @@ from typing import Any
 import pytest
 from support.fakes import POLL_INTERVAL_S, STOP_DEADLINE_S
 from support.remote_fixtures import *  # noqa: F403 - the remote-source fixtures (origin, proxy, seaweed)
+
+from aioloader._pipeline.beside import BESIDE_ENV
 
 
 def loader_threads(ignore: set[int | None] | None = None) -> list[threading.Thread]:
@@ -66,6 +70,13 @@ def tasks_left_on(loop: asyncio.AbstractEventLoop, deadline_s: float) -> set[asy
         return set()
     future = asyncio.run_coroutine_threadsafe(pending_tasks(set(), deadline_s), loop)
     return future.result(deadline_s + STOP_DEADLINE_S)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under `AIOLOADER_BESIDE=1` (`make test-beside`: every Loader runs beside the test, in a
+    process of its own), skip the tests that look inside a Loader from the test's process."""
+    if os.environ.get(BESIDE_ENV) == "1" and item.get_closest_marker("in_process"):
+        pytest.skip("looks inside the loader from the test's process; it runs beside it")
 
 
 @pytest.fixture(autouse=True)

@@ -51,6 +51,8 @@ from typing import Any
 
 from .._exceptions import LoaderClosedError, LoaderTimeout, WorkerDied
 from .._executors.process.executor import ProcessExecutor
+from .._executors.process.wire import RemoteTraceback
+from .._util.deps import forget_inherited_forkserver
 from .._util.threads import yield_cpu_to_trainer
 
 __all__ = ["BESIDE_ENV", "Beside", "Served", "TraceBeside", "beside_asked"]
@@ -122,6 +124,7 @@ class Served:
         if self.loader is not None:
             raise RuntimeError("aioloader: the loader beside the trainer was built already")
         yield_cpu_to_trainer()  # the step's thread first, where the cores are all busy
+        forget_inherited_forkserver()  # a decode pool of this loader starts its own
         self.loader = self.recipe()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(address)
@@ -130,6 +133,9 @@ class Served:
         ).start()
 
     def _next(self, run: int) -> tuple[bool, Any, Any]:
+        """`(True, batch, state)`; `(False, None, state)` at the end; `(False, _Carried, state)`
+        for an error of the loader's, which `next()` raises in the trainer (the next `next()`
+        goes on, as in-process)."""
         if self.loader is None:
             raise LoaderClosedError("aioloader: the loader's process was replaced; iterate anew")
         with self._lock:
@@ -146,6 +152,8 @@ class Served:
         except StopIteration:
             self._end_run()
             return False, None, self.loader.state_dict()
+        except BaseException as exc:  # the loader's error, in its place: the epoch may go on
+            return False, _Carried(exc), self.loader.state_dict()
         return True, batch, self.loader.state_dict()
 
     def leave(self, run: int) -> None:
@@ -200,6 +208,31 @@ class _Answers:
             self.served.leave_current()
             return loader.close()
         return getattr(loader, name)(*args)
+
+
+class _Carried:
+    """An error of the loader's, carried to the trainer as a value: the exception and its causes
+    (`__cause__`, which pickling drops), each as it pickles, with the worker's traceback text."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.chain: list[BaseException] = []
+        seen: BaseException | None = exc
+        while seen is not None and len(self.chain) < _MOST_CAUSES:
+            self.chain.append(_portable(seen))
+            seen = seen.__cause__
+        self.text = "".join(traceback.format_exception(exc))
+
+    def rebuilt(self, pid: int | None) -> BaseException:
+        """The exception, its causes chained again, the last caused by the worker's traceback."""
+        for outer, inner in itertools.pairwise(self.chain):
+            outer.__cause__ = inner
+        self.chain[-1].__cause__ = RemoteTraceback(self.text)
+        exc = self.chain[0]
+        exc.add_note(f"aioloader: raised in the loader's process beside the trainer (pid {pid})")
+        return exc
+
+
+_MOST_CAUSES = 8
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -370,12 +403,15 @@ class Beside:
         return self._stager.submit(_staged, self.device, got)
 
     def _take(self, got: tuple[bool, Any, Any], t0: float) -> tuple[bool, Any]:
+        """(whether a batch came, the batch or the loader's error to raise in its place)."""
         ok, batch, state = got
         self.counts["waited_s"] += time.perf_counter() - t0
         if state is not None:
             self._took(state)
         if not ok:
-            return False, None
+            return type(batch) is _Carried, None if batch is None else _Raise(
+                batch.rebuilt(self.pid)
+            )
         self.counts["batches"] += 1
         if self.device is not None:
             batch = self.device.hand_over(batch)
@@ -519,7 +555,7 @@ _CHANGES_STATE = frozenset({"set_epoch", "load_state_dict", "start_epoch_afresh"
 def _staged(device: Any, got: concurrent.futures.Future[Any]) -> tuple[bool, Any, Any]:
     """(In the transfer thread.) The worker's answer, its batch staged on the device."""
     ok, batch, state = got.result()
-    return ok, (device.stage(batch) if ok else None), state
+    return ok, (device.stage(batch) if ok else batch), state
 
 
 class _Raise:

@@ -17,7 +17,9 @@ What is private, and why it is used:
 - torch's worker state (`torch.utils.data._utils.worker`: `_generate_state`, `_worker_info`,
   `WorkerInfo`): a DataLoader worker seeds numpy and answers `get_worker_info()` as torch's do.
 - `multiprocessing.forkserver._forkserver._preload_modules`: the modules a fork server already
-  preloads, kept when aioloader's are added.
+  preloads, kept when aioloader's are added; and its state (`__init__`, `_forkserver_alive_fd`),
+  forgotten in a forked process that would start a fork server of its own (the loader beside the
+  trainer): the one it inherited is its parent's, not its child.
 - `sys._getframe`: the frames of this thread's stack, to find the script's own top-level code (a
   worker start method that would run the script again, `_executors/process/main_guard.py`).
 - fsspec's `AsyncFileSystem._cat_file`: an async filesystem's read, awaited on the loader's loop
@@ -30,13 +32,16 @@ What is private, and why it is used:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
 from types import FrameType
 from typing import Any
 
 __all__ = [
-    "CHECKED", "arrow_take", "c10d_default_store", "caller_frame", "forkserver_preloaded",
+    "CHECKED", "arrow_take", "c10d_default_store", "caller_frame", "forget_inherited_forkserver",
+    "forkserver_preloaded",
     "fsspec_cat_file", "parquet_reader", "publish_worker_info", "storage_uses", "torch_collate",
     "worker_info_published", "worker_numpy_seed",
 ]  # fmt: skip
@@ -107,6 +112,22 @@ def forkserver_preloaded() -> list[str]:
     from multiprocessing import forkserver
 
     return list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+
+
+def forget_inherited_forkserver() -> None:
+    """In a forked process: forget the fork server its parent had started (the stdlib would take it
+    for its own child, and fail on it with ChildProcessError), so that one is started afresh here
+    when wanted; the inherited end of its parent's lifeline is closed."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+    preload = forkserver_preloaded()
+    server.__init__()  # type: ignore[misc]
+    server.set_forkserver_preload(preload)
 
 
 def caller_frame(depth: int) -> FrameType | None:

@@ -135,3 +135,39 @@ def test_arrow_take_takes() -> None:
     function, options = arrow_take()
     got = function.call([pa.array([10, 20, 30]), pa.array([2, 0])], options)
     assert got.to_pylist() == [30, 10]
+
+
+_FORKED_FORKSERVER = """
+import multiprocessing as mp, os, sys
+from aioloader._util.deps import forget_inherited_forkserver
+
+def nothing():
+    pass
+
+if __name__ == "__main__":
+    ctx = mp.get_context("forkserver")
+    first = ctx.Process(target=nothing); first.start(); first.join()  # this process's fork server
+    pid = os.fork()
+    if pid == 0:  # a forked process that starts workers of its own by a fork server
+        if sys.argv[1] == "forget":
+            forget_inherited_forkserver()
+        try:
+            p = ctx.Process(target=nothing); p.start(); p.join()
+            os._exit(p.exitcode)
+        except ChildProcessError:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_process_starts_a_fork_server_of_its_own_once_it_forgets_its_parents(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "forked.py"
+    script.write_text(_FORKED_FORKSERVER)
+    codes = {
+        how: subprocess.run([sys.executable, str(script), how], timeout=120, check=False).returncode
+        for how in ("keep", "forget")
+    }
+    assert codes == {"keep": 3, "forget": 0}  # the inherited one is its parent's: ChildProcessError
