@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead per_batch h2d_overlap ft_threads ranks
 BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams token_lists trainer_tax peers_rs
 
-.PHONY: setup test test-stress test-containers test-slow lint demo bench bench-quick chart soak clean
+.PHONY: setup test test-stress test-containers test-slow test-beside lint demo bench bench-quick chart soak clean
 
 setup: $(STAMP) $(AZURITE)
 
@@ -38,6 +38,15 @@ test: setup lint
 # tests take their time from events, not wall clocks, and pass here too.
 test-stress: setup lint
 	$(VPY) scripts/with_hogs.py 2 $(VPY) -m pytest -q
+
+# Every test of the native loader again, each Loader run beside the trainer (AIOLOADER_BESIDE=1: the
+# pipeline in a process of its own); the tests that look inside the test's own process (its threads,
+# what its callables change, private parts) are marked in_process and skip there.
+BESIDE_TESTS := tests/test_loader.py tests/test_epochs.py tests/test_lifecycle.py tests/test_faults.py
+BESIDE_TESTS += tests/test_badinput.py tests/test_fuzz.py tests/test_soak.py tests/test_beside.py
+BESIDE_TESTS += tests/resume tests/observe tests/pipeline tests/tuning tests/sources tests/mix tests/pack
+test-beside: setup
+	AIOLOADER_BESIDE=1 $(VPY) -m pytest -q $(BESIDE_TESTS)
 
 # The container tests alone (also in `make test`): a 64 MB /dev/shm, a 1.5 GiB memory cgroup (root).
 test-containers: setup

@@ -35,6 +35,7 @@ from ._executors.fetch_in_workers import in_workers
 from ._observe.diagnose import Diagnosis, diagnose
 from ._observe.progress import with_progress
 from ._observe.stats import LoaderStats, NullRecorder, Recorder
+from ._observe.trace import ENV_VAR as TRACE_ENV
 from ._observe.trace import Trace, env_trace_path
 from ._parts import KeyPlanState, LoaderDescriber, Parts, Read
 from ._pipeline.beside import Beside, TraceBeside, beside_asked
@@ -539,6 +540,13 @@ def _wake(done: asyncio.Future[None]) -> None:
         done.set_result(None)
 
 
+def _made_beside(*args: Any, **kwargs: Any) -> Loader[Any]:
+    """(In the worker beside the trainer.) The loader, made in-process there; the trainer's
+    `BesideLoader` traces it when AIOLOADER_TRACE says so (it numbers its process's loaders)."""
+    os.environ.pop(TRACE_ENV, None)
+    return Loader(*args, beside=False, **kwargs)
+
+
 class BesideLoader(Loader[T]):
     """`Loader(..., beside=True)`: the same loader, built and run in a process of its own beside the
     training process (`_pipeline/beside.py`); every method answers as the in-process loader's does.
@@ -567,7 +575,7 @@ class BesideLoader(Loader[T]):
     ) -> None:
         check_int("prefetch", prefetch, minimum=1)
         recipe = functools.partial(
-            Loader, keys, fetch, beside=False, prefetch=prefetch, timeout=timeout, **kwargs
+            _made_beside, keys, fetch, prefetch=prefetch, timeout=timeout, **kwargs
         )  # fmt: skip
         stage = make_device_stage(
             device, pin_memory=pin_memory, device_prefetch=device_prefetch,
@@ -576,6 +584,10 @@ class BesideLoader(Loader[T]):
         self._beside = Beside(
             recipe, ahead=max(prefetch, 2), timeout=check_timeout("timeout", timeout), device=stage
         )  # fmt: skip
+        self._traced: TraceBeside | None = None
+        traced = env_trace_path()  # numbered here, among this process's loaders
+        if traced is not None and kwargs.get("stats", True):
+            self.trace(traced)
 
     def __repr__(self) -> str:
         if self._beside.closed:
@@ -607,10 +619,12 @@ class BesideLoader(Loader[T]):
         return self._beside.closed
 
     def close(self) -> None:
-        self._beside.close()
+        self._beside.close()  # the worker's loader writes its trace as it closes
+        if self._traced is not None:
+            self._traced.close()
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self._beside.close)
+        await asyncio.to_thread(self.close)
 
     def __del__(self) -> None:
         beside = getattr(self, "_beside", None)
@@ -653,6 +667,7 @@ class BesideLoader(Loader[T]):
         """The worker's `stats()`, with this process's side in `extra["beside"]` (`Beside.stats`:
         batches handed over, the time the trainer waited for them, the worker's pid, ...)."""
         stats: LoaderStats = self._beside.ask("stats")
+        stats.ready_batches += self._beside.waiting()  # made ahead, waiting in this process
         stats.extra["beside"] = self._beside.stats()
         if self._beside.device is not None:
             stats.extra["transfer"] = self._beside.device.stats()
@@ -663,4 +678,7 @@ class BesideLoader(Loader[T]):
         return diagnosis
 
     def trace(self, path: str | os.PathLike[str]) -> TraceBeside:  # type: ignore[override]
-        return TraceBeside(self._beside, path)
+        if self._traced is not None:
+            self._traced.close()  # as in-process: a trace started before ends, and is written
+        self._traced = TraceBeside(self._beside, path)
+        return self._traced

@@ -227,3 +227,59 @@ def test_an_executor_object_runs_in_process_with_a_warning() -> None:
         with loader:
             assert not isinstance(loader, BesideLoader)
             assert keys_of(list(loader)) == [0, -1, -2, -3]  # decoded
+
+
+def test_warnings_and_log_records_reach_the_trainers_filters_and_handlers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # a batch over the byte budget warns in the consumer's thread in-process (ResourceWarning), and a
+    # fetch that times out under concurrency="auto" logs that it throttled: beside, the worker
+    # records both and the trainer raises and logs them again, where its filters and handlers are
+    async def fetch(key: int) -> Any:
+        if key == 5:
+            raise TimeoutError("the store did not answer")
+        return torch.full((1 << 18,), key, dtype=torch.int32)  # 1 MiB
+
+    loader = Loader(range(24), fetch, batch_size=8, max_bytes_in_flight=3 << 20,
+                    concurrency="auto", on_error="skip", max_skipped=None, beside=True)  # fmt: skip
+    with caplog.at_level("INFO", logger="aioloader"), loader:
+        with pytest.warns(ResourceWarning, match=r"one batch holds"):
+            batches = list(loader)
+        pid = loader.stats().extra["beside"]["pid"]
+    assert len(batches) == 3
+    assert {r.process for r in caplog.records if "throttled" in r.getMessage()} == {pid}
+
+
+def test_an_environment_trace_is_numbered_among_the_trainers_loaders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIOLOADER_TRACE", str(tmp_path / "env.json"))
+    for n in (6, 2):
+        with Loader(range(n), read, batch_size=BATCH, beside=True) as loader:
+            trace = loader.trace(tmp_path / "own.json")  # ends the environment's trace first
+            list(loader)
+        assert trace.closed  # written as the loader closed
+    assert (tmp_path / "env.json").exists()
+    assert (tmp_path / "env.1.json").exists()
+    assert json.loads((tmp_path / "own.json").read_text())["traceEvents"]
+
+
+def full(key: int) -> torch.Tensor:
+    return torch.full((16, 8), float(key))
+
+
+def test_batches_the_trainer_keeps_never_change_while_their_slots_go_round() -> None:
+    kept: list[tuple[Any, torch.Tensor]] = []
+    with Loader(range(120), full, batch_size=4, prefetch=3, beside=True) as loader:
+        for epoch in range(2):
+            for i, batch in enumerate(loader):
+                assert torch.equal(batch[:, 0, 0], torch.arange(4 * i, 4 * i + 4).float())
+                if epoch == 0 and i < 3:
+                    kept.append((batch[i], batch[i].clone()))  # a view keeps its slot
+                elif epoch == 0 and i == 3:
+                    kept.append((batch.numpy(), batch.clone()))
+                del batch
+        pool = loader.stats().extra["beside"]["pool"]
+    assert pool["results_in_shm"] == 60  # every batch mapped, none pickled
+    for i, (item, clone) in enumerate(kept):
+        assert torch.equal(torch.as_tensor(item), clone), f"kept batch {i} changed"

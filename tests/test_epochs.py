@@ -40,6 +40,7 @@ async def test_timeout_raises_loader_timeout_in_async_iteration(use_caller_loop:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("use_caller_loop", [False, True])
+@pytest.mark.in_process
 async def test_async_for_yields_what_for_yields(use_caller_loop: bool) -> None:
     fetch = AsyncFetch(Tracker(), transform=lambda key: key * 2)
     async with Loader(
@@ -90,6 +91,7 @@ async def blocking_steps(loader: Loader[Any], fetch: TickingFetch) -> Steps:
 
 
 @pytest.mark.asyncio
+@pytest.mark.in_process
 async def test_own_loop_thread_fetches_while_the_consumer_blocks_its_loop() -> None:
     fetch = TickingFetch(threading.Event())  # ~50 ms a sample, one at a time
     async with Loader(range(BATCHES), fetch, concurrency=1, prefetch=1) as loader:
@@ -108,6 +110,7 @@ async def test_own_loop_thread_fetches_while_the_consumer_blocks_its_loop() -> N
 
 
 @pytest.mark.asyncio
+@pytest.mark.in_process
 async def test_caller_loop_does_not_fetch_while_the_consumer_blocks_its_loop() -> None:
     """The trade-off of use_caller_loop=True: a step that blocks the loop stalls fetching."""
     fetch = TickingFetch(threading.Event())

@@ -266,6 +266,7 @@ class Sample:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.in_process
 def test_a_kept_error_pins_no_samples(mode: str) -> None:
     made: weakref.WeakSet[Sample] = weakref.WeakSet()
     decoded: list[int] = []

@@ -106,6 +106,7 @@ def test_iterating_a_closed_loader_raises(mode: str) -> None:
     assert issubclass(LoaderClosedError, RuntimeError)
 
 
+@pytest.mark.in_process
 def test_threads_live_across_epochs_until_closed(threads_stopped: Callable[[], list[str]]) -> None:
     with Loader(
         range(8), plain, decode=str, executor="thread", workers=2, batch_size=2, collate=list,
@@ -137,6 +138,7 @@ EXPECTED = {"break": None, "error": Boom, "KeyboardInterrupt": KeyboardInterrupt
 
 
 @pytest.mark.parametrize("how", ["break", "error", "KeyboardInterrupt"])
+@pytest.mark.in_process
 def test_sync_iteration_ended_early_cancels_its_fetches(
     how: str, loop_tasks_left: Callable[..., set[Any]], thread_names: Callable[[], list[str]]
 ) -> None:
@@ -165,6 +167,7 @@ def test_sync_iteration_ended_early_cancels_its_fetches(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("use_caller_loop", [False, True])
 @pytest.mark.parametrize("how", ["break", "error", "KeyboardInterrupt"])
+@pytest.mark.in_process
 async def test_async_iteration_ended_early_cancels_its_fetches(
     how: str,
     use_caller_loop: bool,
@@ -214,6 +217,7 @@ def test_a_loader_held_by_its_iteration_alone_lives_until_the_epoch_ends(
     assert threads_stopped() == []  # then dropped, and so closed
 
 
+@pytest.mark.in_process
 def test_dropping_a_half_consumed_iterator_stops_its_epoch(
     loop_tasks_left: Callable[..., set[Any]], thread_names: Callable[[], list[str]]
 ) -> None:
@@ -230,6 +234,7 @@ def test_dropping_a_half_consumed_iterator_stops_its_epoch(
         assert "aioloader-loop" in thread_names()
 
 
+@pytest.mark.in_process
 def test_dropping_an_unclosed_loader_mid_iteration_stops_everything(
     threads_stopped: Callable[[], list[str]],
 ) -> None:
@@ -247,6 +252,7 @@ def test_dropping_an_unclosed_loader_mid_iteration_stops_everything(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("use_caller_loop", [False, True])
+@pytest.mark.in_process
 async def test_dropping_a_half_consumed_async_iterator_stops_its_epoch(
     use_caller_loop: bool, caller_tasks_left: Callable[..., Any]
 ) -> None:

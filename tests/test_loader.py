@@ -39,6 +39,7 @@ def test_one_shot_iterator_of_keys() -> None:
         assert list(loader) == [9, 1, 4]
 
 
+@pytest.mark.in_process
 def test_source_gives_keys_and_fetch_and_is_closed_with_the_loader() -> None:
     source = FakeSource(5)
     with Loader(source, batch_size=2, collate=None) as loader:
@@ -54,6 +55,7 @@ def test_explicit_fetch_overrides_the_sources() -> None:
     assert source.fetched == []
 
 
+@pytest.mark.in_process
 def test_async_callable_object_is_awaited_on_the_loop() -> None:
     fetch = AsyncFetch(transform=lambda key: -key)
     with Loader(range(4), fetch) as loader:
@@ -61,6 +63,7 @@ def test_async_callable_object_is_awaited_on_the_loop() -> None:
     assert fetch.tracker.threads == {"aioloader-loop"}
 
 
+@pytest.mark.in_process
 def test_plain_fetch_runs_in_fetch_threads() -> None:
     fetch = SyncFetch(transform=lambda key: -key)
     with Loader(range(4), fetch, concurrency=2) as loader:
@@ -151,6 +154,7 @@ def test_decode_with_key_takes_a_partial_and_a_callable_object() -> None:
         assert list(loader) == ["0=0", "1=1", "2=4"]
 
 
+@pytest.mark.in_process
 def test_without_decode_the_raw_sample_is_kept() -> None:
     raw = [object() for _ in range(3)]
 
@@ -179,6 +183,7 @@ def test_collate_none_yields_lists_of_samples() -> None:
     assert all(type(b) is list for b in batches)
 
 
+@pytest.mark.in_process
 def test_user_collate_is_used_as_given() -> None:
     seen: list[list[int]] = []
     made: list[object] = []
@@ -318,6 +323,7 @@ def test_invalid_arguments_raise_at_construction_naming_the_argument(
     assert type(info.value) is error
 
 
+@pytest.mark.in_process
 def test_repr_shows_the_configuration(labelled: Path) -> None:
     with Loader(sources.files(labelled), decode=label_and_text, decode_with_key=True,
                 batch_size=3, shuffle=True, concurrency=8, executor="thread",
@@ -355,6 +361,7 @@ def _negate(x: int) -> int:
 
 
 @pytest.mark.parametrize("gil", [True, False])
+@pytest.mark.in_process
 def test_executor_auto_is_processes_with_the_gil_and_threads_without(
     gil: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -368,6 +375,7 @@ def test_executor_auto_is_processes_with_the_gil_and_threads_without(
         assert type(decoder).__name__ == ("ProcessExecutor" if gil else "ThreadExecutor")
 
 
+@pytest.mark.in_process
 def test_auto_is_the_default_with_a_decode_and_inline_without(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

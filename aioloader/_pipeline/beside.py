@@ -37,13 +37,17 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import logging
+import logging.handlers
 import os
 import pickle
+import queue
 import socket
 import struct
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -102,9 +106,12 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
 class Served:
     """What the worker process runs (given to it as it starts: inherited by the fork, not pickled).
 
-    `served(("build", address))` builds the loader from `recipe` and connects its answering thread
-    to `address`; `served(("next", run))` is the next batch of iteration `run`:
-    `(True, batch, state)`, or `(False, None, state)` once the iteration has ended or was left.
+    `served(("build", address, level))` builds the loader from `recipe` and connects its answering
+    thread to `address`; `served(("next", run, level))` is the next batch of iteration `run`:
+    `[(True, batch, state), said]`, or `[(False, None, state), said]` once the iteration has ended
+    or was left. `said`: the warnings raised (`_Warned`) and the records logged meanwhile, for the
+    trainer to raise and log, where its own filters and handlers decide what becomes of them (as
+    in-process, where they reach its threads); `level`: the trainer's for the "aioloader" logger.
     """
 
     def __init__(self, recipe: Callable[[], Any]) -> None:
@@ -114,23 +121,37 @@ class Served:
         self._batches: Iterator[Any] | None = None
         self._left: set[int] = set()  # runs the trainer left: their tasks answer at once
         self._lock = threading.Lock()
+        self._logged: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
 
     def __call__(self, arg: tuple[Any, ...]) -> Any:
-        if arg[0] == "next":
-            return self._next(arg[1])
-        return self._build(arg[1])
+        """`arg`: (what, its argument, the trainer's level for the "aioloader" logger)."""
+        _LOGGER.setLevel(arg[2])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # every one recorded: the trainer's filters decide
+            answer = self._next(arg[1]) if arg[0] == "next" else self._build(arg[1])
+        logged = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                logged.append(self._logged.get_nowait())
+        # a list: the trainer empties it as it takes the batch, so that the task's future, which
+        # a thread of its pool may still hold a moment, holds the batch no longer
+        return [answer, ([_Warned(w) for w in caught], logged)]
 
-    def _build(self, address: str) -> None:
+    def _build(self, address: str) -> tuple[bool, None, None]:
         if self.loader is not None:
             raise RuntimeError("aioloader: the loader beside the trainer was built already")
         yield_cpu_to_trainer()  # the step's thread first, where the cores are all busy
         forget_inherited_forkserver()  # a decode pool of this loader starts its own
+        # the loader's log records go to the trainer, whose handlers write them (`_said_again`)
+        _LOGGER.handlers[:] = [logging.handlers.QueueHandler(self._logged)]
+        _LOGGER.propagate = False
         self.loader = self.recipe()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(address)
         threading.Thread(
             target=_Answers(self, sock).serve, name="aioloader-beside-answers", daemon=True
         ).start()
+        return True, None, None
 
     def _next(self, run: int) -> tuple[bool, Any, Any]:
         """`(True, batch, state)`; `(False, None, state)` at the end; `(False, _Carried, state)`
@@ -170,6 +191,31 @@ class Served:
         close = getattr(batches, "close", None)
         if close is not None:
             close()
+
+
+_LOGGER = logging.getLogger("aioloader")
+
+
+class _Warned:
+    """A warning raised in the worker, as it pickles: raised again in the trainer (`again`)."""
+
+    __slots__ = ("category", "filename", "lineno", "message")
+
+    def __init__(self, w: warnings.WarningMessage) -> None:
+        category = w.category if isinstance(w.category, type) else UserWarning
+        self.category = category if _pickles(category) else UserWarning
+        self.message, self.filename, self.lineno = str(w.message), w.filename, w.lineno
+
+    def again(self) -> None:
+        warnings.warn_explicit(self.message, self.category, self.filename, self.lineno)
+
+
+def _pickles(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
 
 
 class _Answers:
@@ -279,6 +325,7 @@ class Beside:
             1, fork_like_torch=True, size_first=True, given=(self._served,)
         )  # fmt: skip
         self._stager: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: collections.deque[Any] = collections.deque()  # the latest iteration's
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()  # one question at a time; a rebuild inside one
         self._runs = itertools.count()
@@ -308,13 +355,18 @@ class Beside:
         worker's pid, and its pool's counters (`results_in_shm`, `results_pickled`, ...)."""
         return {**self.counts, "pid": self.pid, "pool": self._pool.stats()}
 
+    def waiting(self) -> int:
+        """Batches made ahead that wait here for the trainer (beyond the worker's `ready_batches`)."""
+        return sum(1 for got in list(self._pending) if got.done() and not got.cancelled())
+
     def _build(self) -> None:
         address = f"\0aioloader-beside-{os.getpid()}-{next(_names)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(address)
             listener.listen(1)
-            self._pool.submit(self._served, ("build", address), worker=0).result()
+            asked = ("build", address, _LOGGER.getEffectiveLevel())
+            _said_again(self._pool.submit(self._served, asked, worker=0).result()[1])
             listener.settimeout(_CONNECT_S)
             self._sock, _ = listener.accept()
         finally:
@@ -395,27 +447,30 @@ class Beside:
         return next(self._runs)
 
     def _submit(self, run: int) -> concurrent.futures.Future[Any]:
-        got = self._pool.submit(self._served, ("next", run), worker=0)
+        got = self._pool.submit(self._served, ("next", run, _LOGGER.getEffectiveLevel()), worker=0)
         if self.device is None:
             return got
         if self._stager is None:
             self._stager = concurrent.futures.ThreadPoolExecutor(1, "aioloader-beside-transfer")
         return self._stager.submit(_staged, self.device, got)
 
-    def _take(self, got: tuple[bool, Any, Any], t0: float) -> tuple[bool, Any]:
-        """(whether a batch came, the batch or the loader's error to raise in its place)."""
-        ok, batch, state = got
+    def _take(self, got: list[Any], t0: float) -> tuple[bool, list[Any]]:
+        """(whether a batch came, [the batch or the loader's error to raise in its place]);
+        `got` (the task's answer) emptied."""
+        said = got.pop()
+        ok, batch, state = got.pop()
         self.counts["waited_s"] += time.perf_counter() - t0
         if state is not None:
             self._took(state)
+        _said_again(said)
         if not ok:
-            return type(batch) is _Carried, None if batch is None else _Raise(
+            return type(batch) is _Carried, [None if batch is None else _Raise(
                 batch.rebuilt(self.pid)
-            )
+            )]  # fmt: skip
         self.counts["batches"] += 1
         if self.device is not None:
             batch = self.device.hand_over(batch)
-        return True, batch
+        return True, [batch]
 
     def _failed(self, exc: BaseException) -> _Raise:
         if isinstance(exc, WorkerDied):
@@ -430,6 +485,7 @@ class Beside:
     def _epoch(self, owner: object) -> Iterator[Any]:  # `owner`: see `iter`
         run = self._begin()
         pending = collections.deque(self._submit(run) for _ in range(self._ahead))
+        self._pending = pending
         ended = False
         try:
             while not self._lost:
@@ -444,19 +500,19 @@ class Beside:
                     yield self._failed(exc)
                     continue
                 del got
-                ok, batch = self._take(answer, t0)
+                ok, box = self._take(answer, t0)
                 del answer
                 if not ok:
                     ended = True
                     return
-                yield batch
-                del batch
+                yield box.pop()  # held by nothing here once handed over
         finally:
             self._leave(run, pending, ended)
 
     async def _aepoch(self, owner: object) -> AsyncIterator[Any]:  # `owner`: see `iter`
         run = self._begin()
         pending = collections.deque(self._submit(run) for _ in range(self._ahead))
+        self._pending = pending
         ended = False
         try:
             while not self._lost:
@@ -465,20 +521,20 @@ class Beside:
                 t0 = time.perf_counter()
                 try:
                     async with asyncio.timeout(self._wait_s) as deadline:
-                        answer = await asyncio.wrap_future(got)
+                        await _done(got)
+                    answer = got.result()
                 except Exception as exc:
                     if isinstance(exc, TimeoutError) and deadline.expired():
                         raise self._timed_out() from None
                     yield self._failed(exc)
                     continue
                 del got
-                ok, batch = self._take(answer, t0)
+                ok, box = self._take(answer, t0)
                 del answer
                 if not ok:
                     ended = True
                     return
-                yield batch
-                del batch
+                yield box.pop()  # held by nothing here once handed over
         finally:
             self._leave(run, pending, ended)
 
@@ -552,10 +608,35 @@ _KEPT = ("stats", "diagnose", "state_dict", "epoch", "__len__")
 _CHANGES_STATE = frozenset({"set_epoch", "load_state_dict", "start_epoch_afresh", "resume_at"})
 
 
-def _staged(device: Any, got: concurrent.futures.Future[Any]) -> tuple[bool, Any, Any]:
+def _staged(device: Any, got: concurrent.futures.Future[Any]) -> list[Any]:
     """(In the transfer thread.) The worker's answer, its batch staged on the device."""
-    ok, batch, state = got.result()
-    return ok, (device.stage(batch) if ok else batch), state
+    answer = got.result()
+    said = answer.pop()
+    ok, batch, state = answer.pop()
+    return [(ok, (device.stage(batch) if ok else batch), state), said]
+
+
+async def _done(got: concurrent.futures.Future[Any]) -> None:
+    """Until `got` is done. (Not `asyncio.wrap_future`: the wrapper would keep the batch after the
+    trainer dropped it, until the next answer.)"""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def wake(_: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the trainer's loop closed meanwhile
+            loop.call_soon_threadsafe(done.set)
+
+    got.add_done_callback(wake)
+    await done.wait()
+
+
+def _said_again(said: tuple[list[_Warned], list[logging.LogRecord]]) -> None:
+    """Raise here the warnings the worker raised, and log here what it logged."""
+    warned, logged = said
+    for record in logged:
+        logging.getLogger(record.name).handle(record)
+    for w in warned:
+        w.again()
 
 
 class _Raise:

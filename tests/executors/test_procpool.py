@@ -76,6 +76,8 @@ def test_nested_arrays_come_back_as_views_of_shared_memory(pool: ProcessExecutor
     assert got["label"] == "sample-3"
     assert got["graded"].requires_grad
     assert got["empty"].shape == (0, 3)
+    assert got["empty_expanded"].shape == (0,)
+    assert got["empty_expanded"].dtype == torch.int32
     assert pool.stats()["results_in_shm"] == before + 1
     where = mapping_of(got["image"].data_ptr())
     assert where.startswith(tuple(f"{link}{os.getpid()}-" for link in SLAB_LINKS))  # a view

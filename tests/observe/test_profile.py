@@ -82,6 +82,7 @@ def test_progress_without_tqdm_says_how_to_get_it(monkeypatch: pytest.MonkeyPatc
         loader.iter(progress=True)
 
 
+@pytest.mark.in_process
 def test_breaking_out_of_a_progress_loop_stops_the_epoch() -> None:
     pytest.importorskip("tqdm")
     with make() as loader:

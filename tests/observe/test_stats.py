@@ -125,6 +125,7 @@ def test_loader_stats_documents_its_fields() -> None:
         assert name in doc
 
 
+@pytest.mark.in_process
 def test_stats_false_keeps_the_loader_working_and_counts_nothing() -> None:
     with Loader(range(10), fetch, batch_size=5, collate=None, stats=False) as loader:
         assert len(list(loader)) == 2
@@ -137,6 +138,7 @@ def test_stats_false_keeps_the_loader_working_and_counts_nothing() -> None:
     assert st.batches == 2  # what the pipeline needs to run is still counted
 
 
+@pytest.mark.in_process
 def test_a_device_stage_counts_transfers() -> None:
     async def tensor(key: int) -> Any:
         import torch

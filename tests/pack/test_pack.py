@@ -231,6 +231,7 @@ async def test_a_batch_dropped_in_async_for_is_freed_before_the_next_is_asked_fo
 # -- early break and cleanup ---------------------------------------------------------------------
 
 
+@pytest.mark.in_process
 def test_breaking_out_closes_the_loaders_epoch() -> None:
     docs = [np.arange(50) for _ in range(200)]
     loader = Loader(docs, same, batch_size=None, collate=None, prefetch=1, concurrency=2)
@@ -357,6 +358,7 @@ def test_a_record_batch_is_read_without_importing_pandas(tmp_path: Path) -> None
     assert done.stdout.strip() == "False False"
 
 
+@pytest.mark.in_process
 def test_a_bad_document_mid_epoch_ends_the_epoch_and_the_next_runs_again() -> None:
     docs = [np.arange(40) for _ in range(30)]
     docs[17] = np.arange(40.0)  # not token ids

@@ -176,6 +176,7 @@ def test_a_callable_may_answer_numpy_arrays() -> None:
 # -- threads ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.in_process
 def test_by_default_it_tokenizes_in_threads_in_parallel_off_the_consumers_thread(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -208,6 +209,7 @@ def test_worker_processes_are_refused_with_the_reason(corpus: list[str]) -> None
 
 
 @pytest.mark.parametrize("kind", ["callable", "tokenizers"])
+@pytest.mark.in_process
 def test_breaking_out_ends_the_epoch_and_closes_the_threads(
     corpus: list[str], kind: str, request: pytest.FixtureRequest,
     threads_stopped: Callable[[], list[str]],

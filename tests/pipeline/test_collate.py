@@ -244,6 +244,7 @@ async def fixed_shape(i: int) -> torch.Tensor:
     return torch.full((16, 8), float(i))
 
 
+@pytest.mark.in_process
 def test_loader_recycles_batches_the_consumer_drops() -> None:
     pool = BufferPool(per_shape=6)
     collate = make_collate(pool)
@@ -256,6 +257,7 @@ def test_loader_recycles_batches_the_consumer_drops() -> None:
     assert pool.reused == 32 - pool.allocated
 
 
+@pytest.mark.in_process
 def test_loader_default_collate_hands_a_dropped_buffer_out_again() -> None:
     seen: list[weakref.ref[torch.Tensor]] = []
     recycled = 0
@@ -267,6 +269,7 @@ def test_loader_default_collate_hands_a_dropped_buffer_out_again() -> None:
     assert recycled > 0
 
 
+@pytest.mark.in_process
 def test_batches_the_consumer_keeps_never_change() -> None:
     kept: list[tuple[Any, torch.Tensor]] = []
     dropped: list[weakref.ref[torch.Tensor]] = []

@@ -64,6 +64,7 @@ class Calls:
         return counted
 
 
+@pytest.mark.in_process
 def test_batches_waiting_come_over_in_one_call_and_hold_their_places(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -95,6 +96,7 @@ def test_batches_waiting_come_over_in_one_call_and_hold_their_places(
     assert (stats.batches, stats.samples, stats.ready_batches, stats.held_samples) == (20, 40, 0, 0)
 
 
+@pytest.mark.in_process
 def test_async_for_takes_the_batches_waiting_in_one_call_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -125,6 +127,7 @@ def test_async_for_takes_the_batches_waiting_in_one_call_too(
     assert (stats.batches, stats.ready_batches, stats.held_samples) == (20, 0, 0)
 
 
+@pytest.mark.in_process
 def test_an_error_behind_waiting_batches_comes_after_them() -> None:
     threads = threading.active_count()
     with Loader(

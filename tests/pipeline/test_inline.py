@@ -22,6 +22,7 @@ def _aioloader_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("aioloader")}
 
 
+@pytest.mark.in_process
 def test_a_list_is_its_own_samples_batched_in_the_consumers_thread() -> None:
     before = _aioloader_threads()
     with Loader(list(range(10)), batch_size=4) as loader:
@@ -59,6 +60,7 @@ class SaysThreadSafe(Entered):
 
 
 @pytest.mark.parametrize("mode", ["for", "async for"])
+@pytest.mark.in_process
 def test_a_loaders_dataset_is_read_one_call_at_a_time_unless_thread_safe(mode: str) -> None:
     for cls, one_at_a_time in ((Entered, True), (SaysThreadSafe, False)):
         dataset = cls()

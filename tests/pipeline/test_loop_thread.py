@@ -72,6 +72,7 @@ def send_sigint_when(ready: Callable[[], bool]) -> threading.Thread:
 
 
 @pytest.mark.usefixtures("sigint_raises")
+@pytest.mark.in_process
 def test_sigint_while_blocked_in_next_interrupts_and_stops_the_epoch(
     loop_tasks_left: Callable[..., set[Any]],
 ) -> None:
@@ -119,6 +120,7 @@ def test_sigint_while_awaiting_a_batch_interrupts_asyncio_run(use_caller_loop: b
 
 
 @pytest.mark.asyncio
+@pytest.mark.in_process
 async def test_aclose_from_another_task_ends_a_waiting_caller_loop_consumer() -> None:
     gate = Gate(count=2, free={0})
     loader = Loader(range(20), gate, concurrency=2, use_caller_loop=True)
@@ -138,6 +140,7 @@ async def test_aclose_from_another_task_ends_a_waiting_caller_loop_consumer() ->
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.in_process
 def test_close_from_another_thread_ends_a_waiting_consumer(mode: str) -> None:
     gate = Gate(count=2, free={0})
     loader = Loader(range(20), gate, concurrency=2)

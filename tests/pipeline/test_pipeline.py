@@ -50,6 +50,7 @@ def batches_of(keys: list[int], size: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("limit", [1, 3, 8])
+@pytest.mark.in_process
 def test_async_fetch_runs_on_the_loop_at_most_concurrency_at_once(mode: str, limit: int) -> None:
     tracker = Tracker(limit)
     rng = random.Random(limit)
@@ -67,6 +68,7 @@ def test_async_fetch_runs_on_the_loop_at_most_concurrency_at_once(mode: str, lim
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("limit", [1, 3, 6])
+@pytest.mark.in_process
 def test_plain_fetch_runs_in_a_pool_of_concurrency_threads(mode: str, limit: int) -> None:
     tracker = Tracker(limit)
     rng = random.Random(limit)
@@ -96,6 +98,7 @@ def test_plain_fetch_runs_in_a_pool_of_concurrency_threads(mode: str, limit: int
     ("batch_size", "prefetch", "concurrency"), [(4, 2, 3), (None, 3, 2), (2, 1, 5), (3, 2, 1)]
 )
 @pytest.mark.parametrize("kind", ["async", "plain"])
+@pytest.mark.in_process
 def test_samples_held_never_exceed_prefetch_batches_plus_concurrency(
     kind: str, batch_size: int | None, prefetch: int, concurrency: int, in_order: bool
 ) -> None:
@@ -121,6 +124,7 @@ def test_samples_held_never_exceed_prefetch_batches_plus_concurrency(
     assert max(held) == bound, held  # reached (the pipeline does run ahead) and never passed
 
 
+@pytest.mark.in_process
 def test_reorder_buffer_counts_against_the_bound() -> None:
     """With the first key stuck, in-order delivery buffers what follows; that is bounded too."""
     stuck = threading.Event()
@@ -159,6 +163,7 @@ def test_reorder_buffer_counts_against_the_bound() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["async", "plain"])
+@pytest.mark.in_process
 def test_in_order_delivers_key_order_whatever_the_delays(mode: str, kind: str) -> None:
     rng = random.Random(1234)
     delays = {k: rng.uniform(0, 0.01) for k in range(40)}
@@ -173,6 +178,7 @@ def test_in_order_delivers_key_order_whatever_the_delays(mode: str, kind: str) -
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.in_process
 def test_out_of_order_delivers_ready_batches_first_and_every_key_once(mode: str) -> None:
     first_delivered = threading.Event()
 
@@ -237,6 +243,7 @@ def failing_loader(mode: str, stage: str, *, in_order: bool = True) -> Loader[An
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stage", ["fetch", "plain fetch", "decode", "collate"])
+@pytest.mark.in_process
 def test_error_reaches_the_consumer_with_type_traceback_and_note(
     mode: str, stage: str, threads_stopped: Callable[[], list[str]]
 ) -> None:

@@ -61,6 +61,7 @@ def epochs(src: object, n: int) -> list[list[object]]:
         return [[plain(x) for x in loader] for _ in range(n)]
 
 
+@pytest.mark.in_process
 def test_epoch_two_makes_no_get(
     proxy: FaultProxy, objects: dict[str, bytes], tmp_path: Path
 ) -> None:
@@ -280,6 +281,7 @@ def shard_server() -> Iterator[tuple[Origin, FaultProxy]]:
     origin.stop()
 
 
+@pytest.mark.in_process
 def test_cached_tar_shards_epoch_two_makes_no_get(
     shard_server: tuple[Origin, FaultProxy], tmp_path: Path
 ) -> None:

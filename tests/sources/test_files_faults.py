@@ -112,6 +112,7 @@ def fetch_thread_blocked_in_open(path: Path) -> bool:
     return False
 
 
+@pytest.mark.in_process
 def test_a_cancelled_file_read_leaves_no_open_file(
     tmp_path: Path, wait_until: Callable[..., bool]
 ) -> None:

@@ -91,6 +91,7 @@ async def test_async_http_filesystem_runs_on_the_callers_loop(
         await src.aclose()
 
 
+@pytest.mark.in_process
 def test_async_http_filesystem_in_a_loader_with_a_cache(
     proxy: FaultProxy, objects: dict[str, bytes], tmp_path: Path
 ) -> None:

@@ -74,6 +74,7 @@ def mixed_faults(path: str, n: int) -> Fault | None:
 
 
 @pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.in_process
 def test_every_object_arrives_once_through_faults(
     engine: str, gcs_proxy: FaultProxy, gcs_server: GcsServer, stored: dict[str, bytes]
 ) -> None:
@@ -183,6 +184,7 @@ def secrets_of(key: Any) -> list[str]:
     return [body[i : i + 40] for i in range(0, len(body) - 40, 200)]
 
 
+@pytest.mark.in_process
 def test_service_account_tokens_are_fetched_sent_refreshed_and_never_shown(
     gate: AuthGate, tokens: TokenServer, rsa_key: Any, stored: dict[str, bytes], tmp_path: Path,
     caplog: pytest.LogCaptureFixture,

@@ -287,6 +287,7 @@ def test_tls_is_verified_by_default(
         server.stop()
 
 
+@pytest.mark.in_process
 def test_fast_engine_gives_way_to_aiohttp_without_content_length(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -191,6 +191,7 @@ def test_local_footers_are_read_in_the_calling_thread(
     assert rows_of(long_footer) == [{column: 7}]
 
 
+@pytest.mark.in_process
 def test_sources_on_one_loop_share_its_decode_turns(
     files: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,6 +223,7 @@ def test_sources_on_one_loop_share_its_decode_turns(
 
 
 @pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.in_process
 def test_s3(seaweed: SeaweedServer, files: list[str], engine: str) -> None:
     # the fast engine receives the chunks into recycled buffers of a few sizes: two epochs, so
     # the second's land in buffers the first's used
@@ -291,6 +293,7 @@ def test_bad_arguments_are_named(files: list[str]) -> None:
         parquet([*files, str(Path(files[0]).with_name("missing.parquet"))])
 
 
+@pytest.mark.in_process
 def test_row_groups_held_stay_bounded(files: list[str]) -> None:
     source = parquet(files[:1], ["id"], shuffle=False, row_groups_in_flight=2)
     peak = 0
@@ -392,6 +395,7 @@ def test_a_remote_walks_first_row_group_is_read_before_those_read_ahead(
         origin.stop()
 
 
+@pytest.mark.in_process
 def test_a_remote_walks_first_row_group_that_fails_fails_the_loader_and_no_read_waits_on(
     tmp_path: Path, files: list[str]
 ) -> None:
@@ -469,6 +473,7 @@ def test_gs_and_az(gcs_server: GcsServer, azurite: AzuriteServer, files: list[st
     assert az.stats()["requests"] > len(files)  # footers, then column chunks
 
 
+@pytest.mark.in_process
 def test_next_epochs_first_row_groups_are_read_while_an_epoch_ends(files: list[str]) -> None:
     """From the second epoch on, the next epoch's first row groups are read before it begins, and
     that epoch uses them (each of its row groups read once); the batches are those of a source

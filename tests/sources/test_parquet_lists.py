@@ -170,6 +170,7 @@ def test_a_rewritten_file_is_mapped_again(tmp_path: Path) -> None:
     assert same_as_pyarrow(path, ["tokens"]) == 1
 
 
+@pytest.mark.in_process
 def test_a_source_gives_the_same_samples_either_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -129,6 +129,7 @@ def test_elastic_resume_delivers_the_rest_once(files: list[str]) -> None:
     assert len(rest) - len(set(rest)) < 3  # wrap-around padding only
 
 
+@pytest.mark.in_process
 def test_resume_reads_only_the_row_groups_still_due(files: list[str]) -> None:
     def make() -> tuple[Parquet, Loader[Any]]:
         source = parquet(files[:1], ["id"], shuffle=False)  # 500 rows in row groups of 64

@@ -89,6 +89,7 @@ def test_a_method_set_to_none_is_no_hook() -> None:
     assert isinstance(NoneHooks(), Source)
 
 
+@pytest.mark.in_process
 def test_hooks_set_on_the_instance_count() -> None:
     calls: list[Any] = []
     src = Plain()
@@ -111,6 +112,7 @@ def test_a_mix_skips_a_not_callable_stats() -> None:
     assert mixed.stats() == {"retries": 0.0, "throttles": 0.0}
 
 
+@pytest.mark.in_process
 def test_a_bound_source_shards_itself(tmp_path: Path) -> None:
     bound: list[tuple[int, int]] = []
 

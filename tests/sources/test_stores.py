@@ -92,6 +92,7 @@ def test_loader_reads_every_object(engine: str, store: Store, stored: dict[str, 
     assert src.transport._session is None  # closed with the loader
 
 
+@pytest.mark.in_process
 def test_streamed_listing_feeds_the_loader(store: Store, stored: dict[str, bytes]) -> None:
     src = store.source(page_size=5, stream_keys=True, engine="fast")
     per_epoch = pages(len(stored), 5) + len(stored)  # page by page, then the GETs
@@ -130,6 +131,7 @@ async def test_ranges_and_missing_objects(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.in_process
 def test_throttling_shrinks_the_whole_sources_concurrency(
     engine: str, store: Store, stored: dict[str, bytes], store_proxy: FaultProxy
 ) -> None:
@@ -180,6 +182,7 @@ def test_tar_shards_over_the_store(store: Store) -> None:
 
 
 @pytest.mark.parametrize("store", ["gcs", "azure"], indirect=True)
+@pytest.mark.in_process
 def test_a_cached_epoch_makes_no_get_and_a_changed_object_is_fetched_again(
     store: Store, store_proxy: FaultProxy, tmp_path: Path
 ) -> None:

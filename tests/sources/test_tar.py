@@ -362,6 +362,7 @@ def test_an_early_break_closes_the_shard_streams_without_an_error(
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
 
 
+@pytest.mark.in_process
 def test_a_loader_takes_streamed_samples_in_place_under_the_same_error_policy(
     shards: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -126,6 +126,7 @@ async def test_streams_read_ahead_hold_no_more_bytes_than_allowed() -> None:
     assert log["open"] == 0
 
 
+@pytest.mark.in_process
 def test_a_loader_gives_the_shards_its_read_ahead_share(many: list[str]) -> None:
     src = tar_shards(many)
     assert src.max_bytes_ahead is None  # alone: bounded in number only

@@ -59,6 +59,7 @@ def proxy(seaweed: SeaweedServer) -> Iterator[FaultProxy]:
 
 
 @pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.in_process
 def test_a_throttled_store_is_waited_out_by_the_listing_and_every_read(
     engine: str, proxy: FaultProxy, seaweed: SeaweedServer, stored: dict[str, bytes]
 ) -> None:

@@ -38,6 +38,7 @@ def nested(n: int) -> dict[str, Any]:
         "label": f"sample-{n}",
         "graded": torch.ones(2, requires_grad=True),  # not plain: pickled in-band
         "empty": np.zeros((0, 3)),
+        "empty_expanded": torch.zeros(1, dtype=torch.int32).expand(0),  # a stride of 0
     }  # fmt: skip
 
 

@@ -249,6 +249,7 @@ def test_a_timeout_in_fetch_throttles_auto_concurrency(caplog: pytest.LogCapture
     assert any("throttled" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.in_process
 def test_auto_workers_decode_everything_and_report_their_number() -> None:
     def decode(raw: bytes) -> int:
         return len(raw)

@@ -42,6 +42,7 @@ def peak(budget: str) -> dict[str, float]:
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
 
+@pytest.mark.in_process
 def test_budget_bounds_peak_rss_growth() -> None:
     bounded = peak(str(BUDGET_MB))
     assert bounded["max_held_mb"] <= BUDGET_MB

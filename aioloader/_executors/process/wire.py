@@ -155,7 +155,8 @@ class _Packer(pickle.Pickler):
         tensor's storage becomes a large bytes object) would count its bytes twice in `needed`."""
         if kind == "t":
             flat = obj.detach().contiguous().reshape(-1)
-            raw = flat.view(torch.uint8).numpy().tobytes()
+            # an empty tensor may keep a stride of 0 (an expanded one), which `view` refuses
+            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
             dtype = str(obj.dtype).removeprefix("torch.")
         elif kind == "n":
             raw, dtype = np.ascontiguousarray(obj).tobytes(), obj.dtype.str
@@ -193,7 +194,9 @@ def _from_band(pid: tuple[Any, ...]) -> Any:
     """Parent side of `_Packer._in_band`: the array again (writable: over a copy of the bytes)."""
     _, raw, kind, dtype, shape = pid
     if kind == "t":
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
+        if not raw:
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         return flat.view(getattr(torch, dtype)).reshape(shape)
     return np.frombuffer(bytearray(raw), np.dtype(dtype)).reshape(shape)
 

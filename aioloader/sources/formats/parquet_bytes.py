@@ -56,7 +56,7 @@ class ParquetError(FetchError):
         row_group: the row group that failed (None: the footer).
     """
 
-    def __init__(self, message: str, *, url: str, row_group: int | None = None) -> None:
+    def __init__(self, message: str = "", *, url: str = "", row_group: int | None = None) -> None:
         super().__init__(message, key=url, stage="fetch")
         self.url = url
         self.row_group = row_group
