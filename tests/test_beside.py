@@ -13,6 +13,8 @@ import functools
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -283,3 +285,31 @@ def test_batches_the_trainer_keeps_never_change_while_their_slots_go_round() -> 
     assert pool["results_in_shm"] == 60  # every batch mapped, none pickled
     for i, (item, clone) in enumerate(kept):
         assert torch.equal(torch.as_tensor(item), clone), f"kept batch {i} changed"
+
+
+_UNGUARDED = """
+import torch
+from aioloader import Loader
+
+async def fetch(key):
+    return key
+
+with Loader(range(8), fetch, decode=torch.tensor, executor="process", workers=2, batch_size=4,
+            beside=True) as loader:
+    print([b.tolist() for b in loader])
+"""
+
+
+def test_a_decode_pool_beside_forks_as_in_process_for_a_script_without_a_main_guard(
+    tmp_path: Path,
+) -> None:
+    # in-process, such a pool forks its workers from a zygote; beside, the worker's one other
+    # thread (its lifeline watcher) holds nothing a fork could need, so it does the same there,
+    # rather than a fork server that would run the unguarded script again (and refuse to)
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[[0, 1, 2, 3], [4, 5, 6, 7]]"

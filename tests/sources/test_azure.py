@@ -187,6 +187,7 @@ def proxied(azurite: AzuriteServer, proxy: FaultProxy, keys: list[str], **option
 
 
 @pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.in_process
 def test_storms_resets_truncation_and_stalls_still_deliver_every_key_once(
     engine: str, azurite: AzuriteServer, stored: dict[str, bytes], az_proxy: FaultProxy
 ) -> None:

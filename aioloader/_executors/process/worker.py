@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -72,7 +73,7 @@ from .wire import (
 )
 from .worker_loop import WorkerLoop
 
-__all__ = ["GIVEN", "die_with_parent", "serve"]
+__all__ = ["GIVEN", "die_with_parent", "serve", "threads_running"]
 
 # A result this large, made in this worker's heap and copied into shared memory (or pickled), is
 # garbage once answered: its pages go back to the system rather than stay in the heap, where the
@@ -99,6 +100,17 @@ def die_with_parent() -> None:
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass
+
+
+# Threads a fork may run beside: the lifeline watcher waits in one read and holds no lock a forked
+# child could need, so a worker that builds a process pool of its own (a loader beside the trainer
+# with `executor="process"`) may still fork that pool's zygote (`zygote.zygote_allowed`).
+_QUIET: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def threads_running() -> int:
+    """This process's threads, the caller's included, but those `_QUIET` (see there)."""
+    return sum(1 for thread in threading.enumerate() if thread not in _QUIET)
 
 
 def _watch_lifeline(lifeline: Connection) -> None:
@@ -349,7 +361,11 @@ def serve(
     """
     gc.freeze()  # inherited objects: collections here never write to (and so copy) their pages
     die_with_parent()
-    threading.Thread(target=_watch_lifeline, args=(lifeline,), name="lifeline", daemon=True).start()
+    watcher = threading.Thread(
+        target=_watch_lifeline, args=(lifeline,), name="lifeline", daemon=True
+    )  # fmt: skip
+    _QUIET.add(watcher)
+    watcher.start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     torch.set_num_threads(1)
     random.seed(seed)

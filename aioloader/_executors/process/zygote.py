@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .slab_memory import parent_only, parent_only_fds
-from .worker import die_with_parent
+from .worker import die_with_parent, threads_running
 
 __all__ = ["Zygote", "ZygoteProcess", "zygote_allowed"]
 
@@ -53,8 +53,9 @@ def zygote_allowed() -> str | None:
         return "the zygote needs Linux"
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return "CUDA is initialised in this process"
-    if threading.active_count() > 1:
-        return f"this process runs {threading.active_count()} threads"
+    running = threads_running()
+    if running > 1:
+        return f"this process runs {running} threads"
     return None
 
 
