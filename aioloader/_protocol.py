@@ -16,6 +16,7 @@ from ._util.ranges import Ranges
 
 __all__ = [
     "Bindable",
+    "EndsEarly",
     "HandsOver",
     "HandsOverRowRuns",
     "HasAclose",
@@ -185,6 +186,17 @@ class SharesItsKeys(Protocol):
         self, epoch: int, consumed: Ranges, drop_last: bool, rank: int, world_size: int,
         stop: int | None,
     ) -> list[int]: ...  # fmt: skip
+
+
+@runtime_checkable
+class EndsEarly(Protocol):
+    """`SharesItsKeys` over an epoch that may end before it reaches every position (a mix that
+    stops when a source runs out): `left_out(epoch, consumed, world_size)` gives the positions
+    `world_size` readers going on from `consumed` would never reach, which a resume on another
+    world size counts as consumed, so that the resumed epoch ends where the uninterrupted one would
+    have."""
+
+    def left_out(self, epoch: int, consumed: Ranges, world_size: int) -> Ranges: ...
 
 
 @runtime_checkable

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._exceptions import StateError
 from .._loader import Loader
-from .._util.ranges import Ranges
+from .._util.ranges import Ranges, ranges_of
 
 __all__ = ["Resumed", "Seen", "resume_loader"]
 
@@ -81,7 +81,7 @@ def resume_loader(
                         parts.append(_used_rows(loader, k, s, world_size, before))
         except StateError as e:
             raise StateError(f"{label}: {e}", field=e.field) from e
-        counted[k] = _ranges(np.concatenate(parts))
+        counted[k] = ranges_of(np.concatenate(parts))
     later = {k: r for k, r in counted.items() if k > low and len(r)}
     return Resumed(low, counted[low], later)
 
@@ -128,14 +128,3 @@ def _array(ranges: Ranges) -> np.ndarray:
     """The ints of `ranges` as an int64 array."""
     parts = [np.arange(a, b, dtype=np.int64) for a, b in ranges.pairs]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
-def _ranges(values: np.ndarray) -> Ranges:
-    """The ints of `values` (any order, repeats allowed) as Ranges, without a Python step per int."""
-    values = np.unique(values)
-    if not len(values):
-        return Ranges()
-    cuts = np.flatnonzero(np.diff(values) != 1) + 1
-    starts = values[np.concatenate([[0], cuts])]
-    stops = values[np.concatenate([cuts - 1, [len(values) - 1]])] + 1
-    return Ranges(zip(starts.tolist(), stops.tolist(), strict=True))

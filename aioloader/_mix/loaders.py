@@ -283,6 +283,18 @@ class MixedLoaders:
 
     def _load_elastic(self, states: list[Mapping[str, Any]], world_size: int) -> None:
         """Continue from every old rank's state, saved on `world_size` ranks (`elastic.py`)."""
+        if self.stop == "first_exhausted":
+            place = self._place()
+            new = "?" if place is None else place[1]
+            raise StateError(
+                f"world_size: a mix of loaders with stop='first_exhausted' saved on world size "
+                f"{world_size} cannot resume on {new}: its epoch ends where the first loader runs "
+                "out of a rank's share, which the world size moves, so the rest of the epoch as "
+                f"it would have gone on cannot be told; resume on {world_size} ranks, or mix "
+                "with stop='all_exhausted' or 'cycle' (a mix of sources in one Loader resumes "
+                "either way)",
+                field="world_size",
+            )
         by_rank = sorted(states, key=lambda s: int(s["rank"]))
         ranks = [int(s["rank"]) for s in by_rank]
         if ranks != list(range(world_size)):

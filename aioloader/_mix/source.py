@@ -7,20 +7,27 @@ rank as many keys (its share, padded), so every rank's epoch ends at the same po
 For a resume on another world size, the positions of the mix are the sources' own, laid end to end:
 pass `k` of source `i` (its epoch `e + k`) holds positions `k * T + base_i + j` for the `j`-th of its
 N_i positions (T: all sources' N together, base_i: those before `i`); a saved state's delivered
-samples are counted there (`positions`), and the resumed epoch draws anew from position 0, each
-source giving the new rank its share of what is left.
+samples are counted there (`positions`), and so are the positions the uninterrupted epoch would never
+have reached (`left_out`: with stop "first_exhausted" the rest of every source but the first to run
+out; with "all_exhausted", beyond the passes it reached). The resumed epoch draws anew from position
+0, each source giving the new rank its share of what is left, under the elastic rule: a source whose
+share is spent is passed over when drawn (it goes on to its next pass only where that pass holds
+positions left), and the epoch ends once every source's is spent. So every sample of the
+uninterrupted epoch comes once, before the save or after the restore (the new shares' padding
+aside), whatever the world sizes. ("cycle" never ends: what was delivered is all that is taken out.)
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import itertools
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._exceptions import FetchError, InvalidKeyError, StateError
 from .._protocol import HasAclose, HasStats
-from .._util.ranges import Ranges
+from .._util.ranges import Ranges, ranges_of
 from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
 from .choices import Choices
@@ -185,32 +192,70 @@ class Mix:
         `rank` of `world_size` streamed, found from the draws and the sources' shares alone;
         StateError when a source cannot say (a stream without a known size)."""
         layout = _Layout(self, consumed, world_size)
+        walk = self._walk(epoch, layout, rank, elastic=bool(consumed) and self.stop != "cycle")
+        return [layout.position(i, k, local) for i, k, local in itertools.islice(walk, stop)]
+
+    def left_out(self, epoch: int, consumed: Ranges, world_size: int) -> Ranges:
+        """The positions of `epoch` (see the module's docstring) that `world_size` readers going
+        on from `consumed` would not reach before the epoch ends; none for stop "cycle" (an epoch
+        without an end). A resume on another world size counts them as consumed, so that the
+        resumed epoch ends with the uninterrupted one (the elastic rule of `stream`)."""
+        if self.stop == "cycle":
+            return Ranges()
+        layout = _Layout(self, consumed, world_size)
+        taken: dict[tuple[int, int], int] = {}  # (source, pass) -> the keys each reader takes
+        for i, k, _ in self._walk(epoch, layout, 0, elastic=bool(consumed)):
+            taken[i, k] = taken.get((i, k), 0) + 1
+        reached = [np.zeros(0, np.int64)]
+        for rank in range(world_size):  # every reader takes as many of each pass (shares padded)
+            for (i, k), n in taken.items():
+                share = np.asarray(layout.share(i, k, epoch, rank), dtype=np.int64)[:n]
+                reached.append(layout.position(i, k, 0) + share)
+        seen = np.unique(np.concatenate(reached))
+        out = [np.zeros(0, np.int64)]
+        for i in range(len(self.parts)):  # up to the pass after its last reached: its end
+            last = max((k for j, k in taken if j == i), default=-1)
+            for k in range(last + 2):
+                lo = layout.position(i, k, 0)
+                every = np.arange(lo, lo + layout.size(i), dtype=np.int64)
+                out.append(np.setdiff1d(every, seen, assume_unique=True))
+        return ranges_of(np.concatenate(out))
+
+    def _walk(
+        self, epoch: int, layout: _Layout, rank: int, *, elastic: bool
+    ) -> Iterator[tuple[int, int, int]]:
+        """(source, pass, its position in that pass) of each key `rank` streams in `epoch`, in
+        order, as `stream` gives them (`elastic`: under the elastic rule)."""
         choices = Choices(self.weights, self.seed, epoch)
         live = {i for i, w in enumerate(self.weights) if w > 0}
         at = dict.fromkeys(live, 0)  # each source: its pass, and its place in it
         k = dict.fromkeys(live, 0)
         shares: dict[tuple[int, int], Any] = {}
-        out: list[int] = []
-        ran_out: set[int] = set()
+        ran_out: set[int] = set()  # (`elastic`: spent)
         for i in choices.iter_from(0):
-            if stop is not None and len(out) >= stop:
-                break
+            if elastic and i in ran_out:
+                continue
             share = shares.get((i, k[i]))
             if share is None:
                 share = shares[i, k[i]] = layout.share(i, k[i], epoch, rank)
             if at[i] >= len(share):
-                ran_out.add(i)
-                if self.stop == "first_exhausted" or (
-                    self.stop == "all_exhausted" and ran_out >= live
-                ):
-                    break
+                if elastic and layout.wholly(i, k[i] + 1):
+                    ran_out.add(i)
+                    if ran_out >= live:
+                        return
+                    continue
+                if not elastic:
+                    ran_out.add(i)
+                    if self.stop == "first_exhausted" or (
+                        self.stop == "all_exhausted" and ran_out >= live
+                    ):
+                        return
                 k[i], at[i] = k[i] + 1, 0
                 share = shares[i, k[i]] = layout.share(i, k[i], epoch, rank)
                 if not len(share):
                     raise ValueError(self._empty(i, epoch + k[i]))
-            out.append(layout.position(i, k[i], int(share[at[i]])))
+            yield i, k[i], int(share[at[i]])
             at[i] += 1
-        return out
 
     def stats(self) -> dict[str, float]:
         """The retries and throttles of the remote sources in the mix, summed."""
@@ -249,6 +294,7 @@ class Mix:
         """The `MixKey`s of `epoch`, in the mix's order (see the module docstring for the rule),
         once the positions in `consumed` are taken out."""
         layout = _Layout(self, consumed, self.world_size) if consumed else None
+        elastic = layout is not None and self.stop != "cycle"  # see the module docstring
 
         def opened(i: int, part_epoch: int) -> Pass:
             if layout is None:
@@ -259,21 +305,38 @@ class Mix:
         live = {i for i, w in enumerate(self.weights) if w > 0}
         start = self.starts.pop(epoch, 0)
         self.starts.clear()  # a start left for another epoch is stale once this one streams
-        drawn = choices.counts(start)
+        spent: set[int] = set()  # (elastic) the sources whose share is spent
+        if elastic:
+            assert layout is not None
+            draw, drawn, spent = self._elastic_start(epoch, start, layout, live)
+        else:
+            draw, drawn = start, choices.counts(start)
         passes: dict[int, Pass] = {}
         ran_out: set[int] = set()
         try:
-            for i in sorted(live):  # all read ahead at once
+            for i in sorted(live - spent):  # all read ahead at once
                 await self._advance(i, epoch, passes, drawn[i], ran_out, layout)
-            for i in choices.iter_from(start):
+            if spent >= live:
+                return
+            for i in choices.iter_from(draw):
+                if i in spent:
+                    continue
                 current = passes[i]
                 key = current.take() if current.at_hand else await current.next()
                 if key is END:
-                    ran_out.add(i)
-                    if self.stop == "first_exhausted" or (
-                        self.stop == "all_exhausted" and ran_out >= live
-                    ):
-                        return
+                    if elastic:
+                        assert layout is not None
+                        if layout.wholly(i, current.epoch - epoch + 1):
+                            spent.add(i)
+                            if spent >= live:
+                                return
+                            continue
+                    else:
+                        ran_out.add(i)
+                        if self.stop == "first_exhausted" or (
+                            self.stop == "all_exhausted" and ran_out >= live
+                        ):
+                            return
                     await current.aclose()
                     current = passes[i] = opened(i, current.epoch + 1)
                     key = await current.next()
@@ -283,6 +346,31 @@ class Mix:
         finally:
             for open_pass in passes.values():
                 await open_pass.aclose()
+
+    def _elastic_start(
+        self, epoch: int, start: int, layout: _Layout, live: set[int]
+    ) -> tuple[int, list[int], set[int]]:
+        """(the draw, the keys each source gave, the sources spent) where the elastic rule has
+        given `start` keys of this rank's epoch: a spent source's draws give none."""
+        left = {}
+        for i in live:  # this rank's keys of each source, over the passes that hold any
+            k, n = 0, len(layout.share(i, 0, epoch, self.rank))
+            while not layout.wholly(i, k + 1):
+                k += 1
+                n += len(layout.share(i, k, epoch, self.rank))
+            left[i] = n
+        drawn, given, draw = [0] * len(self.parts), 0, 0
+        spent: set[int] = set()
+        draws = Choices(self.weights, self.seed, epoch).iter_from(0)
+        while given < start and spent < live:
+            i, draw = next(draws), draw + 1
+            if i in spent:
+                continue
+            if drawn[i] == left[i]:
+                spent.add(i)
+                continue
+            drawn[i], given = drawn[i] + 1, given + 1
+        return draw, drawn, spent
 
     async def _advance(
         self, i: int, epoch: int, passes: dict[int, Pass], drawn: int, ran_out: set[int],
@@ -353,6 +441,15 @@ class _Layout:
 
     def position(self, i: int, k: int, local: int) -> int:
         return int(k * self._total + self._base[i] + local)
+
+    def size(self, i: int) -> int:
+        """Source `i`'s positions in one pass (all readers')."""
+        return self._sizes[i]
+
+    def wholly(self, i: int, k: int) -> bool:
+        """Whether every position of source `i`'s pass `k` is consumed: where the elastic rule
+        ends the source (`Mix.stream`)."""
+        return len(self.consumed(i, k)) >= self._sizes[i]
 
     def consumed(self, i: int, k: int) -> Ranges:
         """The consumed positions of source `i`'s pass `k`, as its own (from 0)."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .._exceptions import StateError
-from .._protocol import SharesItsKeys
+from .._protocol import EndsEarly, SharesItsKeys
 from .._util.aiters import closing
 from .._util.ranges import Ranges
 from .order import Group, KeyOrder, KeyPlan, achunk, dealt
@@ -158,6 +158,12 @@ class StreamPlan(KeyPlan):
                 self._epoch, consumed, self.drop_last, rank, world_size, most
             )
         return known[group * self.group_size : stop]
+
+    def left_out(self, epoch: int, consumed: Ranges, world_size: int) -> Ranges:
+        """The positions of `epoch` its `world_size` readers would never reach (`EndsEarly`)."""
+        if isinstance(self.source, EndsEarly):
+            return self.source.left_out(epoch, consumed, world_size)
+        return Ranges()
 
     def share_indices(
         self, rank: int, world_size: int, consumed: Ranges, groups: Iterable[int] | None = None

@@ -108,7 +108,9 @@ class Ledger:
                 set(Ranges(own.get("delivered", []))),
             )  # fmt: skip
         else:
-            epoch, consumed = elastic_consumed(states, self._plan.group_indices)
+            epoch, consumed = elastic_consumed(
+                states, self._plan.group_indices, getattr(self._plan, "left_out", None)
+            )
             resume = Resume(epoch, consumed, set())
         with self._lock:
             self._resume, self._epoch = resume, resume.epoch

@@ -103,11 +103,13 @@ def pick_own(
 def elastic_consumed(
     states: Sequence[Mapping[str, Any]],
     group_indices: Callable[[int, int, int, Ranges], list[int]],
+    left_out: Callable[[int, Ranges, int], Ranges] | None = None,
 ) -> tuple[int, Ranges]:
     """(epoch, consumed) once every saved rank's delivered groups are counted as consumed.
 
     `group_indices(rank, world_size, group, consumed)` gives the permutation indices of a group of
-    the plan that rank had.
+    the plan that rank had; `left_out(epoch, consumed, world_size)`, where the epoch may end before
+    every index is reached (a mix), those the uninterrupted epoch would not reach: consumed too.
     """
     first = states[0]
     epoch, old_world = int(first["epoch"]), int(first["world_size"])
@@ -130,4 +132,6 @@ def elastic_consumed(
     for s in states:
         for g in Ranges(s.get("delivered", [])):
             taken.extend(group_indices(int(s["rank"]), old_world, g, consumed))
+    if left_out is not None:
+        taken.extend(left_out(epoch, consumed, old_world))
     return epoch, consumed.union(taken)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator
+from typing import Any
 
-__all__ = ["Ranges"]
+import numpy as np
+
+__all__ = ["Ranges", "ranges_of"]
 
 
 class Ranges:
@@ -131,3 +134,14 @@ class Ranges:
             prev = max(prev, b)
         out.extend(range(prev, n))
         return out
+
+
+def ranges_of(values: np.ndarray[Any, Any]) -> Ranges:
+    """The ints of `values` (any order, repeats allowed) as Ranges, without a Python step per int."""
+    values = np.unique(values)
+    if not len(values):
+        return Ranges()
+    cuts = np.flatnonzero(np.diff(values) != 1) + 1
+    starts = values[np.concatenate([[0], cuts])]
+    stops = values[np.concatenate([cuts - 1, [len(values) - 1]])] + 1
+    return Ranges(zip(starts.tolist(), stops.tolist(), strict=True))
