@@ -70,7 +70,7 @@ def resume_loader(
     counted: dict[int, Ranges] = {}
     for k in [*range(low, high + 1), *sorted(beyond)]:
         before = _agreed(label, k, seen)
-        parts = [_array(before)]
+        parts = [before.array()]
         try:
             for s in seen:
                 if s.epoch > k:  # its whole share of `k`
@@ -122,9 +122,3 @@ def _used_rows(loader: Loader[Any], k: int, s: Seen, world_size: int, before: Ra
             field="world_size",
         )
     return indices[:used]
-
-
-def _array(ranges: Ranges) -> np.ndarray:
-    """The ints of `ranges` as an int64 array."""
-    parts = [np.arange(a, b, dtype=np.int64) for a, b in ranges.pairs]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)

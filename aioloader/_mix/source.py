@@ -206,19 +206,15 @@ class Mix:
         taken: dict[tuple[int, int], int] = {}  # (source, pass) -> the keys each reader takes
         for i, k, _ in self._walk(epoch, layout, 0, elastic=bool(consumed)):
             taken[i, k] = taken.get((i, k), 0) + 1
-        reached = [np.zeros(0, np.int64)]
-        for rank in range(world_size):  # every reader takes as many of each pass (shares padded)
-            for (i, k), n in taken.items():
-                share = np.asarray(layout.share(i, k, epoch, rank), dtype=np.int64)[:n]
-                reached.append(layout.position(i, k, 0) + share)
-        seen = np.unique(np.concatenate(reached))
         out = [np.zeros(0, np.int64)]
         for i in range(len(self.parts)):  # up to the pass after its last reached: its end
             last = max((k for j, k in taken if j == i), default=-1)
             for k in range(last + 2):
-                lo = layout.position(i, k, 0)
-                every = np.arange(lo, lo + layout.size(i), dtype=np.int64)
-                out.append(np.setdiff1d(every, seen, assume_unique=True))
+                reached = np.zeros(layout.size(i), dtype=bool)
+                for rank in range(world_size) if (i, k) in taken else ():
+                    share = np.asarray(layout.share(i, k, epoch, rank), dtype=np.int64)
+                    reached[share[: taken[i, k]]] = True  # every reader as many (shares padded)
+                out.append(layout.position(i, k, 0) + np.flatnonzero(~reached))
         return ranges_of(np.concatenate(out))
 
     def _walk(

@@ -26,9 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .._exceptions import StateError
 from .._protocol import HasDigest
-from .._util.ranges import Ranges
+from .._util.ranges import Ranges, ranges_of
 
 __all__ = ["STATE_VERSION", "Progress", "Resume", "check_config", "keys_digest", "pick_own"]
 
@@ -132,6 +134,7 @@ def elastic_consumed(
     for s in states:
         for g in Ranges(s.get("delivered", [])):
             taken.extend(group_indices(int(s["rank"]), old_world, g, consumed))
-    if left_out is not None:
-        taken.extend(left_out(epoch, consumed, old_world))
-    return epoch, consumed.union(taken)
+    if left_out is None:
+        return epoch, consumed.union(taken)
+    left = left_out(epoch, consumed, old_world).array()  # (many: no Python step per int)
+    return epoch, ranges_of(np.concatenate([consumed.array(), np.asarray(taken, np.int64), left]))

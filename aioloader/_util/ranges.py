@@ -104,6 +104,13 @@ class Ranges:
     def union(self, values: Iterable[int]) -> Ranges:
         return Ranges.of([*self, *values])
 
+    def array(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The ints of this set, ascending, as an int64 array (no Python step per int)."""
+        parts = [
+            np.arange(a, b, dtype=np.int64) for a, b in zip(self._starts, self._stops, strict=True)
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
     def difference(self, other: Ranges) -> Ranges:
         """The ints in this set and not in `other` (a walk over both sets' ranges, not their ints).
 
@@ -138,9 +145,10 @@ class Ranges:
 
 def ranges_of(values: np.ndarray[Any, Any]) -> Ranges:
     """The ints of `values` (any order, repeats allowed) as Ranges, without a Python step per int."""
-    values = np.unique(values)
     if not len(values):
         return Ranges()
+    values = np.sort(values)  # (not np.unique: its hashing took 1.6 s for 2 M ints here)
+    values = values[np.concatenate([[True], np.diff(values) != 0])]
     cuts = np.flatnonzero(np.diff(values) != 1) + 1
     starts = values[np.concatenate([[0], cuts])]
     stops = values[np.concatenate([cuts - 1, [len(values) - 1]])] + 1
