@@ -281,12 +281,20 @@ def test_bad_credentials_name_the_argument_and_show_no_secret(
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"credentials_file=.*bad.json.*not a JSON"):
         gcs(url, credentials_file=tmp_path / "bad.json")
+    (tmp_path / "odd.json").write_text('{"type": "api_key"}')
+    with pytest.raises(ValueError, match=r"'api_key' are not supported \(these are: 'service_"):
+        gcs(url, credentials_file=tmp_path / "odd.json")
     (tmp_path / "ext.json").write_text('{"type": "external_account"}')
-    with pytest.raises(ValueError, match=r"'external_account' are not supported"):
+    with pytest.raises(
+        ValueError, match=r"ext.json': its external_account credentials do not load"
+    ):
         gcs(url, credentials_file=tmp_path / "ext.json")
-    broken = {"type": "service_account", "client_email": "a@b", "private_key": "-----BEGIN x"}
+    broken = {"type": "service_account", "client_email": "a@b", "private_key": "-----BEGIN x",
+              "token_uri": f"{tokens.url}/token"}  # fmt: skip
     (tmp_path / "broken.json").write_text(json.dumps(broken))
-    with pytest.raises(ValueError, match=r"private_key is not an unencrypted PEM RSA") as info:
+    with pytest.raises(
+        ValueError, match=r"broken.json': its service_account credentials do not"
+    ) as info:
         gcs(url, credentials_file=tmp_path / "broken.json")
     assert "BEGIN x" not in str(info.value)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "none.json"))
@@ -325,6 +333,35 @@ def test_bad_credentials_name_the_argument_and_show_no_secret(
     assert "status 401): HTTP 401 Unauthorized: Invalid Credentials" in str(refused.value)
     assert "1 attempt(s)" in str(refused.value)
     assert "not-a-token-given" not in str(refused.value) + repr(given)
+
+
+def test_workload_identity_federation_exchanges_its_subject_token(
+    gate: AuthGate, tokens: TokenServer, stored: dict[str, bytes], tmp_path: Path
+) -> None:
+    # an external account (what `gcloud iam workload-identity-pools create-cred-config` writes):
+    # a subject token from a file, exchanged at the STS endpoint for an access token
+    subject = tmp_path / "oidc-token"
+    subject.write_text("subject-secret-oidc")
+    tokens.subject = "subject-secret-oidc"
+    audience = (
+        "//iam.googleapis.com/projects/1/locations/global/workloadIdentityPools/p/providers/x"
+    )
+    config = {"type": "external_account", "audience": audience,
+              "subject_token_type": "urn:ietf:params:oauth:token-type:jwt",
+              "token_url": f"{tokens.url}/token", "credential_source": {"file": str(subject)}}  # fmt: skip
+    (tmp_path / "wif.json").write_text(json.dumps(config))
+    keys = sorted(stored)[:3]
+    src = gcs(f"gs://test-bucket/{PREFIX}", keys, credentials_file=tmp_path / "wif.json",
+              endpoint_url=gate.url)  # fmt: skip
+    assert "external account" in repr(src)
+    with Loader(src, collate=None) as loader:
+        got = [bytes(x) for x in loader]
+    assert got == [stored[k] for k in keys]
+    assert tokens.issued == ["token-1"]
+    assert [e["audience"] for e in tokens.exchanges] == [audience]
+    assert tokens.exchanges[0]["scope"].endswith("devstorage.read_only")
+    assert set(gate.used) == {"token-1"}
+    assert "subject-secret-oidc" not in repr(src)
 
 
 # -- URLs, endpoints, HMAC signing --------------------------------------------------------------

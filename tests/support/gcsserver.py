@@ -125,6 +125,10 @@ def _b64decode(part: str) -> bytes:
     return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
 
 
+GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
+_TOKEN_EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"
+
+
 class TokenServer(ServerThread):
     """An OAuth token endpoint (POST /token) and a metadata server (GET /computeMetadata/...).
 
@@ -146,6 +150,8 @@ class TokenServer(ServerThread):
         self.revoked: set[str] = set()
         self.grants: collections.Counter[str] = collections.Counter()
         self.claims: list[dict[str, Any]] = []
+        self.subject: str | None = None  # the subject token an STS exchange must send
+        self.exchanges: list[dict[str, str]] = []
         app = web.Application()
         app.router.add_post("/token", self._token)
         app.router.add_get("/computeMetadata/v1/instance/service-accounts/default/token", self._gce)
@@ -169,6 +175,11 @@ class TokenServer(ServerThread):
             str(form.get("assertion")), str(request.url)
         ):
             return self._issue()
+        if grant == _TOKEN_EXCHANGE and self.subject is not None:  # STS: workload identity
+            sent = {k: str(form.get(k)) for k in ("subject_token", "audience", "scope")}
+            self.exchanges.append(sent)
+            if sent["subject_token"] == self.subject:
+                return self._issue()
         if grant == "refresh_token" and self.refresh is not None:
             sent = tuple(str(form.get(k)) for k in ("client_id", "client_secret", "refresh_token"))
             if sent == self.refresh:
@@ -191,8 +202,8 @@ class TokenServer(ServerThread):
         self.claims.append(decoded)
         header = json.loads(_b64decode(head))
         now = time.time()
-        return (
-            header["alg"] == "RS256" and decoded["aud"] == audience
+        return (  # the audience Google's endpoint takes (google-auth sends it to any token URI)
+            header["alg"] == "RS256" and decoded["aud"] in (audience, GOOGLE_TOKEN_URI)
             and decoded["iat"] <= now + 5 and decoded["exp"] > now
         )  # fmt: skip
 

@@ -3,10 +3,12 @@
 `find_credentials` follows the order the official client libraries use: the arguments given, then
 STORAGE_EMULATOR_HOST (anonymous, as the libraries treat an emulator), GOOGLE_APPLICATION_CREDENTIALS,
 gcloud's application-default file, and last the metadata server of a Google Compute Engine VM. A
-service-account key file gives a JWT signed RS256 (with `cryptography`, the `aioloader[gcs]` extra)
-that the token endpoint exchanges for an OAuth access token; an authorized-user file (what `gcloud auth
-application-default login` writes) gives its refresh token. `Tokens` keeps one access token per source
-and refreshes it `REFRESH_MARGIN_S` before it expires, one refresh at a time.
+credentials file is made into google-auth's credentials of its type (the `aioloader[gcs]` extra):
+a service account's key, an authorized user's refresh token (what `gcloud auth application-default
+login` writes), an external account (workload identity federation) or an impersonated service
+account; google-auth signs and exchanges them, in a thread (its HTTP blocks). `Tokens` keeps one
+access token per source and refreshes it `REFRESH_MARGIN_S` before it expires, one refresh at a
+time, off the event loop.
 
 HMAC keys sign each request of the XML API with GOOG4-HMAC-SHA256 (`HmacSigner`), the V4 signature
 with Google's names; `sign_v4` is that algorithm with the names as parameters.
@@ -19,8 +21,8 @@ credentials came from and the account, never the secret.
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime as dt
+import functools
 import json
 import os
 import ssl as _ssl
@@ -30,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -52,9 +54,7 @@ __all__ = [
 
 SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 TOKEN_URI = "https://oauth2.googleapis.com/token"
-JWT_BEARER = "urn:ietf:params:oauth:grant-type:jwt-bearer"
 REFRESH_MARGIN_S = 225.0  # refresh a token this long before it expires
-JWT_LIFETIME_S = 3600
 TOKEN_TIMEOUT_S = 30.0  # one token request, connect to last byte
 _ERROR_TEXT_MAX = 300
 _METADATA_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
@@ -85,8 +85,8 @@ class Credentials:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
 
-    async def request(self, session: aiohttp.ClientSession) -> tuple[str, float]:
-        """(a new access token, its lifetime in seconds)."""
+    async def request(self, ssl: _ssl.SSLContext | bool) -> tuple[str, float]:
+        """(a new access token, its lifetime in seconds); `ssl` verifies the token endpoint."""
         raise NotImplementedError
 
 
@@ -99,127 +99,192 @@ class _StaticToken(Credentials):
         super().__init__("token=***")
         self._token = token
 
-    async def request(self, session: aiohttp.ClientSession) -> tuple[str, float]:
+    async def request(self, ssl: _ssl.SSLContext | bool) -> tuple[str, float]:
         return self._token, float("inf")
 
 
-class _ServiceAccount(Credentials):
-    """A service-account key: a JWT signed with its private key, exchanged at its token URI."""
+class _KeyFile(Credentials):
+    """A credentials file's JSON (`info`), made into google-auth's credentials of its `type`, which
+    sign and refresh (in a thread: their HTTP blocks): a service account's key (a signed JWT), an
+    authorized user's refresh token (gcloud's application-default file), an external account
+    (workload identity federation: a subject token from a file, a URL, an executable or AWS,
+    exchanged at the STS endpoint, impersonating a service account where it says so), or an
+    impersonated service account. Pickled (into a worker process) as its JSON: the worker makes
+    its own."""
 
     def __init__(self, info: Mapping[str, Any], origin: str) -> None:
         super().__init__(origin)
-        self.email = _field(info, "client_email", origin)
-        self.token_uri = str(info.get("token_uri") or TOKEN_URI)
-        self.key_id = str(info.get("private_key_id") or "")
-        self._pem = _field(info, "private_key", origin)
-        self._key = _load_rsa_key(self._pem, origin)
+        self.kind = str(info.get("type"))
+        if self.kind not in _MAKERS:
+            raise ValueError(
+                f"{origin}: credentials of type {info.get('type')!r} are not supported "
+                f"(these are: {', '.join(repr(k) for k in _MAKERS)})"
+            )
+        self.info = dict(info)
+        self.email = str(info.get("client_email") or "")
+        self.token_uri = str(info.get("token_uri") or info.get("token_url") or TOKEN_URI)
+        self._lock = threading.Lock()  # one refresh at a time (google-auth's are not thread-safe)
+        self._creds: Any = self._made()  # a key that does not load fails here, named
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled (into a worker process) as its PEM text: the loaded key does not pickle."""
-        return {**self.__dict__, "_key": None}
+        return {**self.__dict__, "_creds": None, "_lock": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _key=_load_rsa_key(state["_pem"], state["origin"]))
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def describe(self) -> str:
-        return f"service account {self.email!r} ({self.origin})"
+        if self.kind == "service_account":
+            return f"service account {self.email!r} ({self.origin})"
+        return f"{self.kind.replace('_', ' ')} ({self.origin})"
 
-    def assertion(self, now: float) -> str:
-        """The signed JWT that asks for a read-only token for this account."""
-        header = {"alg": "RS256", "typ": "JWT", **({"kid": self.key_id} if self.key_id else {})}
-        claims = {"iss": self.email, "scope": SCOPE, "aud": self.token_uri,
-                  "iat": int(now), "exp": int(now) + JWT_LIFETIME_S}  # fmt: skip
-        signing_input = f"{_b64json(header)}.{_b64json(claims)}".encode()
-        from cryptography.hazmat.primitives import hashes
-        from cryptography.hazmat.primitives.asymmetric import padding
+    def _made(self) -> Any:
+        try:
+            return _MAKERS[self.kind](self.info)
+        except ImportError:  # pragma: no cover - google-auth comes with the [gcs] extra
+            raise ImportError(
+                f"{self.origin}: Google credentials need google-auth: pip install 'aioloader[gcs]'"
+            ) from None
+        except (ValueError, TypeError, KeyError) as exc:  # google-auth's own words; no secret
+            what = exc.args[0] if exc.args and isinstance(exc.args[0], str) else type(exc).__name__
+            raise ValueError(
+                f"{self.origin}: its {self.kind} credentials do not load: {what}"
+            ) from None
 
-        signature = self._key.sign(signing_input, padding.PKCS1v15(), hashes.SHA256())
-        return f"{signing_input.decode()}.{_b64(signature)}"
+    async def request(self, ssl: _ssl.SSLContext | bool) -> tuple[str, float]:
+        return await asyncio.to_thread(self._refresh, ssl)
 
-    async def request(self, session: aiohttp.ClientSession) -> tuple[str, float]:
-        form = {"grant_type": JWT_BEARER, "assertion": self.assertion(time.time())}
-        return await _token_call(session, "POST", self.token_uri, self.describe(), data=form)
+    def _refresh(self, ssl: _ssl.SSLContext | bool) -> tuple[str, float]:
+        from google.auth.exceptions import GoogleAuthError
+
+        where = f"no OAuth token for {self.describe()} from {self.token_uri}"
+        with self._lock:
+            if self._creds is None:
+                self._creds = self._made()
+            try:
+                self._creds.refresh(_google_request(ssl))
+            except GoogleAuthError as exc:
+                raise Failure(f"{where}: {_google_reason(exc, self.token_uri)}",
+                              retryable=bool(exc.retryable)) from None  # fmt: skip
+            token, expiry = self._creds.token, self._creds.expiry
+        if not isinstance(token, str) or not token:
+            raise Failure(f"{where}: the answer holds no access_token", retryable=False)
+        if expiry is None:
+            return token, float("inf")
+        return token, (expiry.replace(tzinfo=dt.UTC) - dt.datetime.now(dt.UTC)).total_seconds()
 
 
-class _AuthorizedUser(Credentials):
-    """A user's refresh token (gcloud's application-default file), exchanged at the token URI."""
+def _service_account(info: dict[str, Any]) -> Any:
+    from google.oauth2 import service_account
 
-    def __init__(self, info: Mapping[str, Any], origin: str) -> None:
-        super().__init__(origin)
-        self._form = {
-            "grant_type": "refresh_token",
-            **{name: _field(info, name, origin) for name in
-               ("client_id", "client_secret", "refresh_token")},
-        }  # fmt: skip
-        self.token_uri = str(info.get("token_uri") or TOKEN_URI)
+    made = service_account.Credentials.from_service_account_info
+    return made(info, scopes=[SCOPE])  # type: ignore[no-untyped-call]
 
-    def describe(self) -> str:
-        return f"authorized user ({self.origin})"
 
-    async def request(self, session: aiohttp.ClientSession) -> tuple[str, float]:
-        return await _token_call(session, "POST", self.token_uri, self.describe(), data=self._form)
+def _authorized_user(info: dict[str, Any]) -> Any:
+    """(Made by its constructor: `from_authorized_user_info` sends every refresh to Google's
+    token URI, whatever the file's `token_uri` says.)"""
+    from google.oauth2 import credentials
+
+    missing = [k for k in ("client_id", "client_secret", "refresh_token") if not info.get(k)]
+    if missing:
+        raise ValueError(f"no {missing[0]!r} (a non-empty string) in the credentials")
+    return credentials.Credentials(  # type: ignore[no-untyped-call]
+        None, refresh_token=info["refresh_token"], client_id=info["client_id"],
+        client_secret=info["client_secret"], token_uri=info.get("token_uri") or TOKEN_URI,
+        scopes=[SCOPE], quota_project_id=info.get("quota_project_id"),
+    )  # fmt: skip
+
+
+def _external_account(info: dict[str, Any]) -> Any:
+    source = info.get("credential_source")
+    source = source if isinstance(source, dict) else {}
+    if str(source.get("environment_id", "")).startswith("aws"):
+        from google.auth import aws as kind
+    elif "executable" in source:
+        from google.auth import pluggable as kind  # type: ignore[no-redef]
+    else:
+        from google.auth import identity_pool as kind  # type: ignore[no-redef]
+    return kind.Credentials.from_info(info, scopes=[SCOPE])  # type: ignore[no-untyped-call]
+
+
+def _impersonated(info: dict[str, Any]) -> Any:
+    from google.auth import impersonated_credentials
+
+    made = impersonated_credentials.Credentials.from_impersonated_service_account_info
+    return made(info, scopes=[SCOPE])  # type: ignore[no-untyped-call]
+
+
+def _external_authorized_user(info: dict[str, Any]) -> Any:
+    from google.auth import external_account_authorized_user
+
+    made = external_account_authorized_user.Credentials.from_info
+    return made(info, scopes=[SCOPE])  # type: ignore[no-untyped-call]
+
+
+# a credentials file's "type" -> google-auth's credentials of that type, made from its JSON (the
+# type-specific constructors, not google-auth's generic loader, which warns against unchecked input)
+_MAKERS: dict[str, Any] = {
+    "service_account": _service_account,
+    "authorized_user": _authorized_user,
+    "external_account": _external_account,
+    "impersonated_service_account": _impersonated,
+    "external_account_authorized_user": _external_authorized_user,
+}
+
+
+def _google_request(ssl: _ssl.SSLContext | bool) -> Any:
+    """google-auth's urllib3 transport, verifying as `ssl` says, each request `TOKEN_TIMEOUT_S`."""
+    import urllib3
+    from google.auth.transport.urllib3 import Request
+
+    if isinstance(ssl, _ssl.SSLContext):  # (no retries of its own: the transport retries)
+        http = urllib3.PoolManager(ssl_context=ssl, retries=False)
+    elif ssl is False:
+        http = urllib3.PoolManager(cert_reqs="CERT_NONE", retries=False)
+    else:
+        http = urllib3.PoolManager(retries=False)
+    request = Request(http)  # type: ignore[no-untyped-call]
+    return functools.partial(request, timeout=TOKEN_TIMEOUT_S)
+
+
+def _google_reason(exc: BaseException, url: str) -> str:
+    """What a google-auth error says, in the transport's words where the cause is the network
+    (an OAuth error's "error: description"; never the request's secrets)."""
+    cause: BaseException | None = exc
+    while cause is not None:  # a TLS failure under urllib3's and google-auth's wrappers
+        if isinstance(cause, _ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(
+            cause
+        ):
+            return failure_from(_ssl.SSLCertVerificationError(str(cause)), url).reason
+        cause = cause.__cause__ or cause.__context__
+    first = exc.args[0] if exc.args else ""
+    return (first if isinstance(first, str) else type(exc).__name__)[:_ERROR_TEXT_MAX]
 
 
 class _Metadata(Credentials):
-    """The default service account of a Compute Engine VM, from its metadata server."""
+    """The default service account of a Compute Engine VM, from its metadata server. (One GET
+    here: google-auth's reads GCE_METADATA_HOST once, at import, and asks for the account's
+    details before each token.)"""
 
     def __init__(self, host: str, origin: str) -> None:
         super().__init__(origin)
         self.url = f"http://{host}{_METADATA_PATH}"
 
-    async def request(self, session: aiohttp.ClientSession) -> tuple[str, float]:
-        headers = {"Metadata-Flavor": "Google"}
-        return await _token_call(session, "GET", self.url, self.describe(), headers=headers)
-
-
-def _field(info: Mapping[str, Any], name: str, origin: str) -> str:
-    value = info.get(name)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{origin}: no {name!r} (a non-empty string) in the credentials")
-    return value
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _b64json(value: Mapping[str, Any]) -> str:
-    return _b64(json.dumps(value, separators=(",", ":")).encode())
-
-
-def _load_rsa_key(pem: str, origin: str) -> Any:
-    try:
-        from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
-        from cryptography.hazmat.primitives.serialization import load_pem_private_key
-    except ImportError:  # pragma: no cover - cryptography comes with the [gcs] extra
-        raise ImportError(
-            f"{origin}: a service-account key needs `cryptography`: pip install 'aioloader[gcs]'"
-        ) from None
-    try:
-        key = load_pem_private_key(pem.encode(), password=None)
-    except (ValueError, TypeError):
-        key = None
-    if not isinstance(key, RSAPrivateKey):
-        raise ValueError(f"{origin}: private_key is not an unencrypted PEM RSA private key")
-    return key
+    async def request(self, ssl: _ssl.SSLContext | bool) -> tuple[str, float]:
+        timeout = aiohttp.ClientTimeout(total=TOKEN_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            return await _token_call(
+                session, self.url, self.describe(), headers={"Metadata-Flavor": "Google"}
+            )
 
 
 async def _token_call(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    who: str,
-    *,
-    data: Mapping[str, str] | None = None,
-    headers: Mapping[str, str] | None = None,
+    session: aiohttp.ClientSession, url: str, who: str, *, headers: Mapping[str, str]
 ) -> tuple[str, float]:
-    """One token request; a `Failure` (retryable when it may pass) naming `who`, never a secret."""
+    """One token request (a GET); a `Failure` (retryable when it may pass) naming `who`."""
     where = f"no OAuth token for {who} from {url}"
-    body = None if data is None else urlencode(data)
-    sent = {**(headers or {}), **({} if data is None else
-                                   {"Content-Type": "application/x-www-form-urlencoded"})}  # fmt: skip
     try:
-        async with session.request(method, url, data=body, headers=sent) as resp:
+        async with session.get(url, headers=headers) as resp:
             text = await resp.text(errors="replace")
             status = resp.status
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -268,15 +333,9 @@ def read_credentials_file(path: str | os.PathLike[str], origin: str) -> Credenti
         raise ValueError(f"{origin}: cannot read it: {exc.strerror or exc}") from None
     except ValueError:
         raise ValueError(f"{origin}: not a JSON credentials file") from None
-    kind = info.get("type") if isinstance(info, dict) else None
-    if kind == "service_account":
-        return _ServiceAccount(info, origin)
-    if kind == "authorized_user":
-        return _AuthorizedUser(info, origin)
-    raise ValueError(
-        f"{origin}: credentials of type {kind!r} are not supported "
-        "(a 'service_account' key or an 'authorized_user' file are)"
-    )
+    if not isinstance(info, dict):
+        raise ValueError(f"{origin}: not a JSON credentials file (an object)")
+    return _KeyFile(info, origin)
 
 
 def _gcloud_file() -> Path:
@@ -416,10 +475,7 @@ class Tokens:
         return await asyncio.shield(task)
 
     async def _refresh(self) -> str:
-        timeout = aiohttp.ClientTimeout(total=TOKEN_TIMEOUT_S)
-        connector = aiohttp.TCPConnector(ssl=self.ssl)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            token, lifetime = await self.credentials.request(session)
+        token, lifetime = await self.credentials.request(self.ssl)
         with self._lock:
             self._token = token
             self._expires = time.time() + max(0.0, lifetime - REFRESH_MARGIN_S)
