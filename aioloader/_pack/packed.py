@@ -51,15 +51,17 @@ class Packed:
     def __init__(
         self, loader: Any, seq_len: int, batch_size: int, *, eos: int | None, key: str | None,
         targets: bool, boundaries: bool, drop_last: bool, dtype: torch.dtype,
+        varlen: bool = False,
     ) -> None:  # fmt: skip
         self.loader = loader
+        self.varlen = varlen
         self.seq_len, self.batch_size, self.eos, self.key = seq_len, batch_size, eos, key
         self.targets, self.boundaries, self.drop_last, self.dtype = (
             targets, boundaries, drop_last, dtype,
         )  # fmt: skip
         self._np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         self._packer = Packer(seq_len, batch_size, targets=targets, boundaries=boundaries,
-                              dtype=self._np_dtype)  # fmt: skip
+                              dtype=self._np_dtype, varlen=varlen)  # fmt: skip
         # a mix by rows hands over its items as runs of rows, read without joining them first
         self._row_runs = (
             RowRuns(key, eos, self._np_dtype) if isinstance(loader, HandsOverRowRuns) else None
@@ -71,7 +73,7 @@ class Packed:
     def __repr__(self) -> str:
         extras = "".join(
             f", {name}=True"
-            for name in ("targets", "boundaries", "drop_last")
+            for name in ("targets", "boundaries", "varlen", "drop_last")
             if getattr(self, name)
         )
         key = "" if self.key is None else f", key={self.key!r}"
@@ -266,6 +268,7 @@ def pack(
     boundaries: bool = False,
     drop_last: bool = False,
     dtype: torch.dtype = torch.int64,
+    varlen: bool = False,
 ) -> Packed:
     """Pack a loader's token documents into batches of fixed-length rows, resumable exactly.
 
@@ -293,6 +296,12 @@ def pack(
             length], int64): per token, the number of its document's segment within the row
             (0, 1, ...) and its position in that segment. A document cut by the start of a row
             begins a new segment there. For a document mask: attend where the ids are equal.
+        varlen: yield dicts with "cu_seqlens" and "max_seqlen" too (with "tokens"; with
+            `boundaries`, beside its two): the segments of the batch's rows flattened, as
+            flash-attention's varlen functions and torch's jagged tensors take them, int32
+            offsets of each segment's first token then the batch's token count, and the longest
+            segment (an int). With `targets`, of the rows' inputs (`batch[:, :-1]`). Not part of
+            the saved state's configuration: the batches are the same with or without it.
         drop_last: drop the epoch's last batch when it has fewer than `batch_size` rows (the
             tokens that do not fill a row at an epoch's end are always dropped).
         dtype: the integer dtype of the rows (int64 by default: what losses take as targets).
@@ -338,10 +347,12 @@ def pack(
             raise ValueError(f"eos: {eos} does not fit dtype {dtype}")
     if key is not None and not isinstance(key, str):
         raise TypeError(f"key: expected a field name (str) or None, got {key!r}")
-    for name, flag in (("targets", targets), ("boundaries", boundaries), ("drop_last", drop_last)):
+    flags = (("targets", targets), ("boundaries", boundaries), ("drop_last", drop_last),
+             ("varlen", varlen))  # fmt: skip
+    for name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected True or False, got {flag!r}")
     return Packed(
         loader, seq_len, batch_size, eos=eos, key=key, targets=targets, boundaries=boundaries,
-        drop_last=drop_last, dtype=dtype,
+        drop_last=drop_last, dtype=dtype, varlen=varlen,
     )  # fmt: skip

@@ -33,11 +33,12 @@ class Packer:
 
     def __init__(
         self, seq_len: int, batch_size: int, *, targets: bool, boundaries: bool,
-        dtype: np.dtype[Any],
+        dtype: np.dtype[Any], varlen: bool = False,
     ) -> None:  # fmt: skip
         self.seq_len, self.batch_size = seq_len, batch_size
         self.extra = 1 if targets else 0  # the token a row shares with the next
-        self.boundaries, self.dtype = boundaries, dtype
+        self.boundaries, self.varlen, self.dtype = boundaries, varlen, dtype
+        self.marks = boundaries or varlen  # documents' first tokens are tracked
         self._runs: deque[Run] = deque()
         self._head = 0  # tokens of the first run already in rows
         self.pending = 0  # tokens held, not yet in a row
@@ -57,21 +58,27 @@ class Packer:
 
     def take(self, rows: int | None = None) -> Any:
         """The next batch of `rows` rows (default: `batch_size`): a tensor [rows, seq_len (+1)],
-        or with boundaries a dict of "tokens", "document_ids" and "positions"."""
+        or a dict of "tokens" and, with boundaries, "document_ids" and "positions", with varlen,
+        "cu_seqlens" and "max_seqlen" (`varlen`)."""
         rows = self.batch_size if rows is None else rows
         step, extra = self.seq_len, self.extra
         flat, first = self._read(rows * step + extra, rows * step)
         tokens = _rows(flat, rows, step, extra)
-        if not self.boundaries:
+        if not self.marks:
             return torch.from_numpy(tokens)
         assert first is not None
         starts = _rows(first, rows, step, extra)
-        ids, positions = segments(starts)
-        return {
-            "tokens": torch.from_numpy(tokens),
-            "document_ids": torch.from_numpy(ids),
-            "positions": torch.from_numpy(positions),
-        }
+        out: dict[str, Any] = {"tokens": torch.from_numpy(tokens)}
+        if self.boundaries:
+            ids, positions = segments(starts)
+            out["document_ids"], out["positions"] = (
+                torch.from_numpy(ids),
+                torch.from_numpy(positions),
+            )
+        if self.varlen:  # of the rows' inputs: with targets, all but each row's last token
+            cu_seqlens, out["max_seqlen"] = varlen(starts[:, :step])
+            out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
+        return out
 
     def last(self) -> Any:
         """At the end of an epoch: the full rows still held as one shorter batch (None if not
@@ -86,7 +93,7 @@ class Packer:
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Copy the next `n` tokens out (and, with `marks` (default: with boundaries), a mask of
         documents' first tokens), then drop `advance` of them from what is held."""
-        marks = self.boundaries if marks is None else marks
+        marks = self.marks if marks is None else marks
         if not marks and self._runs:  # within the first run: a view of it, nothing copied
             run, head = self._runs[0], self._head
             # (a batch of no extra token is that view itself: only of tokens made here)
@@ -147,6 +154,17 @@ def _rows(flat: np.ndarray, rows: int, step: int, extra: int) -> np.ndarray:
     out[:, :step] = flat[:-1].reshape(rows, step)
     out[:, step] = flat[step::step]
     return out
+
+
+def varlen(starts: np.ndarray) -> tuple[np.ndarray, int]:
+    """(cu_seqlens, max_seqlen) of the batch's rows flattened, as flash-attention's varlen
+    functions take them: int32 offsets of every segment's first token, then the token count, and
+    the longest segment. Segments as `segments` counts them (a row's start begins one)."""
+    marks = starts.copy()
+    marks[:, 0] = True
+    begins = np.flatnonzero(marks.reshape(-1))
+    cu_seqlens = np.append(begins, marks.size).astype(np.int32)
+    return cu_seqlens, int(np.diff(cu_seqlens).max(initial=0))
 
 
 def segments(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -95,6 +95,43 @@ def plain(batch: Any) -> dict[str, list[list[int]]]:
 documents = st.lists(st.lists(st.integers(0, 500), max_size=30), max_size=40)
 
 
+def run_lengths(row: list[int]) -> list[int]:
+    """The lengths of the runs of equal values in `row`, in order."""
+    cuts = [i for i in range(1, len(row)) if row[i] != row[i - 1]]
+    return [b - a for a, b in zip([0, *cuts], [*cuts, len(row)], strict=True)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    docs=documents, seq_len=st.integers(1, 12), batch_size=st.integers(1, 4),
+    eos=st.sampled_from([None, 999]), targets=st.booleans(), boundaries=st.booleans(),
+)  # fmt: skip
+def test_varlen_gives_the_rows_segments_flattened_as_flash_attention_takes_them(
+    docs: list[list[int]], seq_len: int, batch_size: int, eos: int | None, targets: bool,
+    boundaries: bool,
+) -> None:  # fmt: skip
+    loader = Loader(items_of(docs, "arrays", "int32"), same, batch_size=None, collate=None)
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "eos": eos, "targets": targets}
+    with pack(loader, seq_len, boundaries=True, **kwargs) as marked:
+        segmented = list(marked)
+    loader = Loader(items_of(docs, "arrays", "int32"), same, batch_size=None, collate=None)
+    with pack(loader, seq_len, boundaries=boundaries, varlen=True, **kwargs) as packed:
+        got = list(packed)
+    assert len(got) == len(segmented)
+    for batch, want in zip(got, segmented, strict=True):
+        assert torch.equal(batch["tokens"], want["tokens"])
+        assert ("document_ids" in batch) == boundaries
+        # the inputs' segments (with targets, a row's last token is only a target), row by row
+        lengths = [
+            n for row in want["document_ids"][:, :seq_len].tolist() for n in run_lengths(row)
+        ]
+        cu_seqlens = batch["cu_seqlens"]
+        assert cu_seqlens.dtype == torch.int32
+        assert cu_seqlens.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        assert cu_seqlens[-1] == len(want["tokens"]) * seq_len
+        assert batch["max_seqlen"] == max(lengths)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     docs=documents,
