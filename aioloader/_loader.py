@@ -103,6 +103,10 @@ class Loader(Generic[T]):
             torch.distributed process group, else RANK / WORLD_SIZE, else 0 and 1). Every rank
             gets the same number of batches: the epoch is padded by wrapping around, or cut with
             `drop_last`.
+        mesh: instead of rank and world_size, the data-parallel part of a DeviceMesh
+            (`world_mesh["dp"]`, or `world_mesh["dp_replicate", "dp_shard"]`): its ranks share
+            the data; processes that differ only in its other dimensions (tensor, pipeline,
+            context parallel) read the same batches in the same order, and save the same state.
         concurrency: fetches in flight at most; "auto" moves it while running, on measured
             throughput, within the byte budget (see `_tuning/auto.py`; `stats().concurrency` shows it).
         prefetch: batches made ready ahead of the consumer. Samples held at most:
@@ -175,6 +179,7 @@ class Loader(Generic[T]):
         stats: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
+        mesh: Any = None,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
         memory_format: torch.memory_format | None = None,
@@ -216,7 +221,7 @@ class Loader(Generic[T]):
         if batch_size is not None:
             check_int("batch_size", batch_size, minimum=1)
         check_int("seed", seed, minimum=0)
-        rank, world_size = resolve_rank(rank, world_size)
+        rank, world_size = resolve_rank(rank, world_size, mesh)
         if isinstance(source, Bindable):  # the source shards its own data
             source.bind(rank=rank, world_size=world_size)
             rank, world_size = 0, 1
@@ -574,6 +579,11 @@ class BesideLoader(Loader[T]):
         **kwargs: Any,
     ) -> None:
         check_int("prefetch", prefetch, minimum=1)
+        if kwargs.get("mesh") is not None:  # its place, read here (the worker's copy of the
+            mesh = kwargs.pop("mesh")  # process group is not to be used)
+            kwargs["rank"], kwargs["world_size"] = resolve_rank(
+                kwargs.pop("rank", None), kwargs.pop("world_size", None), mesh
+            )
         recipe = functools.partial(
             _made_beside, keys, fetch, prefetch=prefetch, timeout=timeout, **kwargs
         )  # fmt: skip
