@@ -35,6 +35,7 @@ from ._pack.tokenize import Tokenize as Tokenize
 from ._pack.tokenize import tokenize as tokenize
 from ._pipeline.collate import BufferPool as BufferPool
 from ._pipeline.collate import default_collate as default_collate
+from ._resume.dcp import DataCheckpoint as DataCheckpoint
 from ._util.rng import sample_generator as sample_generator
 from ._util.rng import sample_np_generator as sample_np_generator
 from ._util.rng import sample_seed as sample_seed
@@ -47,6 +48,7 @@ __all__ = [
     "AioloaderError",
     "BufferPool",
     "CollateError",
+    "DataCheckpoint",
     "DataLoader",
     "DecodeError",
     "Diagnosis",
