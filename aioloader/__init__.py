@@ -20,6 +20,8 @@ from ._executors.base import Executor as Executor
 from ._executors.process.executor import ProcessExecutor as ProcessExecutor
 from ._loader import DEFAULT_COLLATE as DEFAULT_COLLATE
 from ._loader import Loader as Loader
+from ._mix.choices import Schedule as Schedule
+from ._mix.choices import schedule as schedule
 from ._mix.loaders import MixedLoaders as MixedLoaders
 from ._mix.mix import mix as mix
 from ._mix.rows import MixedRows as MixedRows
@@ -66,6 +68,7 @@ __all__ = [
     "Packed",
     "ProcessExecutor",
     "SampleError",
+    "Schedule",
     "StageStats",
     "StateError",
     "Tokenize",
@@ -78,6 +81,7 @@ __all__ = [
     "sample_generator",
     "sample_np_generator",
     "sample_seed",
+    "schedule",
     "sources",
     "tokenize",
 ]

@@ -1,4 +1,9 @@
-"""The rule of a mix: which source each position draws, and the checks of `weights` and `stop`."""
+"""The rule of a mix: which source each position draws, and the checks of `weights` and `stop`.
+
+The weights are fixed, or a `Schedule`: weights in force from given positions of the epoch on,
+held until the next breakpoint or interpolated linearly to it. Either way position `p` draws from
+(seed, epoch, p) with the weights in force at `p`, so every resume stays exact.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK", "STOPS", "Choices", "check_stop", "check_weights"]
+__all__ = [
+    "BLOCK", "STOPS", "Choices", "Schedule", "check_stop", "check_weights", "drawable", "own_weights",
+    "schedule", "weights_config",
+]  # fmt: skip
 
 STOPS = ("first_exhausted", "all_exhausted", "cycle")
 BLOCK = 4096  # positions drawn at once; a block's generator is seeded from (seed, epoch, block)
@@ -16,13 +24,118 @@ _CHOICE_SALT = 0x6D6978  # keeps the choice draws apart from the parts' permutat
 _NONE = np.zeros(0, dtype=np.intp)
 
 
+class Schedule:
+    """Mixture weights that change over the positions of an epoch (`aioloader.schedule`).
+
+    `points`: (position, weights) pairs, the first at position 0, positions increasing; each
+    weights one non-negative number per source, not all zero (a {name: weight} mapping until
+    `mix` checks them against its sources: `check_weights`). `interpolate`: "step" (each
+    breakpoint's weights hold until the next) or "linear" (they move linearly to the next
+    breakpoint's; the last holds from its position on).
+    """
+
+    def __init__(self, points: Sequence[tuple[int, Any]], interpolate: str) -> None:
+        self.points_given = list(points)
+        self.interpolate = interpolate
+        rows = [w for _, w in points]
+        numeric = all(isinstance(w, list) and all(isinstance(x, float) for x in w) for w in rows)
+        self.points: list[tuple[int, list[float]]] = list(points) if numeric else []
+        self.positions = np.asarray([p for p, _ in self.points], dtype=np.float64)
+        self.table = np.asarray(rows if numeric else [], dtype=np.float64)  # [points, sources]
+
+    def __repr__(self) -> str:
+        return f"schedule({self.points or self.points_given}, interpolate={self.interpolate!r})"
+
+    def __len__(self) -> int:
+        return int(self.table.shape[1]) if self.table.ndim == 2 else 0
+
+    def at(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.float64]]:
+        """The weights in force at each of `positions`: [len(positions), sources]."""
+        if self.interpolate == "linear":
+            return np.stack(
+                [np.interp(positions, self.positions, self.table[:, i]) for i in range(len(self))],
+                axis=1,
+            )
+        index = np.searchsorted(self.positions, positions, side="right") - 1
+        return self.table[index]
+
+
+def schedule(
+    points: Sequence[tuple[int, Sequence[float] | Mapping[str, float]]],
+    *,
+    interpolate: str = "step",
+) -> Schedule:
+    """Mixture weights that change during an epoch, for `mix(..., weights=schedule(...))`.
+
+    Args:
+        points: (position, weights) pairs, positions increasing from 0: from `position` on (a
+            position counts the mix's samples of the epoch; in a mix by rows, its rows), the
+            weights are these (a list, or {name: weight} for named sources). A schedule over
+            steps: position = step * batch_size. (Use stop="cycle" for one endless epoch, so the
+            positions count the samples of the whole run.)
+        interpolate: "step" (each breakpoint's weights hold until the next) or "linear" (they move
+            linearly to the next one's).
+
+    Returns:
+        A `Schedule`, checked against the sources when `mix` is called. Position `p` still draws
+        from (seed, epoch, p), with the weights in force at `p`: every resume stays exact. A saved
+        state records the schedule, and a load under another one is refused (`StateError`).
+
+    Example:
+        >>> weights = schedule([(0, {"web": 0.9, "code": 0.1}), (900_000, {"web": 0.7, "code": 0.3})])
+    """
+    if interpolate not in ("step", "linear"):
+        raise ValueError(f"interpolate: expected 'step' or 'linear', got {interpolate!r}")
+    if isinstance(points, str | bytes) or not isinstance(points, Sequence) or not points:
+        raise TypeError("points: expected a non-empty list of (position, weights) pairs")
+    checked: list[tuple[int, Any]] = []
+    for i, point in enumerate(points):
+        if not isinstance(point, Sequence) or isinstance(point, str) or len(point) != 2:
+            raise TypeError(f"points[{i}]: expected a (position, weights) pair, got {point!r}")
+        position, weights = point
+        if isinstance(position, bool) or not isinstance(position, int | np.integer):
+            raise TypeError(f"points[{i}]: the position must be an int, got {position!r}")
+        before = checked[-1][0] if checked else -1
+        if (i == 0 and position != 0) or position <= before:
+            raise ValueError(
+                f"points[{i}]: positions start at 0 and increase, got {position} after {before}"
+            )
+        checked.append((int(position), weights))
+    return Schedule(checked, interpolate)
+
+
+def drawable(weights: Sequence[float] | Schedule) -> set[int]:
+    """The sources a position may draw: weight above 0 (somewhere in a schedule)."""
+    if isinstance(weights, Schedule):
+        return {int(i) for i in np.flatnonzero(weights.table.max(axis=0) > 0)}
+    return {i for i, w in enumerate(weights) if w > 0}
+
+
+def own_weights(weights: Sequence[float] | Schedule) -> list[float] | Schedule:
+    """A mix's own copy of its checked weights (a schedule as it is: it does not change)."""
+    return weights if isinstance(weights, Schedule) else list(weights)
+
+
+def weights_config(weights: Sequence[float] | Schedule) -> Any:
+    """The weights as a saved state's configuration records them (JSON)."""
+    if isinstance(weights, Schedule):
+        return {"schedule": [[p, w] for p, w in weights.points], "interpolate": weights.interpolate}
+    return list(weights)
+
+
 class Choices:
     """Which source each position of one epoch draws: a pure function of (seed, epoch, position)."""
 
-    def __init__(self, weights: Sequence[float], seed: int, epoch: int) -> None:
-        cum = np.cumsum(np.asarray(weights, dtype=np.float64) / math.fsum(weights))
-        last = max(i for i, w in enumerate(weights) if w > 0)
-        cum[last:] = 1.0  # rounding never lets a draw past the last source that has weight
+    def __init__(self, weights: Sequence[float] | Schedule, seed: int, epoch: int) -> None:
+        self._schedule = weights if isinstance(weights, Schedule) else None
+        n = len(weights)
+        if not isinstance(weights, Schedule):
+            cum = np.cumsum(np.asarray(weights, dtype=np.float64) / math.fsum(weights))
+            last = max(i for i, w in enumerate(weights) if w > 0)
+            cum[last:] = 1.0  # rounding never lets a draw past the last source that has weight
+        else:
+            cum = np.zeros(n)
+        self._n = n
         self._cum, self._seed, self._epoch = cum, seed, epoch
         # the last block drawn, as an array and (once `at` asks) as a list: one draw serves both
         self._block, self._array = -1, _NONE
@@ -62,16 +175,36 @@ class Choices:
         total = np.zeros(len(self._cum), dtype=np.int64)
         for block in range(-(-n // BLOCK)):
             picks = self._draw(block)[: n - block * BLOCK]
-            total += np.bincount(picks, minlength=len(self._cum))
+            total += np.bincount(picks, minlength=self._n)
         return [int(c) for c in total]
 
     def _draw(self, block: int) -> np.ndarray[Any, np.dtype[np.intp]]:
         rng = np.random.default_rng([self._seed, self._epoch, block, _CHOICE_SALT])
-        return np.searchsorted(self._cum, rng.random(BLOCK), side="right")
+        if self._schedule is None:
+            return np.searchsorted(self._cum, rng.random(BLOCK), side="right")
+        weights = self._schedule.at(np.arange(block * BLOCK, (block + 1) * BLOCK))
+        cum = np.cumsum(weights, axis=1) / weights.sum(axis=1, keepdims=True)
+        last = weights.shape[1] - 1 - np.argmax(weights[:, ::-1] > 0, axis=1)
+        cum[np.arange(weights.shape[1]) >= last[:, None]] = 1.0  # (as the fixed weights' rule)
+        picks: np.ndarray[Any, np.dtype[np.intp]] = (rng.random(BLOCK)[:, None] >= cum).sum(axis=1)
+        return picks.astype(np.intp)
 
 
-def check_weights(weights: Any, names: Sequence[str | None]) -> list[float]:
-    """The weights as floats, one per source (a mapping: by the sources' names); errors name them."""
+def check_weights(weights: Any, names: Sequence[str | None]) -> list[float] | Schedule:
+    """The weights as floats, one per source (a mapping: by the sources' names), or a `Schedule`
+    with every breakpoint's checked so; errors name them."""
+    if isinstance(weights, Schedule):
+        points = []
+        for i, (position, each) in enumerate(weights.points_given):
+            try:
+                points.append((position, _check_fixed(each, names)))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"points[{i}]: {exc}") from None
+        return Schedule(points, weights.interpolate)
+    return _check_fixed(weights, names)
+
+
+def _check_fixed(weights: Any, names: Sequence[str | None]) -> list[float]:
     if isinstance(weights, Mapping):
         if list(names) == [None] * len(names) or set(weights) != set(names):
             raise ValueError(

@@ -24,7 +24,7 @@ from .._loader import Loader
 from .._resume.state import STATE_VERSION, check_config
 from .._util.ranges import Ranges
 from .._util.validate import check_int
-from .choices import Choices
+from .choices import Choices, Schedule, drawable, own_weights, weights_config
 from .elastic import Resumed, Seen, resume_loader
 
 __all__ = ["MixedLoaders"]
@@ -53,10 +53,11 @@ class MixedLoaders:
     """
 
     def __init__(
-        self, loaders: Sequence[Loader[Any]], names: Sequence[str | None], weights: Sequence[float],
+        self, loaders: Sequence[Loader[Any]], names: Sequence[str | None],
+        weights: Sequence[float] | Schedule,
         *, seed: int, stop: str,
     ) -> None:  # fmt: skip
-        self.loaders, self.names, self.weights = list(loaders), list(names), list(weights)
+        self.loaders, self.names, self.weights = list(loaders), list(names), own_weights(weights)
         self.seed, self.stop = seed, stop
         self._epoch = 0
         self._progress: _Progress | None = None  # the epoch being iterated
@@ -163,7 +164,7 @@ class MixedLoaders:
     def _ends(self, i: int, progress: _Progress) -> bool:
         """Loader `i` ran out: True if the mix's epoch ends there; else it starts its next epoch."""
         progress.ran_out.add(i)
-        live = {j for j, w in enumerate(self.weights) if w > 0}
+        live = drawable(self.weights)
         if self.stop == "first_exhausted" or (
             self.stop == "all_exhausted" and progress.ran_out >= live
         ):
@@ -193,7 +194,7 @@ class MixedLoaders:
 
     def _config(self) -> dict[str, Any]:
         return {
-            "weights": self.weights, "seed": self.seed, "stop": self.stop,
+            "weights": weights_config(self.weights), "seed": self.seed, "stop": self.stop,
             "names": [str(n) if n is not None else i for i, n in enumerate(self.names)],
         }  # fmt: skip
 
@@ -317,7 +318,7 @@ class MixedLoaders:
         resumed: dict[int, Resumed] = {}
         if not all(fresh):  # (else the epoch from its start, afresh)
             for i, loader in enumerate(self.loaders):
-                if self.weights[i] > 0:  # (one of weight 0 is never drawn)
+                if i in drawable(self.weights):  # (one of weight 0 is never drawn)
                     seen = [
                         Seen(rank, epoch, None) if skip else self._seen(i, rank, s, world_size)
                         for rank, (s, skip) in enumerate(zip(by_rank, fresh, strict=True))

@@ -30,7 +30,7 @@ from typing import Any
 
 from .._loader import Loader
 from .._util.validate import check_int
-from .choices import check_stop, check_weights
+from .choices import Schedule, check_stop, check_weights
 from .loaders import MixedLoaders
 from .rows import MixedRows
 from .source import Mix, label
@@ -40,7 +40,7 @@ __all__ = ["mix"]
 
 def mix(
     sources_or_loaders: Sequence[Any] | Mapping[str, Any],
-    weights: Sequence[float] | Mapping[str, float],
+    weights: Sequence[float] | Mapping[str, float] | Schedule,
     *,
     seed: int = 0,
     stop: str = "first_exhausted",
@@ -56,7 +56,9 @@ def mix(
             IterableDataset). Or all of
             them `Loader`s: their items (batches, or samples when unbatched) are then mixed whole.
         weights: one non-negative number per input (or {name: weight}), not all zero; position `p`
-            of an epoch draws input `i` with probability `weights[i] / sum(weights)`.
+            of an epoch draws input `i` with probability `weights[i] / sum(weights)`. Or
+            `aioloader.schedule(...)`: weights that change with the position (each position still
+            draws with the weights in force there).
         seed: the choices and every input's shuffle derive from it, the epoch and the position.
         stop: when an epoch ends: "first_exhausted" (the first input that runs out ends it),
             "all_exhausted" (inputs that run out start their next epoch until every one has run

@@ -35,7 +35,7 @@ import numpy as np
 from .._exceptions import StateError
 from .._loader import Loader
 from .._util.ranges import Ranges
-from .choices import Choices
+from .choices import Choices, Schedule, drawable
 from .loaders import MixedLoaders, _Progress
 
 __all__ = ["Interleaved", "MixedRows", "RowRun"]
@@ -127,7 +127,8 @@ class MixedRows(MixedLoaders):
     """
 
     def __init__(
-        self, loaders: Sequence[Loader[Any]], names: Sequence[str | None], weights: Sequence[float],
+        self, loaders: Sequence[Loader[Any]], names: Sequence[str | None],
+        weights: Sequence[float] | Schedule,
         *, seed: int, stop: str, rows_per_item: int,
     ) -> None:  # fmt: skip
         super().__init__(loaders, names, weights, seed=seed, stop=stop)
@@ -233,7 +234,7 @@ class MixedRows(MixedLoaders):
         choices = Choices(self.weights, self.seed, progress.epoch)
         size = self.rows_per_item
         ready: dict[int, Any] = {}  # loader -> its state, where its first pull found no item
-        ids = [i for i, w in enumerate(self.weights) if w > 0]
+        ids = sorted(drawable(self.weights))
         if len(ids) > 1:  # every loader's first item at once, each held from then on
             befores = {i: self.loaders[i].state_dict() for i in ids}
             firsts = yield _First(ids)

@@ -30,7 +30,7 @@ from .._protocol import HasAclose, HasStats
 from .._util.ranges import Ranges, ranges_of
 from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
-from .choices import Choices
+from .choices import Choices, Schedule, drawable, own_weights
 from .parts import END, Indexed, Part, Pass, make_part
 
 __all__ = ["Mix", "MixEpochs", "MixKey", "label"]
@@ -100,11 +100,12 @@ class Mix:
     )  # what a Loader given shuffle=True says
 
     def __init__(
-        self, sources: Sequence[Any], names: Sequence[str | None], weights: Sequence[float], *,
+        self, sources: Sequence[Any], names: Sequence[str | None],
+        weights: Sequence[float] | Schedule, *,
         seed: int, stop: str, shuffle: bool,
     ) -> None:  # fmt: skip
         self._threads = LazyThreadPool(_FETCH_THREADS, "aioloader-mix")
-        self.weights, self.seed, self.stop, self.shuffle = list(weights), seed, stop, shuffle
+        self.weights, self.seed, self.stop, self.shuffle = own_weights(weights), seed, stop, shuffle
         self.names = list(names)
         self._sources = list(sources)
         self.parts: list[Part] = [
@@ -223,7 +224,7 @@ class Mix:
         """(source, pass, its position in that pass) of each key `rank` streams in `epoch`, in
         order, as `stream` gives them (`elastic`: under the elastic rule)."""
         choices = Choices(self.weights, self.seed, epoch)
-        live = {i for i, w in enumerate(self.weights) if w > 0}
+        live = drawable(self.weights)
         at = dict.fromkeys(live, 0)  # each source: its pass, and its place in it
         k = dict.fromkeys(live, 0)
         shares: dict[tuple[int, int], Any] = {}
@@ -298,7 +299,7 @@ class Mix:
             return self.parts[i].open(part_epoch, layout.consumed(i, part_epoch - epoch))
 
         choices = Choices(self.weights, self.seed, epoch)
-        live = {i for i, w in enumerate(self.weights) if w > 0}
+        live = drawable(self.weights)
         start = self.starts.pop(epoch, 0)
         self.starts.clear()  # a start left for another epoch is stale once this one streams
         spent: set[int] = set()  # (elastic) the sources whose share is spent

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader import Loader, Packed, StateError, mix, pack, sources
+from aioloader import Loader, Packed, StateError, mix, pack, schedule, sources
 
 EOS = 50_000
 
@@ -319,9 +319,10 @@ def test_loaders_mixed_whole_pack_and_resume(corpora: dict[str, list[str]]) -> N
 
 def rows_packer(
     corpora: dict[str, list[str]], *, stop: str = "all_exhausted", rank: int = 0,
-    world_size: int = 1, **kwargs: Any,
+    world_size: int = 1, weights: Any = (0.7, 0.3), **kwargs: Any,
 ) -> Callable[[], Packed]:  # fmt: skip
-    """A 0.7 / 0.3 mix by rows (per document) of loaders of RecordBatches of 20 documents."""
+    """A 0.7 / 0.3 mix (or `weights`) by rows (per document) of loaders of RecordBatches of 20
+    documents."""
 
     def make() -> Packed:
         loaders = [
@@ -329,10 +330,22 @@ def rows_packer(
                    batch_size=None, collate=None, rank=rank, world_size=world_size, **kwargs)
             for i, name in enumerate(("web", "code"))
         ]  # fmt: skip
-        rows = mix(loaders, [0.7, 0.3], seed=2, stop=stop, rows_per_item=16)
+        rows = mix(loaders, weights, seed=2, stop=stop, rows_per_item=16)
         return pack(rows, 64, batch_size=2, eos=EOS, key="tokens", boundaries=True)
 
     return make
+
+
+@pytest.mark.parametrize("interpolate", ["step", "linear"])
+def test_a_schedule_mixed_by_rows_and_packed_resumes_at_random_steps(
+    corpora: dict[str, list[str]], interpolate: str
+) -> None:
+    # the weights move from mostly "web" to mostly "code" a third of the way through the epoch's
+    # rows: a resume anywhere goes on with the weights in force there, as the uninterrupted run
+    weights = schedule([(0, [0.9, 0.1]), (150, [0.2, 0.8])], interpolate=interpolate)
+    make = rows_packer(corpora, weights=weights)
+    rng = random.Random(interpolate)
+    assert_resumes(make, [rng.randint(1, 30), rng.randint(1, 30)])
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
