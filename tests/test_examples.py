@@ -126,3 +126,15 @@ def test_pretraining_learns_and_resumes_from_a_checkpoint_exactly(tmp_path: Path
         float(x) for x in re.findall(r"loss: ([\d.]+) over the first 6 steps, ([\d.]+)", out)[0]
     )
     assert last < first
+
+
+@pytest.mark.slow  # three torchrun jobs (4, 4 and 2 processes): about 40 s on two cores
+def test_pretraining_on_a_mesh_restarts_exactly_and_elsewhere_without_repeats(
+    tmp_path: Path,
+) -> None:
+    out = run_example("pretraining_mesh.py", "--steps", "12", "--folder", str(tmp_path))
+    assert "each tensor-parallel pair read the same batches: yes" in out
+    assert "the two data-parallel pairs different ones: yes" in out
+    assert "the batches after the restart are the uninterrupted run's: yes" in out
+    assert re.search(r"size 2 -> 1\): [1-9]\d* documents begun after the restart, none of", out)
+    assert out.rstrip().endswith("yes")
