@@ -25,6 +25,9 @@ Contenders:
   peers' rows come in (LitData's and Grain's tokens as stored), so each contender hands over the
   same bytes; `pack`'s default is int64, what a loss takes as targets;
 - "aioloader-per-doc": one document per sample (the mix draws per document);
+- "aioloader-schedule": "aioloader" with the weights under `aioloader.schedule`, moving linearly
+  from 0.7 / 0.3 to 0.4 / 0.6 over the first 40,000 documents (what a schedule costs; not in the
+  default contenders: `--contenders aioloader,aioloader-schedule`);
 - "aioloader-text": "aioloader-batches" over a copy of the corpus whose `text` column holds each document
   as words ("w123 w45 ..." for token ids 123, 45, ...; `id`, `url`, `raw` as they were), tokenized
   on the fly by `aioloader.tokenize` (a word-level `tokenizers.Tokenizer`, made before the clock
@@ -79,7 +82,13 @@ SEQ_LEN, BATCH, EOS = 2048, 8, 0
 WEIGHTS = {"web": 0.7, "code": 0.3}
 ROWS_PER_FILE, ROW_GROUP = 10_000, 1_000
 CHECKED = 20  # batches compared after the resume
-OURS = ("aioloader", "aioloader-batches", "aioloader-per-doc", "aioloader-text")
+OURS = (
+    "aioloader",
+    "aioloader-batches",
+    "aioloader-per-doc",
+    "aioloader-text",
+    "aioloader-schedule",
+)
 IMPORTS = {
     "litdata": ["litdata"], "grain": ["grain", "grain.experimental"],
     "hf": ["datasets", "torchdata.stateful_dataloader"], "aioloader-text": ["aioloader", "tokenizers"],
@@ -171,12 +180,14 @@ def aioloader_packed(
     tokenizer: Any = None,
     rows_per_item: int | None = None,
     options: dict[str, Any] | None = None,
+    scheduled: bool = False,
 ) -> Any:
     """The mix packed; with a `tokenizer`, over the text copy, tokenized in the decode threads;
-    `options`: the sources' own (`s3_options` for the store)."""
+    `options`: the sources' own (`s3_options` for the store); `scheduled`: the weights move from
+    0.7 / 0.3 to 0.4 / 0.6 over the first 40,000 documents (the mix by rows only)."""
     import torch
 
-    from aioloader import Loader, mix, pack, sources, tokenize
+    from aioloader import Loader, mix, pack, schedule, sources, tokenize
 
     column = "tokens" if tokenizer is None else "text"
     options = options or {}
@@ -191,7 +202,11 @@ def aioloader_packed(
             )
             for i, paths in enumerate(files.values())
         ]
-        rows = mix(dict(zip(files, loaders, strict=True)), WEIGHTS, seed=1,
+        weights: Any = WEIGHTS
+        if scheduled:
+            later = {"web": 0.4, "code": 0.6}
+            weights = schedule([(0, WEIGHTS), (40_000, later)], interpolate="linear")
+        rows = mix(dict(zip(files, loaders, strict=True)), weights, seed=1,
                    rows_per_item=rows_per_item)  # fmt: skip
         return pack(rows, SEQ_LEN, batch_size=BATCH, eos=EOS, key="tokens", dtype=torch.int32)
     parts = {
@@ -221,10 +236,10 @@ class Ours:
 
     def __init__(
         self, files: dict[str, list[str]], rows_per_sample: int | None, tokenizer: Any = None,
-        rows_per_item: int | None = None,
+        rows_per_item: int | None = None, scheduled: bool = False,
     ) -> None:  # fmt: skip
         self.files, self.rows_per_sample, self.tokenizer = files, rows_per_sample, tokenizer
-        self.rows_per_item = rows_per_item
+        self.rows_per_item, self.scheduled = rows_per_item, scheduled
         self.options: dict[str, Any] = {}
         where = store()
         if where is not None:  # the files' copies in the bucket, behind the 20 ms proxy
@@ -232,7 +247,7 @@ class Ours:
 
     def make(self) -> Any:
         return aioloader_packed(self.files, self.rows_per_sample, self.tokenizer,
-                                self.rows_per_item, self.options)  # fmt: skip
+                                self.rows_per_item, self.options, self.scheduled)  # fmt: skip
 
     def batches(self, packed: Any) -> Iterator[np.ndarray]:
         for batch in packed:
@@ -330,6 +345,8 @@ def child(
         contender: Any = Ours(text_of(files), 256, word_level())
     elif name == "aioloader":
         contender = Ours(files, 256, rows_per_item=256)
+    elif name == "aioloader-schedule":
+        contender = Ours(files, 256, rows_per_item=256, scheduled=True)
     elif name in OURS:
         contender = Ours(files, 256 if name == "aioloader-batches" else None)
     else:

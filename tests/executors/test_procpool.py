@@ -35,6 +35,7 @@ from support.workerfuncs import (
     image_or_not,
     mebibyte_tensor,
     nested,
+    parent_only_marks,
     remember_id,
     wait_for_file,
     worker_id,
@@ -306,3 +307,15 @@ def test_whole_batches_kept_by_the_consumer_past_the_budget_are_pickled_not_wait
     # once: the pool waited (`PoolState.keeps_from`) for a consumer that frees nothing, then sent
     # the rest pickled without waiting again (counted by the pool, not timed: a busy machine)
     assert stats["consumer_waits"] == 1
+
+
+def test_a_zygotes_worker_starts_with_none_of_its_parents_marks(pool: ProcessExecutor) -> None:
+    # the zygote closed the descriptors marked parent-only; their numbers, free in its workers, may
+    # be taken by what a worker opens, so a pool made in a worker (beside the trainer) must not
+    # close them in turn (its zygote closed its own socket, and the pool stopped with EPIPE)
+    from aioloader._executors.process.slab_memory import parent_only_fds
+
+    assert pool.submit(echo, 1).result(WAIT_S) == 1  # this process's pools have marked some
+    assert parent_only_fds()
+    with ProcessExecutor(1, start_method="zygote") as forked:
+        assert forked.submit(parent_only_marks, 0).result(WAIT_S) == []

@@ -192,3 +192,10 @@ def fresh_16_mib(key: int) -> np.ndarray[Any, Any]:
 def blob(kind: str) -> bytes | bytearray:
     data = bytes(range(256)) * 400  # 100 KiB
     return data if kind == "bytes" else bytearray(data)
+
+
+def parent_only_marks(_: Any) -> list[int]:
+    """The descriptors this worker's process has marked parent-only (`slab_memory.parent_only`)."""
+    from aioloader._executors.process.slab_memory import parent_only_fds
+
+    return sorted(parent_only_fds())

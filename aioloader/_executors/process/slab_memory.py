@@ -13,7 +13,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["Buffer", "map_shared", "parent_only", "parent_only_fds"]
+__all__ = ["Buffer", "forget_parent_only", "map_shared", "parent_only", "parent_only_fds"]
 
 _parent_only: set[int] = set()
 _parent_only_lock = threading.Lock()
@@ -33,6 +33,14 @@ def parent_only_fds() -> set[int]:
     """The descriptors marked by `parent_only`."""
     with _parent_only_lock:
         return set(_parent_only)
+
+
+def forget_parent_only() -> None:
+    """(In a forked process that closed them.) Forget every mark: those numbers are free here, and a
+    descriptor opened later may take one, which a process forked from this one must not close (a
+    pool made in a worker, as beside the trainer: its zygote closed its own socket)."""
+    with _parent_only_lock:
+        _parent_only.clear()
 
 
 _libc = ctypes.CDLL(None, use_errno=True)  # a private handle: its prototypes are ours alone

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .slab_memory import parent_only, parent_only_fds
+from .slab_memory import forget_parent_only, parent_only, parent_only_fds
 from .worker import die_with_parent, threads_running
 
 __all__ = ["Zygote", "ZygoteProcess", "zygote_allowed"]
@@ -205,6 +205,7 @@ def _close_parent_only(ours: int) -> None:  # pragma: no cover
     for fd in {ours, *parent_only_fds()}:
         with contextlib.suppress(OSError):
             os.close(fd)
+    forget_parent_only()  # closed: their numbers are free for what this process opens next
 
 
 def _reap(sock: socket.socket) -> None:  # pragma: no cover
