@@ -152,7 +152,11 @@ def uninterrupted(kind: str, shards: list[str], stop: str, world: int) -> Counte
     return got
 
 
-@pytest.mark.parametrize("worlds", [(4, 5), (4, 3, 3), (4, 3, 5)])
+@pytest.mark.parametrize(
+    "worlds",
+    [(4, 3, 3), pytest.param((4, 5), marks=pytest.mark.slow),
+     pytest.param((4, 3, 5), marks=pytest.mark.slow)],
+)  # fmt: skip
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
 @pytest.mark.parametrize("kind", ["lists", "tar"])
 def test_elastic_resume_gives_the_uninterrupted_epoch_once(
