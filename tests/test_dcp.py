@@ -6,35 +6,16 @@ deliver is the uninterrupted epoch, each sample once but for the padding of the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.torchrun import torchrun
 
 import aioloader
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 SAVED_WORLD, STEPS = 4, 3
-
-
-def torchrun(ranks: int, *args: Any) -> None:
-    cmd = [
-        str(TORCHRUN),
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        str(SCRIPTS / "dcp_resume.py"),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [*cmd, *map(str, args)], env=env, timeout=300, capture_output=True, text=True
-    )
-    if done.returncode != 0:  # only torch's own gloo teardown may abort, after the records
-        assert "exitcode: -6" in done.stderr, done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
 
 
 def uninterrupted() -> Counter[int]:
@@ -50,7 +31,8 @@ def uninterrupted() -> Counter[int]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Counter[int]]:
     out = tmp_path_factory.mktemp("dcp")
-    torchrun(SAVED_WORLD, "save", out, out / "checkpoint", STEPS)
+    written = [out / f"save-rank{r}.json" for r in range(SAVED_WORLD)]
+    torchrun("dcp_resume.py", SAVED_WORLD, "save", out, out / "checkpoint", STEPS, written=written)
     before: Counter[int] = Counter()
     for rank in range(SAVED_WORLD):
         before.update(json.loads((out / f"save-rank{rank}.json").read_text()))
@@ -60,7 +42,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Counter[int]]
 
 def resumed_on(world: int, saved: tuple[Path, Counter[int]]) -> None:
     out, before = saved
-    torchrun(world, "resume", out, out / "checkpoint")
+    written = [out / f"resume-rank{r}.json" for r in range(world)]
+    torchrun("dcp_resume.py", world, "resume", out, out / "checkpoint", written=written)
     after = [json.loads((out / f"resume-rank{r}.json").read_text()) for r in range(world)]
     assert len({len(a) for a in after}) == 1  # every new rank as many samples: equal steps
     got = before + Counter(k for a in after for k in a)

@@ -7,31 +7,19 @@ a mix packed over the same loader follows the same rule. Explicit coordinates (`
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.torchrun import torchrun
 
 from aioloader import Loader
 from aioloader._util.ranks import mesh_rank
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-
 
 def test_a_2x2_mesh_shares_data_by_its_data_parallel_part(tmp_path: Path) -> None:
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=4", str(SCRIPTS / "mesh_shards.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [*cmd, str(tmp_path)], env=env, timeout=300, capture_output=True, text=True
-    )
     written = [tmp_path / f"rank{r}.json" for r in range(4)]
-    if done.returncode != 0:  # only torch's own gloo teardown may abort, after the records
-        torn_down = all(p.exists() for p in written) and "exitcode: -6" in done.stderr
-        assert torn_down, done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
+    torchrun("mesh_shards.py", 4, tmp_path, written=written)
     ranks = [json.loads(p.read_text()) for p in written]
     groups: dict[int, list[dict[str, Any]]] = {}
     for r in ranks:
