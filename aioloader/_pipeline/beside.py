@@ -250,9 +250,14 @@ class _Answers:
             return None if self.trace is None else getattr(self.trace, name[6:])()
         if name in ("epoch", "closed"):
             return getattr(loader, name)
-        if name == "close":
-            self.served.leave_current()
-            return loader.close()
+        if name == "close":  # closed first (an epoch left early stops there, as in-process),
+            self.served.leave_current()  # then what a closed loader still answers (`_KEPT`)
+            loader.close()
+            kept = {}
+            for kept_name in _KEPT:
+                with contextlib.suppress(Exception):
+                    kept[kept_name] = self._call(kept_name, ())
+            return kept
         return getattr(loader, name)(*args)
 
 
@@ -560,11 +565,8 @@ class Beside:
             return
         with self._lock:
             if not self._lost and self._sock is not None:
-                for name in _KEPT:
-                    with contextlib.suppress(Exception):
-                        self._final[name] = self._exchange(name, ())
                 with contextlib.suppress(Exception):
-                    self._exchange("close", ())
+                    self._final = self._exchange("close", ())
             self.closed = True
         if self._stager is not None:
             self._stager.shutdown(wait=True, cancel_futures=True)
@@ -602,7 +604,7 @@ class TraceBeside:
         self.close()
 
 
-# what a closed loader still answers, as of its closing (its counters, as in-process)
+# what a closed loader still answers, after its closing (its counters, as in-process)
 _KEPT = ("stats", "diagnose", "state_dict", "epoch", "__len__")
 # calls whose effect a replacement worker must see again (see `Beside.ask`)
 _CHANGES_STATE = frozenset({"set_epoch", "load_state_dict", "start_epoch_afresh", "resume_at"})
