@@ -160,8 +160,7 @@ def varlen(starts: np.ndarray) -> tuple[np.ndarray, int]:
     """(cu_seqlens, max_seqlen) of the batch's rows flattened, as flash-attention's varlen
     functions take them: int32 offsets of every segment's first token, then the token count, and
     the longest segment. Segments as `segments` counts them (a row's start begins one)."""
-    marks = starts.copy()
-    marks[:, 0] = True
+    marks = _segment_starts(starts)
     begins = np.flatnonzero(marks.reshape(-1))
     cu_seqlens = np.append(begins, marks.size).astype(np.int32)
     return cu_seqlens, int(np.diff(cu_seqlens).max(initial=0))
@@ -172,9 +171,15 @@ def segments(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     its segment. A segment is one document's tokens in the row: a document cut by a row's start
     begins a new segment there (position 0), so attention never spans two rows' parts."""
     rows, width = starts.shape
-    marks = starts.copy()
-    marks[:, 0] = True
+    marks = _segment_starts(starts)
     ids = np.cumsum(marks, axis=1, dtype=np.int64) - 1
     column = np.broadcast_to(np.arange(width, dtype=np.int64), (rows, width))
     begun = np.maximum.accumulate(np.where(marks, column, 0), axis=1)
     return ids, column - begun
+
+
+def _segment_starts(starts: np.ndarray) -> np.ndarray:
+    """Where each row's segments begin: its documents' first tokens, and the row's own start."""
+    marks = starts.copy()
+    marks[:, 0] = True
+    return marks

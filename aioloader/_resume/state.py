@@ -134,7 +134,8 @@ def elastic_consumed(
     for s in states:
         for g in Ranges(s.get("delivered", [])):
             taken.extend(group_indices(int(s["rank"]), old_world, g, consumed))
-    if left_out is None:
-        return epoch, consumed.union(taken)
-    left = left_out(epoch, consumed, old_world).array()  # (many: no Python step per int)
-    return epoch, ranges_of(np.concatenate([consumed.array(), np.asarray(taken, np.int64), left]))
+    left = Ranges() if left_out is None else left_out(epoch, consumed, old_world)
+    # (as arrays: what is left out may be most of an epoch, no Python step per int)
+    return epoch, ranges_of(
+        np.concatenate([consumed.array(), np.asarray(taken, np.int64), left.array()])
+    )
