@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 BENCHES := dropin serialization_tax remote decode autotune stats_overhead per_batch h2d_overlap ft_threads ranks
 BENCHES += mix parquet cache cloud_gcs cloud_azure containers streams token_lists trainer_tax peers_rs
 
-.PHONY: setup test test-stress test-containers test-slow test-beside lint demo bench bench-quick chart soak clean
+.PHONY: setup test test-stress test-containers test-slow test-beside test-torchdata lint demo bench bench-quick chart soak clean
 
 setup: $(STAMP) $(AZURITE)
 
@@ -47,6 +47,23 @@ BESIDE_TESTS += tests/test_badinput.py tests/test_fuzz.py tests/test_soak.py tes
 BESIDE_TESTS += tests/resume tests/observe tests/pipeline tests/tuning tests/sources tests/mix tests/pack
 test-beside: setup
 	AIOLOADER_BESIDE=1 $(VPY) -m pytest -q $(BESIDE_TESTS)
+
+# torchdata's own StatefulDataLoader tests (pytorch/data's test_state_dict.py, test_sampler.py,
+# test_hugging_face.py at the commit scripts/torchdata_contract.sh names) with the class swapped for
+# aioloader.StatefulDataLoader, in a venv of their own (.venv-sdl: torch as TORCH says, the
+# torchdata-contract extra's pins); not in `make test`. The tests are fetched from github.com, or
+# taken from a checkout: TORCHDATA_SRC=/path/to/pytorch-data make test-torchdata
+SDLVENV := .venv-sdl
+SDLPY   := $(SDLVENV)/bin/python
+
+$(SDLVENV)/.installed: pyproject.toml
+	test -x $(SDLPY) || $(PY) -m venv $(SDLVENV)
+	$(SDLPY) -c "import torch" 2>/dev/null || $(SDLPY) -m pip install -q "$(TORCH)"
+	$(SDLPY) -m pip install -q -e ".[torchdata-contract]"
+	touch $@
+
+test-torchdata: $(SDLVENV)/.installed
+	scripts/torchdata_contract.sh
 
 # The container tests alone (also in `make test`): a 64 MB /dev/shm, a 1.5 GiB memory cgroup (root).
 test-containers: setup

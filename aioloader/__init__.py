@@ -12,6 +12,7 @@ from ._exceptions import FetchError as FetchError
 from ._exceptions import InvalidKeyError as InvalidKeyError
 from ._exceptions import LoaderClosedError as LoaderClosedError
 from ._exceptions import LoaderTimeout as LoaderTimeout
+from ._exceptions import NumWorkersChanged as NumWorkersChanged
 from ._exceptions import SampleError as SampleError
 from ._exceptions import StateError as StateError
 from ._exceptions import WorkerDied as WorkerDied
@@ -42,6 +43,7 @@ from ._util.rng import sample_generator as sample_generator
 from ._util.rng import sample_np_generator as sample_np_generator
 from ._util.rng import sample_seed as sample_seed
 from .dataloader import DataLoader as DataLoader
+from .dataloader import StatefulDataLoader as StatefulDataLoader
 
 __version__ = "0.1.0"
 
@@ -65,12 +67,14 @@ __all__ = [
     "MixKey",
     "MixedLoaders",
     "MixedRows",
+    "NumWorkersChanged",
     "Packed",
     "ProcessExecutor",
     "SampleError",
     "Schedule",
     "StageStats",
     "StateError",
+    "StatefulDataLoader",
     "Tokenize",
     "Trace",
     "WorkerDied",

@@ -63,9 +63,11 @@ class Epochs:
         timeout: float | None,
         use_caller_loop: bool,
         inline: InlineRead | None = None,
+        begin_at_iter: bool = False,
     ) -> None:
         self._stages, self._ledger, self._hooks, self._describer = stages, ledger, hooks, describer
         self.inline = inline  # `for` makes each batch in the consumer's thread (see `_inline`)
+        self._begin_at_iter = begin_at_iter  # `iter()` begins the epoch, not the first `next()`
         self.source = source  # told each epoch; closed here (None once closed in the caller's loop)
         self.device = device
         self._timeout = timeout
@@ -104,8 +106,10 @@ class Epochs:
         self._stages.recorder.waited(t0, time.perf_counter())
         if batch is END:
             self._ledger.finished(progress)
+            self._hooks.finished()
             return None
         progress.delivered.add(index)
+        self._hooks.passed(index)
         if batch is SKIPPED:
             return []
         self._hooks.handing_over()
@@ -131,14 +135,18 @@ class Epochs:
         """The next epoch's batches, for `for`. The epoch's generator holds `owner` (the loader):
         `for batch in Loader(...)` holds nothing else of it, and a loader that is dropped is closed
         (its `__del__`); dropping the iterator ends the epoch first, then lets the loader go."""
+        begun = self._start() if self._begin_at_iter else None
         if self.inline is not None:
-            return _Batches(self._inline(owner, self.inline))
-        return _Batches(self._iter(owner))
+            return _Batches(self._inline(owner, self.inline, begun))
+        return _Batches(self._iter(owner, begun))
 
-    def _inline(self, owner: object, read: InlineRead) -> Generator[Any, None, None]:
+    def _inline(
+        self, owner: object, read: InlineRead, begun: tuple[Progress, Any] | None
+    ) -> Generator[Any, None, None]:
         """`_iter` without the pipeline: each batch read and collated here, when `next()` asks
-        for it, as torch's main-process loading makes it (`owner`: see `iter`)."""
-        progress, groups = self._start()
+        for it, as torch's main-process loading makes it (`owner`: see `iter`; `begun`: the
+        epoch as `iter()` began it, else None)."""
+        progress, groups = begun or self._start()
         rec, batch_errors = self._stages.recorder, self._stages.batch_errors
         if not isinstance(groups, Iterable):
             raise TypeError("an inline epoch needs groups it can iterate without an event loop")
@@ -161,8 +169,10 @@ class Epochs:
                 yield handed.pop()  # a BatchFailed is raised by `_Batches`
         self._take(progress, time.perf_counter(), -1, END)
 
-    def _iter(self, owner: object) -> Generator[Any, None, None]:  # `owner`: see `iter`
-        progress, groups = self._start()
+    def _iter(
+        self, owner: object, begun: tuple[Progress, Any] | None
+    ) -> Generator[Any, None, None]:  # `owner`, `begun`: see `iter`, `_inline`
+        progress, groups = begun or self._start()
         runner = self._runner()
         run = runner.run(self._open(groups, progress.epoch))
         # the batches waiting come over together, in one call on the loop; each lets go of its

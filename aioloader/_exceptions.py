@@ -38,6 +38,7 @@ __all__ = [
     "InvalidKeyError",
     "LoaderClosedError",
     "LoaderTimeout",
+    "NumWorkersChanged",
     "SampleError",
     "StateError",
     "WorkerDied",
@@ -84,6 +85,12 @@ class StateError(AioloaderError, ValueError):
     def __init__(self, message: str = "", *, field: str = "") -> None:
         super().__init__(message)
         self.field = field
+
+
+class NumWorkersChanged(StateError, AssertionError):
+    """A `StatefulDataLoader`'s state was loaded into one with another `num_workers`: refused at
+    the next `iter()`, as torchdata's StatefulDataLoader refuses it (with an AssertionError, which
+    this is too, so that code written for it catches it). `DataLoader` goes on where it can."""
 
 
 class SampleError(AioloaderError):

@@ -328,7 +328,7 @@ class Loader(Generic[T]):
         self._epochs = Epochs(
             self._stages, self._ledger, self._hooks, self._describer, source=parts.source,
             device=parts.device, timeout=timeout, use_caller_loop=parts.use_caller_loop,
-            inline=inline,
+            inline=inline, begin_at_iter=parts.begin_at_iter,
         )  # fmt: skip
         traced = env_trace_path()
         if traced is not None and parts.stats:
@@ -437,7 +437,9 @@ class Loader(Generic[T]):
 
         Safe to call at any step, from the consumer's thread or task; see `_resume/state.py` for the rule.
         """
-        return self._ledger.state_dict(type(self).__name__, self._state.state_config)
+        return self._ledger.state_dict(
+            type(self).__name__, self._state.state_config, self._state.own_state()
+        )
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continue from a saved state (or from every rank's states, for another world size).
@@ -445,7 +447,9 @@ class Loader(Generic[T]):
         The next iteration continues the saved epoch. Raises StateError naming the field when a
         state does not fit this loader.
         """
-        self._ledger.load_state_dict(state, type(self).__name__, self._state.state_config)
+        self._ledger.load_state_dict(
+            state, type(self).__name__, self._state.state_config, self._state.load_own_state
+        )
 
     # -- composing loaders: what a mix (`_mix/`) asks of the loaders it interleaves -----------------
     # Public and stable: a mix resumes each of its loaders at its own epoch, and on another world

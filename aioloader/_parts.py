@@ -20,7 +20,7 @@ DataLoader's reads its attributes through a weak proxy): a loader that is droppe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,6 +72,13 @@ class EpochHooks(Protocol):
     def handing_over(self) -> None:
         """A batch (one that failed too) is about to be handed to the consumer, in its thread."""
 
+    def passed(self, index: int) -> None:
+        """Batch `index` of the epoch was handed over, or skipped (its samples all skipped), in the
+        consumer's thread: a state saved from now on counts it delivered."""
+
+    def finished(self) -> None:
+        """The epoch's last batch was handed over (in the consumer's thread)."""
+
     def set_epoch(self, epoch: int) -> None:
         """`set_epoch(epoch)` was called (after the loader took it as its next epoch)."""
 
@@ -83,6 +90,12 @@ class NoHooks:
         pass
 
     def handing_over(self) -> None:
+        pass
+
+    def passed(self, index: int) -> None:
+        pass
+
+    def finished(self) -> None:
         pass
 
     def set_epoch(self, epoch: int) -> None:
@@ -120,6 +133,19 @@ class StateCodec(Protocol):
 
     def state_config(self) -> dict[str, Any]:
         """The fields written as a state's "config" and compared on load (JSON-ready)."""
+        ...
+
+    def own_state(self) -> dict[str, Any]:
+        """Fields a state carries beside the loader's own (a DataLoader: its dataset's and
+        sampler's own states, `_torch/stateful.py`); {} for none."""
+        ...
+
+    def load_own_state(
+        self, state: Mapping[str, Any] | None, elastic: list[Mapping[str, Any]]
+    ) -> None:
+        """A state is being loaded: this rank's own fields, or on another world size None and
+        every old rank's (`elastic`); StateError where they cannot be kept here (before the loader
+        takes anything of the state)."""
         ...
 
 
@@ -210,6 +236,14 @@ class KeyPlanState:
             "drop_last": plan.drop_last, "shuffle": order.shuffle, "seed": order.seed,
         }  # fmt: skip
 
+    def own_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_own_state(
+        self, state: Mapping[str, Any] | None, elastic: list[Mapping[str, Any]]
+    ) -> None:
+        pass
+
 
 @dataclass
 class Parts:
@@ -233,6 +267,9 @@ class Parts:
     # `for` makes each batch in the consumer's thread, without the pipeline (`_pipeline/inline.py`):
     # for reads that do not wait, or must not overlap; not with a decode or a device stage
     inline: bool = False
+    # `iter(loader)` begins the epoch (draws its order, starts its workers), as torch's DataLoader
+    # does; else the first `next()` does
+    begin_at_iter: bool = False
     origin: str = ""  # where the samples come from, for the default describer's repr
     hooks: EpochHooks = field(default_factory=NoHooks)
     describer: Describer | None = None  # None: a `LoaderDescriber`, once the stages are made

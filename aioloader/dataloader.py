@@ -21,6 +21,11 @@ keep processes. An IterableDataset is iterated as torch does it: with N > 0 each
 iterates its own replica (shard it with `get_worker_info()`) and makes whole batches of its items,
 taken round robin from the workers whose stream goes on; with 0, or in threads, in the main process.
 
+`state_dict()` / `load_state_dict()` keep torchdata's StatefulDataLoader contract: a dataset, its
+iterator or a sampler with a state of its own has it saved as of the last batch handed over and
+restored where it was taken (`_torch/stateful.py`); `StatefulDataLoader` is this class under
+torchdata's name, with its two stricter points.
+
 Async datasets: a map-style dataset whose `__getitem__` is a coroutine function
 (`async def __getitem__(self, index)`) is fetched on the loader's event loop, `concurrency` at a time.
 """
@@ -32,7 +37,7 @@ import math
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar, cast
 
 import torch
@@ -45,12 +50,13 @@ from torch.utils.data import (
 )
 
 from ._arguments import origin
+from ._exceptions import StateError, WorkerDied
 from ._executors.base import Executor
 from ._executors.process.executor import ProcessExecutor
 from ._loader import Loader
 from ._parts import Parts, Read, executor_kind
 from ._pipeline.collate import DEFAULT_COLLATE, BufferPool, make_collate
-from ._pipeline.order import KeyOrder, KeyPlan, Plan
+from ._pipeline.order import Plan
 from ._pipeline.transfer import make_device_stage
 from ._torch.arguments import (
     check_arguments,
@@ -63,11 +69,19 @@ from ._torch.copies import DatasetCopies, read_in_place, safe_to_share
 from ._torch.defaults import collates, samplers
 from ._torch.reads import WorkerIds, batch_reader, converting, reads_batches
 from ._torch.sampler import SamplerPlan, draw_seed
+from ._torch.stateful import (
+    OwnItems,
+    OwnStates,
+    ReadOwn,
+    holds_states,
+    restore_into,
+    stateful,
+)
 from ._torch.streams import ReadStream, StreamExecutor, WorkerStreams
 from ._torch.workers import ReadItem, ReadSamples, RoundRobin, WorkerSetup, check_threads
 from ._tuning.memory import AUTO, MemoryBudget
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "StatefulDataLoader"]
 
 T = TypeVar("T")
 
@@ -77,6 +91,10 @@ _FIXED = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "per
 
 
 async def _same(item: Any) -> Any:
+    return item
+
+
+def _item(item: Any) -> Any:
     return item
 
 
@@ -122,6 +140,8 @@ class DataLoader(Loader[T]):
     generator: torch.Generator | None
     persistent_workers: bool
     in_order: bool
+    # `iter()` waits for the worker processes to start (`StatefulDataLoader`)
+    workers_ready_at_iter = False
 
     def __init__(
         self,
@@ -189,6 +209,8 @@ class DataLoader(Loader[T]):
             and not inspect.iscoroutinefunction(dataset.__getitem__)
         )  # fmt: skip
         self._budget = MemoryBudget.of(AUTO)  # its workers' batches are admitted against it
+        # the dataset's and sampler's own states, kept with the loader's (`_torch/stateful.py`)
+        self._own = OwnStates(num_workers, persistent_workers)
         fetch, decode, executor, plan, auto_collation, concurrency, prefetch = self._wiring(
             processes, iterable, auto_collation, collate_fn, concurrency, threads, lazy
         )
@@ -207,6 +229,7 @@ class DataLoader(Loader[T]):
             self._workers,
             self._worker_setup,
             self._copies.copies if self._copies is not None else None,
+            self._own,
         )
         self.assemble(Parts(
             plan, read, collate=collate_fn if auto_collation and not reads_batches(plan) else None,
@@ -214,7 +237,7 @@ class DataLoader(Loader[T]):
             device=make_device_stage(
                 device, pin_memory=pin_memory, device_prefetch=device_prefetch, stacklevel=3
             ),
-            batch_errors=True, budget=self._budget, inline=self._inline,
+            batch_errors=True, budget=self._budget, inline=self._inline, begin_at_iter=True,
             hooks=torch_parts, describer=torch_parts, state=torch_parts,
         ))  # fmt: skip
         warn_if_many_workers(num_workers)
@@ -247,8 +270,12 @@ class DataLoader(Loader[T]):
         if processes and iterable:
             fetch, decode, executor, plan = self._streams(collate_fn, auto_collation)
             auto_collation = False  # the workers collate
-        elif processes and auto_collation:
-            fetch, decode, executor, plan = self._whole_batches(collate_fn, threads, lazy)
+        elif processes and (auto_collation or stateful(self.dataset)):
+            if stateful(self.dataset):  # its own state: read by the worker itself, in turn
+                threads, lazy = 1, False
+            fetch, decode, executor, plan = self._whole_batches(
+                collate_fn, threads, lazy, auto_collation
+            )
             auto_collation = False  # the workers collate
             # torch's bound: `prefetch_factor` batches asked of each worker at most
             concurrency = given_concurrency or num_workers * max(1, prefetch_factor or 0)
@@ -256,11 +283,23 @@ class DataLoader(Loader[T]):
         else:
             reader: Any = self.dataset
             # torch's main-process reads, in `for`'s own thread where nothing can wait for them:
-            # reads that never wait (a list), or that must not overlap (see `_torch/copies.py`)
+            # reads that never wait (a list), or that must not overlap (see `_torch/copies.py`);
+            # a dataset with a state of its own, and an IterableDataset (whose iterator may be the
+            # dataset itself, and may keep one), are read only as `next()` asks, as torch does
             self._inline = (
-                num_workers == 0 and not iterable and not self.timeout
-                and read_in_place(self.dataset)
+                num_workers == 0 and not self.timeout
+                and (iterable or read_in_place(self.dataset) or stateful(self.dataset))
             )  # fmt: skip
+            if not processes and not iterable and stateful(self.dataset):
+                # its own state: read whole batches one at a time, on the dataset itself
+                plan = SamplerPlan(
+                    self.batch_sampler if auto_collation else self.sampler,  # type: ignore[arg-type]
+                    False, self.generator, self._own,
+                )  # fmt: skip
+                plan.read_batches(numbered=True)
+                collate = make_collate(None) if collate_fn is DEFAULT_COLLATE else collate_fn
+                fetch = ReadOwn(self.dataset, collate, auto_collation, self._own)
+                return fetch, None, executor, plan, False, 1, prefetch
             if not processes and not iterable and not safe_to_share(self.dataset):
                 if num_workers == 0:  # one at a time (in `async for` too)
                     concurrency = 1
@@ -290,16 +329,21 @@ class DataLoader(Loader[T]):
         return _same, read, self._worker_pool(read)
 
     def _whole_batches(
-        self, collate_fn: Callable[..., Any], threads: int, lazy: bool
+        self, collate_fn: Callable[..., Any], threads: int, lazy: bool, batched: bool = True
     ) -> tuple[Callable[[Any], Any], Callable[[Any], Any], RoundRobin, Plan]:
         """Whole batches in `num_workers` processes, as torch makes them: batch i's indices go to
         worker i % N, which reads them (in up to `threads` threads) and collates; the batch comes
-        back in shared memory (see `_torch/workers`)."""
-        plan = SamplerPlan(self.batch_sampler, False, self.generator)  # type: ignore[arg-type]
+        back in shared memory (see `_torch/workers`). Unbatched (a dataset with its own state),
+        sample i goes to worker i % N, which converts it."""
+        plan = SamplerPlan(
+            self.batch_sampler if batched else self.sampler,  # type: ignore[arg-type]
+            False, self.generator, self._own, readers=self.num_workers,
+        )  # fmt: skip
         plan.read_batches(numbered=True)
         collate = None if collate_fn is DEFAULT_COLLATE else collate_fn
         read = ReadSamples(self.dataset, collate, threads, lazy)
-        return _same, read, RoundRobin(self._worker_pool(read, size_first=True), read), plan
+        pool = self._worker_pool(read, size_first=True)
+        return _same, read, RoundRobin(pool, read, self._own), plan
 
     def _streams(
         self, collate_fn: Callable[..., Any], auto_collation: bool
@@ -309,7 +353,7 @@ class DataLoader(Loader[T]):
         collate = None if collate_fn is DEFAULT_COLLATE else collate_fn
         batch_size = self.batch_size if auto_collation else None
         read = ReadStream(self.dataset, batch_size, self.drop_last, collate, uuid.uuid4().hex)
-        plan = WorkerStreams(self.num_workers)
+        plan = WorkerStreams(self.num_workers, self._own, self.generator)
         return _same, read, StreamExecutor(self._worker_pool(read, size_first=True), plan), plan
 
     def _worker_pool(self, read: Callable[[Any], Any], size_first: bool = False) -> ProcessExecutor:
@@ -339,26 +383,70 @@ class DataLoader(Loader[T]):
         plan: Plan
         if iterable:
             # Items come from the dataset's own iterator, in order; "fetching" one is taking it.
-            plan = KeyPlan(
-                KeyOrder(dataset, shuffle=False, seed=0), self.batch_size, self.drop_last
-            )
-            return (_same if auto_collation else converting(collate_fn)), plan
+            plan = OwnItems(dataset, self.batch_size, self.drop_last, self._own)
+            if not auto_collation:
+                return converting(collate_fn), plan
+            return (_item if self._inline else _same), plan  # (inline: called, not awaited)
         index_sampler = self.batch_sampler if auto_collation else self.sampler
         getitems = getattr(dataset, "__getitems__", None)
         if auto_collation and getitems:
             # One call per batch, as torch makes it; batches run concurrently.
-            plan = SamplerPlan(index_sampler, False, self.generator)  # type: ignore[arg-type]
+            plan = SamplerPlan(index_sampler, False, self.generator, self._own)  # type: ignore[arg-type]
             if collate_fn is DEFAULT_COLLATE:  # batches are collated in fetch threads, many at once
                 collate_fn = make_collate(
                     BufferPool(per_shape=MemoryBudget.buffers_per_shape(concurrency))
                 )
             plan.read_batches()
             return batch_reader(getitems, collate_fn), plan
-        plan = SamplerPlan(index_sampler, auto_collation, self.generator)  # type: ignore[arg-type]
+        plan = SamplerPlan(index_sampler, auto_collation, self.generator, self._own)  # type: ignore[arg-type]
         getitem = dataset.__getitem__
         if auto_collation or inspect.iscoroutinefunction(getitem):
             return getitem, plan
         return converting(collate_fn, getitem), plan
+
+
+class StatefulDataLoader(DataLoader[T]):
+    """`DataLoader` under torchdata's name, for trainers written for torchdata's
+    `StatefulDataLoader`: the same arguments, with `snapshot_every_n_steps`, and its contract.
+
+    `DataLoader` keeps that contract already (`state_dict()`/`load_state_dict()`, a dataset's,
+    its iterator's and a sampler's own states saved and restored, in worker processes too; see
+    `_torch/stateful.py`). Two points are stricter here, as torchdata has them: a state loaded
+    into a loader with another `num_workers` is refused (`NumWorkersChanged`, at the next
+    `iter()`), where `DataLoader` goes on if the state allows it; and `iter()` waits for the
+    worker processes to start, so that a failing `worker_init_fn` raises there.
+
+    Args:
+        snapshot_every_n_steps: accepted and kept as given (an int >= 0, or None). The states
+            are taken at every batch whatever it says, so that a state saved at any step resumes
+            exactly without running batches again; what that costs is one `state_dict()` call of
+            the dataset (or sampler) per batch, where it has one.
+    """
+
+    workers_ready_at_iter = True
+
+    def __init__(self, *args: Any, snapshot_every_n_steps: int | None = 1, **kwargs: Any) -> None:
+        if snapshot_every_n_steps is not None and (
+            type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0
+        ):
+            raise ValueError(
+                "snapshot_every_n_steps must be an int >= 0 or None, got "
+                f"{snapshot_every_n_steps!r}"
+            )
+        super().__init__(*args, **kwargs)
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self._own.strict_workers = True
+
+
+def _wait_ready(workers: ProcessExecutor) -> None:
+    """Block until every worker process started; a failing `worker_init_fn` raises its error."""
+    try:
+        workers.wait_ready()
+    except WorkerDied as exc:
+        cause = exc.__cause__
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
 
 
 class _CopiesAsDataset:
@@ -397,6 +485,7 @@ class _TorchParts:
         workers: ProcessExecutor | None,
         worker_setup: WorkerSetup | None,
         copies: DatasetCopies | None,
+        own: OwnStates,
     ) -> None:
         # the DataLoader's torch attributes, read as they are now (a script may set some after
         # init); through a weak proxy: its parts must not keep it alive (`Loader.__del__` closes it)
@@ -405,6 +494,7 @@ class _TorchParts:
         self._concurrency = concurrency
         self._workers, self._worker_setup = workers, worker_setup
         self._copies = copies
+        self._own = own
         self._len_called: int | None = None  # IterableDataset: len(dataset) when len(self) asked
         self._yielded = 0  # batches handed over this epoch
         self._epochs_started = 0
@@ -422,13 +512,22 @@ class _TorchParts:
                 base_seed = draw_seed(torch_.generator)
             if isinstance(self._plan, WorkerStreams) and isinstance(torch_.dataset, IterDataPipe):
                 self._plan.pipe_seed = draw_seed(torch_.generator)  # torch's shared seed
-            fresh = not self._epochs_started or not torch_.persistent_workers
+            # a loaded state: fresh workers, seeded as the saved ones were (the state's own
+            # states are theirs as of the last batch handed over; see `_torch/stateful.py`)
+            loaded = self._own.loaded
+            if loaded and self._own.base_seed is not None:
+                base_seed = self._own.base_seed
+            fresh = not self._epochs_started or not torch_.persistent_workers or loaded
             if fresh:
                 assert self._worker_setup is not None  # made with the workers
                 self._worker_setup.base_seed = base_seed
-            if self._epochs_started and not torch_.persistent_workers:
+                self._own.base_seed = base_seed
+            if self._epochs_started and (not torch_.persistent_workers or loaded):
                 workers.renew()  # torch forks them anew each epoch: they see the dataset as it is
             workers.start()  # forked here, from the consumer's thread, as torch's are
+            if torch_.workers_ready_at_iter:
+                _wait_ready(workers)
+        self._own.loaded = False
         if self._copies is not None:  # threads as workers: copies of the dataset as it is now
             self._copies.snapshot()
         self._epochs_started += 1
@@ -449,6 +548,13 @@ class _TorchParts:
                 f"samples have been fetched.{workers}",
                 stacklevel=3,
             )
+
+    def passed(self, index: int) -> None:
+        self._own.passed(index)
+
+    def finished(self) -> None:
+        plan = self._plan
+        self._own.ended(plan.sampler_state() if isinstance(plan, SamplerPlan) else None)
 
     def set_epoch(self, epoch: int) -> None:
         """Pass the epoch on to a sampler that has `set_epoch` (DistributedSampler)."""
@@ -512,3 +618,22 @@ class _TorchParts:
             "drop_last": torch_.drop_last, "sampler": type(torch_.sampler).__name__,
             "batch_sampler": type(torch_.batch_sampler).__name__,
         }  # fmt: skip
+
+    def own_state(self) -> dict[str, Any]:
+        return self._own.saved()
+
+    def load_own_state(
+        self, state: Mapping[str, Any] | None, elastic: list[Mapping[str, Any]]
+    ) -> None:
+        if any(holds_states(own) for own in elastic):
+            raise StateError(
+                "world_size: the saved ranks' datasets or samplers have states of their own, "
+                "which cannot be shared out among another number of ranks",
+                field="world_size",
+            )
+        self._own.load(state)
+        dataset = self._torch.dataset
+        if state and not int(state.get("next", 0)) and not isinstance(dataset, IterableDataset):
+            # at an epoch's start the dataset here had its state before the epoch's order was
+            # drawn (which may draw from the same generator): loaded now, before the plan's
+            restore_into(dataset, state.get("main"))

@@ -36,6 +36,7 @@ class Ledger:
         self._progress: Progress | None = None  # the epoch being delivered, if any
         self._resume: Resume | None = None  # where the next iteration starts, after a load
         self._plan_state: dict[str, Any] = {}
+        self._loaded: dict[str, Any] | None = None  # a state loaded, until the next epoch begins
 
     @property
     def epoch(self) -> int:
@@ -47,6 +48,8 @@ class Ledger:
         with nothing of it delivered until then (not what an iteration stopped midway had: a state
         saved before the next iteration begins is of `epoch`, not of the epoch left)."""
         with self._lock:
+            if afresh or epoch != self._epoch:
+                self._loaded = None  # (a state saved now is of that epoch, not the one loaded)
             self._epoch = epoch
             if afresh:
                 self._resume = None
@@ -58,6 +61,7 @@ class Ledger:
         with self._lock:
             epoch, self._epoch = self._epoch, self._epoch + 1
             resume, self._resume = self._resume, None
+            self._loaded = None
         if resume is None or resume.epoch != epoch:
             resume = Resume(epoch, Ranges(), set())
         self._plan_state = self._plan.snapshot()
@@ -73,17 +77,27 @@ class Ledger:
         if self._progress is progress:
             self._progress = None
 
-    def state_dict(self, kind: str, config: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def state_dict(
+        self, kind: str, config: Callable[[], dict[str, Any]], own: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Where the loader (of class `kind`, made as `config()` says) stands: the epoch and what
-        of it was delivered (small, JSON-ready)."""
-        progress = self._progress or Progress(self._epoch)
+        of it was delivered (small, JSON-ready); `own`: the own states of its parts, under
+        "own_states" (a DataLoader's dataset and sampler: not JSON-ready where theirs are not)."""
+        if self._loaded is not None:  # loaded, not begun: what was loaded
+            return dict(self._loaded)
+        progress = self._progress
+        # between epochs, a state is of the next one: the random state its order will be drawn
+        # from is the one there is now, not the one the last epoch's was drawn from
+        plan_state = self._plan_state if progress is not None else self._plan.snapshot()
+        progress = progress or Progress(self._epoch)
+        mine = {"own_states": dict(own)} if own else {}
         rank, world_size = self._plan.rank_and_world()
         return {
             "version": STATE_VERSION, "kind": kind,
             "config": config(), "epoch": progress.epoch, "rank": rank,
             "world_size": world_size, "in_order": self._in_order,
             "consumed": progress.consumed.pairs, "delivered": progress.delivered.pairs,
-            **self._plan_state,
+            **plan_state, **mine,
         }  # fmt: skip
 
     def load_state_dict(
@@ -91,9 +105,12 @@ class Ledger:
         state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
         kind: str,
         config: Callable[[], dict[str, Any]],
+        take_own: Callable[[Mapping[str, Any] | None, list[Mapping[str, Any]]], None] | None = None,
     ) -> None:
         """Continue from a saved state (or from every rank's states, for another world size) of a
-        loader of class `kind` made as `config()` says; StateError naming the field otherwise."""
+        loader of class `kind` made as `config()` says; StateError naming the field otherwise.
+        `take_own` is given the own states of the state picked (None on another world size)
+        before anything is taken: it may refuse them too."""
         states = [state] if isinstance(state, Mapping) else list(state)
         if not states:
             raise StateError("state: no state given", field="state")
@@ -101,6 +118,11 @@ class Ledger:
         for s in states:
             check_config(s, kind, made)
         own = pick_own(states, *self._plan.rank_and_world())
+        if take_own is not None:  # (on another world size: every old rank's, to refuse or drop)
+            take_own(
+                None if own is None else own.get("own_states"),
+                [] if own is not None else [s.get("own_states") or {} for s in states],
+            )
         self._plan.restore(own or states[0])  # before the plan recomputes the saved ranks' batches
         if own is not None:
             resume = Resume(
@@ -116,6 +138,7 @@ class Ledger:
             self._resume, self._epoch = resume, resume.epoch
         self._progress = Progress(resume.epoch, resume.consumed, Ranges.of(resume.skip))
         self._plan_state = {}
+        self._loaded = dict(own) if own is not None else None
 
     # -- a mix's side of resuming on another world size (`_mix/elastic.py`) ----------------------
 
@@ -146,7 +169,7 @@ class Ledger:
         shared among this plan's ranks as an elastic load shares what is left."""
         resume = Resume(epoch, consumed, set())
         with self._lock:
-            self._resume, self._epoch = resume, epoch
+            self._resume, self._epoch, self._loaded = resume, epoch, None
         self._progress = Progress(epoch, consumed)
         self._plan_state = {}
 

@@ -8,7 +8,9 @@ A state is a small JSON-serialisable dict that records *what was delivered*, nev
 - `consumed`: indices into the epoch's permutation that were delivered before the current plan (only
   non-empty after an elastic resume);
 - `delivered`: the plan's group indices already handed to the consumer (any set, so `in_order=False`
-  loses and repeats nothing).
+  loses and repeats nothing);
+- `own_states` (a DataLoader's): its dataset's, iterator's and sampler's own states as of the last
+  batch handed over, with each worker's place in its stream (`_torch/stateful.py`).
 
 Resuming with the same world size skips the delivered groups of the same plan: the remaining batches
 are byte for byte those of an uninterrupted run. Resuming with another world size (elastic) adds

@@ -8,14 +8,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler
 
 from .._exceptions import StateError
 from .._pipeline.order import Group, shard
 from .._protocol import HasSetEpoch
 from .._util.ranges import Ranges
+from .stateful import OwnStates, stateful
 
-__all__ = ["SamplerPlan", "draw_seed"]
+__all__ = ["SamplerPlan", "draw_seed", "rng_restore", "rng_snapshot"]
 
 
 class SamplerPlan:
@@ -26,11 +27,19 @@ class SamplerPlan:
     """
 
     def __init__(
-        self, index_sampler: Iterable[Any], batched: bool, generator: torch.Generator | None
+        self,
+        index_sampler: Iterable[Any],
+        batched: bool,
+        generator: torch.Generator | None,
+        own: OwnStates | None = None,
+        readers: int = 1,
     ) -> None:
         self.index_sampler = index_sampler
         self.batched = batched
         self.generator = generator
+        # the own states of the sampler and of the `readers` (batch i is read by i % readers) that
+        # are saved with the loader's, and a resume's restored (see `stateful.py`)
+        self.own, self.readers = own, readers
         self.batch_len = getattr(index_sampler, "batch_size", None) or 1
         self.group_size = self.batch_len  # samples per group, as the pipeline counts them
         self.base_seed: int | None = None  # drawn for each epoch, as torch's iterator draws it
@@ -43,11 +52,66 @@ class SamplerPlan:
 
     def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
         self.base_seed = draw_seed(self.generator)
+        resume = self.own.begin(epoch) if self.own is not None else None
         if consumed:
             return self._number(iter(self._remainder(consumed)))
-        indices = iter(self.index_sampler)
-        first = list(itertools.islice(indices, 1))  # draw the sampler's own seed on this thread
-        return self._number(itertools.chain(first, indices))
+        if self.own is None:
+            indices = iter(self.index_sampler)
+            first = list(itertools.islice(indices, 1))  # draw the sampler's seed on this thread
+            return self._number(itertools.chain(first, indices))
+        return self._own_groups(resume)
+
+    def _own_groups(self, resume: dict[str, Any] | None) -> Iterator[Group]:
+        """The groups where the sampler's own state and the readers' are kept: the sampler (the
+        one inside torch's BatchSampler, whose batches are cut here as it cuts them) goes on from
+        a resume's state when it has one of its own; each reader is given its state with its
+        first batch from the resume on."""
+        own, target = self.own, self._sampler()
+        cut = type(self.index_sampler) is BatchSampler
+        if not cut:
+            target = self.index_sampler
+        assert own is not None
+        saved = resume.get("sampler") if resume is not None else None
+        if saved and saved.get("sampler") is not None and stateful(target):
+            target.load_state_dict(saved["sampler"])
+        elif resume is None and stateful(target):
+            own.record(-1, sampler={"sampler": target.state_dict()})  # (the epoch's start)
+        it = iter(target)
+        first = 0
+        if saved and saved.get("iter") is not None and stateful(it):
+            it.load_state_dict(saved["iter"])
+        if saved and (stateful(it) or stateful(target)) and resume is not None:
+            first = int(resume.get("next", 0))  # goes on from its state: no batch drawn again
+        restores: dict[int, Any] = {}
+        if resume is not None:
+            if resume.get("main") is not None and int(resume.get("next", 0)) > 0:
+                restores[0] = resume["main"]  # (at an epoch's start it was loaded with the state)
+            for worker, state in resume.get("workers", {}).items():
+                restores[int(worker)] = state
+        after = int(resume.get("next", 0)) if resume is not None else 0
+        keep = stateful(it) or stateful(target)
+        draws = _cut(it, self.index_sampler) if cut else it
+        head = list(itertools.islice(draws, 1))  # the sampler's own seed, drawn on this thread
+        for i, index in enumerate(itertools.chain(head, draws), first):
+            if keep:
+                own.record(i, sampler={
+                    "sampler": target.state_dict() if stateful(target) else None,
+                    "iter": it.state_dict() if stateful(it) else None,
+                })  # fmt: skip
+            if self.batched and not self.numbered:
+                yield Group(i, [(i, j) for j in index], True)
+                continue
+            key: tuple[Any, ...] = (i, index)
+            if restores and i >= after and i % self.readers in restores:
+                key = (i, index, restores.pop(i % self.readers))
+            yield Group(i, [(i, key if self.numbered else index)], False)
+
+    def sampler_state(self) -> dict[str, Any] | None:
+        """The sampler's own state now (at an epoch's end: where the next one starts from)."""
+        target: Any = self.index_sampler
+        if type(target) is BatchSampler:
+            target = self._sampler()
+        return {"sampler": target.state_dict()} if stateful(target) else None
 
     def _number(self, indices: Iterator[Any]) -> Iterator[Group]:
         for i, index in enumerate(indices):
@@ -68,22 +132,14 @@ class SamplerPlan:
 
     def snapshot(self) -> dict[str, Any]:
         """The random state the epoch's shuffle will be drawn from, so a resume can redraw it."""
-        rng = self.generator.get_state() if self.generator is not None else torch.get_rng_state()
-        state: dict[str, Any] = {"rng_state": base64.b64encode(rng.numpy().tobytes()).decode()}
+        state = rng_snapshot(self.generator)
         sampler_epoch = getattr(self._sampler(), "epoch", None)
         if isinstance(sampler_epoch, int):
             state["sampler_epoch"] = sampler_epoch
         return state
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        if "rng_state" in state:
-            raw = torch.frombuffer(
-                bytearray(base64.b64decode(state["rng_state"])), dtype=torch.uint8
-            )
-            if self.generator is not None:
-                self.generator.set_state(raw)
-            else:
-                torch.set_rng_state(raw)
+        rng_restore(self.generator, state)
         sampler = self._sampler()
         if "sampler_epoch" in state and isinstance(sampler, HasSetEpoch):
             sampler.set_epoch(state["sampler_epoch"])
@@ -129,6 +185,32 @@ class SamplerPlan:
         size, drop = self.batch_len, bool(getattr(self.index_sampler, "drop_last", False))
         cut = [mine[i : i + size] for i in range(0, len(mine), size)]
         return [b for b in cut if len(b) == size or not drop]
+
+
+def _cut(indices: Iterator[Any], batch_sampler: Any) -> Iterator[list[Any]]:
+    """The batches torch's `BatchSampler` cuts of its sampler's `indices`."""
+    size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
+    while True:
+        batch = list(itertools.islice(indices, size))
+        if not batch or (drop_last and len(batch) < size):
+            return
+        yield batch
+
+
+def rng_snapshot(generator: torch.Generator | None) -> dict[str, Any]:
+    """{"rng_state": the state of `generator` (None: torch's global one)}, JSON-ready."""
+    rng = generator.get_state() if generator is not None else torch.get_rng_state()
+    return {"rng_state": base64.b64encode(rng.numpy().tobytes()).decode()}
+
+
+def rng_restore(generator: torch.Generator | None, state: Mapping[str, Any]) -> None:
+    """Put back what `rng_snapshot` saved, where `state` has it."""
+    if "rng_state" in state:
+        raw = torch.frombuffer(bytearray(base64.b64decode(state["rng_state"])), dtype=torch.uint8)
+        if generator is not None:
+            generator.set_state(raw)
+        else:
+            torch.set_rng_state(raw)
 
 
 def draw_seed(generator: torch.Generator | None) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -14,6 +13,8 @@ from .._executors.process.executor import ProcessExecutor
 from .._pipeline.order import Group
 from .._pipeline.stages import Gap
 from .._util.ranges import Ranges
+from .sampler import rng_restore, rng_snapshot
+from .stateful import OwnStates, Stamped, own_state, start_iter, take
 from .workers import collate_here, keep_freed_memory, publish
 
 __all__ = ["Exhausted", "ReadStream", "StreamExecutor", "WorkerStreams"]
@@ -61,25 +62,38 @@ class ReadStream:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
         self.collate, self.token = collate, token  # collate None: the default (`collate_here`)
 
-    def __call__(self, key: tuple[int, int, int | None]) -> Any:
-        epoch, n, pipe_seed = key
+    def __call__(self, key: tuple[int, int, int | None, dict[str, Any] | None]) -> Any:
+        epoch, n, pipe_seed, restore = key
         publish(self.dataset)
         stream = _streams.get(self.token)
-        if stream is None or stream.epoch != epoch or (n < stream.made and n not in stream.ahead):
+        if (
+            restore is not None or stream is None or stream.epoch != epoch
+            or (n < stream.made and n not in stream.ahead)
+        ):  # fmt: skip
             if pipe_seed is not None:  # a datapipe's random ops, from the epoch's shared seed
                 graph_settings.apply_random_seed(
                     self.dataset, torch.Generator().manual_seed(pipe_seed)
                 )
-            stream = _streams[self.token] = _Stream(iter(self.dataset), epoch)
+            stream = _streams[self.token] = _Stream(start_iter(self.dataset, restore), epoch)
+            if restore and (restore.get("dataset") is not None or restore.get("iter") is not None):
+                stream.made = n  # the state saved stands at batch n: nothing is made again
         if n in stream.ahead:
             return stream.ahead.pop(n)
         while True:
-            batch, m = self._next(stream), stream.made
+            batch, m = self._stamped(stream), stream.made
             stream.made += 1
             if m == n:
                 return batch
             if n - m <= _AHEAD_MAX:
                 stream.ahead[m] = batch
+
+    def _stamped(self, stream: _Stream) -> Any:
+        """The stream's next batch, with the state the dataset (or its iterator) has after it
+        where it keeps one of its own (`Stamped`)."""
+        batch = self._next(stream)
+        # (at its end too: what the next epoch starts from)
+        state = own_state(self.dataset, stream.items, worker=True)
+        return Stamped(batch, state) if state else batch
 
     def _next(self, stream: _Stream) -> Any:
         if stream.ended:
@@ -90,7 +104,7 @@ class ReadStream:
             except StopIteration:
                 stream.ended = True
                 return Exhausted()
-        items = list(itertools.islice(stream.items, self.batch_size))
+        items = take(stream.items, self.batch_size)
         if len(items) < self.batch_size:
             stream.ended = True
             if not items or self.drop_last:
@@ -107,30 +121,59 @@ class WorkerStreams:
 
     group_size = 1
 
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
+    def __init__(self, workers: int, own: OwnStates, generator: torch.Generator | None) -> None:
+        self.workers, self.own = workers, own
+        self.generator = generator  # the epoch's seeds are drawn from it (None: torch's own)
         self.ended: set[int] = set()
         self.pipe_seed: int | None = None  # an IterDataPipe's shared seed for this epoch
 
     def groups(self, epoch: int, consumed: Ranges) -> Iterable[Group]:
-        return self._groups(epoch, consumed)
-
-    def _groups(self, epoch: int, consumed: Ranges) -> Iterator[Group]:
         if consumed:
             raise StateError(
-                "states: an IterableDataset read in worker processes cannot resume mid-epoch",
+                "states: an IterableDataset read in worker processes cannot resume on another "
+                "world size",
                 field="consumed",
             )
+        return self._groups(epoch, self.own.begin(epoch))
+
+    def _groups(self, epoch: int, resume: dict[str, Any] | None) -> Iterator[Group]:
+        """Round robin from the resume's turn, each worker from its batch number (`OwnStates`
+        records them as batches are handed over): a resumed worker is sent its state (or {}, to
+        run its stream from the start to that number) with its first batch."""
         self.ended = set()
-        index = 0
-        for n in itertools.count():
-            live = [w for w in range(self.workers) if w not in self.ended]
-            if not live:
+        made = [0] * self.workers
+        restores: dict[int, dict[str, Any]] = {}
+        index, turn = 0, 0
+        if resume is not None:
+            index, turn = int(resume.get("next", 0)), int(resume.get("turn", 0))
+            for w, entry in resume.get("workers", {}).items():
+                worker = int(w)
+                if entry.get("ended"):
+                    self.ended.add(worker)
+                made[worker] = int(entry.get("n", 0))
+                restores[worker] = {
+                    k: v for k, v in entry.items() if k in ("dataset", "iter", "rng")
+                }
+            for worker in range(self.workers):
+                restores.setdefault(worker, {})  # fresh streams, whatever a live worker had
+        while True:
+            if len(self.ended) >= self.workers:
                 return
-            for worker in live:
-                if worker not in self.ended:
-                    yield Group(index, [(index, (worker, epoch, n, self.pipe_seed))], False)
-                    index += 1
+            for k in range(self.workers):
+                worker = (turn + k) % self.workers
+                if worker in self.ended:
+                    continue
+                key = (
+                    worker,
+                    epoch,
+                    made[worker],
+                    self.pipe_seed,
+                    index,
+                    restores.pop(worker, None),
+                )
+                yield Group(index, [(index, key)], False)
+                made[worker] += 1
+                index += 1
 
     def __len__(self) -> int:
         raise TypeError("an IterableDataset has no length")
@@ -139,10 +182,11 @@ class WorkerStreams:
         return 0, 1
 
     def snapshot(self) -> dict[str, Any]:
-        return {}
+        """The random state the epoch's seeds will be drawn from, so a resume can redraw them."""
+        return rng_snapshot(self.generator)
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        pass
+        rng_restore(self.generator, state)
 
     def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
         raise StateError(
@@ -160,10 +204,17 @@ class StreamExecutor:
         self.workers = pool.workers
 
     async def run(self, fn: Callable[[Any], Any], key: Any, seed: int | None = None) -> Any:
-        worker, epoch, n, pipe_seed = key
-        result = await self.pool.run(fn, (epoch, n, pipe_seed), seed, worker=worker)
+        worker, epoch, n, pipe_seed, index, restore = key
+        result = await self.pool.run(fn, (epoch, n, pipe_seed, restore), seed, worker=worker)
+        turn = (worker + 1) % self.workers
+        state: dict[str, Any] = {}
+        if type(result) is Stamped:
+            result, state = result.batch, result.state
         if isinstance(result, Exhausted):
             self.plan.ended.add(worker)
+            self.plan.own.record(index, worker=(worker, {"ended": True, **state}), turn=turn)
+        else:
+            self.plan.own.record(index, worker=(worker, {"n": n + 1, **state}), turn=turn)
         return result
 
     def stats(self) -> dict[str, int]:

@@ -47,6 +47,7 @@ from .._util.threads import (
     yield_cpu_to_trainer,
 )
 from .copies import DatasetCopies, thread_safe
+from .stateful import OwnStates, Stamped, own_state, restore_into
 
 __all__ = [
     "AUTO_THREADS", "ReadItem", "ReadSamples", "RoundRobin", "WorkerSetup", "check_threads",
@@ -164,9 +165,19 @@ class ReadSamples:
     ) -> None:
         self.dataset, self.collate, self.threads, self.lazy = dataset, collate, threads, lazy
 
-    def __call__(self, key: tuple[int, list[Any]]) -> Any:
-        _, indices = key
+    def __call__(self, key: tuple[Any, ...]) -> Any:
+        _, indices, *restore = key
         publish(self.dataset)
+        if restore:  # a resume: the dataset's own state as it was after its last batch handed over
+            restore_into(self.dataset, restore[0])
+        batch = self._read(indices)
+        state = own_state(self.dataset, worker=True)
+        return Stamped(batch, state) if state else batch
+
+    def _read(self, indices: Any) -> Any:
+        if not isinstance(indices, list):  # unbatched: one sample, converted
+            assert self.collate is not None
+            return self.collate(self.dataset[indices])
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             samples = getitems(indices)
@@ -358,22 +369,30 @@ class RoundRobin:
     """Sends batch i (the key `(i, indices)` of `ReadSamples`) to worker i % N of `pool`, as torch's
     DataLoader hands out its batches."""
 
-    def __init__(self, pool: ProcessExecutor, read: ReadSamples | None = None) -> None:
+    def __init__(
+        self, pool: ProcessExecutor, read: ReadSamples | None = None, own: OwnStates | None = None
+    ) -> None:
         self.pool = pool
         self.workers = pool.workers
         self._read = read
+        self.own = own
 
     async def run(self, fn: Callable[[Any], Any], key: Any, seed: int | None = None) -> Any:
-        batch, indices = key
+        batch, indices = key[:2]
         worker = batch % self.workers
         try:
-            return await self.pool.run(fn, key, seed, worker=worker)
+            result = await self.pool.run(fn, key, seed, worker=worker)
         except WorkerDied as exc:
             exc.add_note(
                 f"aioloader: DataLoader worker {worker} (pid {exc.pid}) died making batch {batch} "
                 f"(indices {_short(indices)})"
             )
             raise
+        if type(result) is Stamped:  # the dataset's own state after the batch, kept by number
+            if self.own is not None:
+                self.own.record(batch, worker=(worker, result.state))
+            return result.batch
+        return result
 
     def stats(self) -> dict[str, Any]:
         """The pool's counters, and why each worker reads one call at a time, where it must
@@ -391,6 +410,8 @@ class RoundRobin:
         self.pool.close()
 
 
-def _short(indices: list[Any], most: int = 16) -> str:
+def _short(indices: Any, most: int = 16) -> str:
+    if not isinstance(indices, list):
+        return repr(indices)
     shown = ", ".join(map(repr, indices[:most]))
     return f"[{shown}, ... {len(indices)} in all]" if len(indices) > most else f"[{shown}]"
