@@ -59,6 +59,17 @@ class Schedule:
         index = np.searchsorted(self.positions, positions, side="right") - 1
         return self.table[index]
 
+    def constant(self, start: int, end: int) -> bool:
+        """Whether the weights are the same at every position in [start, end): no breakpoint
+        after `start` and before `end`, and (interpolated) the same weights at both ends of the
+        segment they lie in."""
+        inside = np.searchsorted(self.positions, [start, end - 1], side="right")
+        if inside[0] != inside[1]:
+            return False  # a breakpoint after start, at or before the last position
+        if self.interpolate != "linear" or inside[0] >= len(self.positions):
+            return True  # steps, or past the last breakpoint: its weights hold
+        return bool(np.array_equal(self.table[inside[0] - 1], self.table[inside[0]]))
+
 
 def schedule(
     points: Sequence[tuple[int, Sequence[float] | Mapping[str, float]]],
@@ -182,12 +193,34 @@ class Choices:
         rng = np.random.default_rng([self._seed, self._epoch, block, _CHOICE_SALT])
         if self._schedule is None:
             return np.searchsorted(self._cum, rng.random(BLOCK), side="right")
-        weights = self._schedule.at(np.arange(block * BLOCK, (block + 1) * BLOCK))
-        cum = np.cumsum(weights, axis=1) / weights.sum(axis=1, keepdims=True)
-        last = weights.shape[1] - 1 - np.argmax(weights[:, ::-1] > 0, axis=1)
-        cum[np.arange(weights.shape[1]) >= last[:, None]] = 1.0  # (as the fixed weights' rule)
+        start = block * BLOCK
+        if self._schedule.constant(start, start + BLOCK):
+            # the weights hold over the whole block (most blocks of a schedule): one row's bounds,
+            # searched as fixed weights are (the count of bounds <= a draw is the search's
+            # answer: the same picks as the rows', at a sixth of their cost)
+            cum = _bounds(self._schedule.at(np.arange(start, start + 1)))[0]
+            return np.searchsorted(cum, rng.random(BLOCK), side="right")
+        return self._drawn_by_rows(rng, start)
+
+    def _drawn_by_rows(
+        self, rng: np.random.Generator, start: int
+    ) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The picks of the positions from `start` (a block) with each position's own weights."""
+        assert self._schedule is not None
+        cum = _bounds(self._schedule.at(np.arange(start, start + BLOCK)))
         picks: np.ndarray[Any, np.dtype[np.intp]] = (rng.random(BLOCK)[:, None] >= cum).sum(axis=1)
         return picks.astype(np.intp)
+
+
+def _bounds(weights: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """Each row's cumulative bounds ([rows, sources]), up to 1.0 from its last source with weight
+    on (as the fixed weights' rule)."""
+    cum: np.ndarray[Any, np.dtype[np.float64]] = np.cumsum(weights, axis=1) / weights.sum(
+        axis=1, keepdims=True
+    )
+    last = weights.shape[1] - 1 - np.argmax(weights[:, ::-1] > 0, axis=1)
+    cum[np.arange(weights.shape[1]) >= last[:, None]] = 1.0
+    return cum
 
 
 def check_weights(weights: Any, names: Sequence[str | None]) -> list[float] | Schedule:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 from .._exceptions import LoaderClosedError, LoaderTimeout
+from .._util.deps import before_threads_joined
 from .._util.loops import new_event_loop
 
 __all__ = ["LoopThread"]
@@ -225,6 +226,4 @@ def _stop_all() -> None:
 
 # Runs before the interpreter joins non-daemon threads (as concurrent.futures does for its pools), so
 # a loader left open at exit never keeps the process alive.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_stop_all)
+before_threads_joined(_stop_all)

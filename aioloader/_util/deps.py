@@ -20,6 +20,8 @@ What is private, and why it is used:
   preloads, kept when aioloader's are added; and its state (`__init__`, `_forkserver_alive_fd`),
   forgotten in a forked process that would start a fork server of its own (the loader beside the
   trainer): the one it inherited is its parent's, not its child.
+- `threading._register_atexit`: a hook run at exit before the non-daemon threads are joined, so
+  that a loader left open never keeps the process alive (concurrent.futures' pools use it).
 - `sys._getframe`: the frames of this thread's stack, to find the script's own top-level code (a
   worker start method that would run the script again, `_executors/process/main_guard.py`).
 - fsspec's `AsyncFileSystem._cat_file`: an async filesystem's read, awaited on the loader's loop
@@ -36,11 +38,14 @@ import contextlib
 import functools
 import os
 import sys
+import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 __all__ = [
-    "CHECKED", "arrow_take", "c10d_default_store", "caller_frame", "forget_inherited_forkserver",
+    "CHECKED", "arrow_take", "before_threads_joined", "c10d_default_store", "caller_frame",
+    "forget_inherited_forkserver",
     "forkserver_preloaded",
     "fsspec_cat_file", "parquet_reader", "publish_worker_info", "storage_uses", "torch_collate",
     "worker_info_published", "worker_numpy_seed",
@@ -128,6 +133,16 @@ def forget_inherited_forkserver() -> None:
     preload = forkserver_preloaded()
     server.__init__()  # type: ignore[misc]
     server.set_forkserver_preload(preload)
+
+
+def before_threads_joined(fn: Callable[[], None]) -> bool:
+    """Call `fn` at exit before the interpreter joins the non-daemon threads (as concurrent.futures
+    stops its pools: `threading._register_atexit`); False where there is no such hook."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    register(fn)
+    return True
 
 
 def caller_frame(depth: int) -> FrameType | None:

@@ -121,3 +121,22 @@ def test_bad_schedules_are_named() -> None:
         mix([A, B], schedule([(0, [1, 1]), (10, [0, 0])]))
     with pytest.raises(ValueError, match=r"points\[0\]: weights: 3 weights for 2 sources"):
         mix([A, B], schedule([(0, [1, 1, 1])]))
+
+
+@pytest.mark.parametrize("interpolate", ["step", "linear"])
+def test_blocks_whose_weights_hold_draw_what_position_by_position_draws(interpolate: str) -> None:
+    """A block over which the weights hold is drawn from one row's bounds (the fast path): the
+    same picks as each position's own weights give, so states saved either way resume alike."""
+    from aioloader._mix.choices import _CHOICE_SALT, BLOCK, Choices
+
+    sched = schedule([(0, [0.2, 0.3, 0.5]), (BLOCK, [0.2, 0.3, 0.5]),
+                      (2 * BLOCK + 17, [0.6, 0.0, 0.4]), (5 * BLOCK, [0.0, 1.0, 0.0])],
+                     interpolate=interpolate)  # fmt: skip
+    choices = Choices(sched, seed=3, epoch=1)
+    held = [sched.constant(b * BLOCK, (b + 1) * BLOCK) for b in range(7)]
+    assert True in held
+    assert False in held
+    for block in range(7):
+        rng = np.random.default_rng([3, 1, block, _CHOICE_SALT])
+        by_rows = choices._drawn_by_rows(rng, block * BLOCK)
+        assert np.array_equal(choices._draw(block), by_rows), block

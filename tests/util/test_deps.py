@@ -171,3 +171,16 @@ def test_a_forked_process_starts_a_fork_server_of_its_own_once_it_forgets_its_pa
         for how in ("keep", "forget")
     }
     assert codes == {"keep": 3, "forget": 0}  # the inherited one is its parent's: ChildProcessError
+
+
+def test_before_threads_joined_runs_before_the_threads_are_joined() -> None:
+    """A process whose non-daemon thread waits for an event that the hook sets exits."""
+    script = (
+        "import threading\n"
+        "from aioloader._util.deps import before_threads_joined\n"
+        "stop = threading.Event()\n"
+        "threading.Thread(target=stop.wait).start()\n"
+        "assert before_threads_joined(stop.set)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], timeout=60, check=False)
+    assert done.returncode == 0
