@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.faultproxy import Origin
 
 from aioloader import Loader, sources
 from aioloader.sources.formats import parquet_lists
@@ -171,7 +172,7 @@ def test_a_rewritten_file_is_mapped_again(tmp_path: Path) -> None:
 
 
 @pytest.mark.in_process
-def test_a_source_gives_the_same_samples_either_way(
+def test_a_source_gives_the_same_samples_either_way_and_decodes_here_what_it_fetched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = np.random.default_rng(11)
@@ -187,22 +188,30 @@ def test_a_source_gives_the_same_samples_either_way(
         calls.append(got is not None)
         return got
 
-    def epoch(rows: int | None) -> list[Any]:
-        source = sources.parquet([str(p) for p in paths], ["tokens"], rows_per_sample=rows, seed=2)
+    def epoch(rows: int | None, where: list[str]) -> list[Any]:
+        source = sources.parquet(where, ["tokens"], rows_per_sample=rows, seed=2)
         with Loader(source, batch_size=None, collate=None) as loader:
             out = list(loader)
         if rows is None:
             return [np.asarray(s["tokens"]).tolist() for s in out]
         return [b.column("tokens").to_pylist() for b in out]
 
-    for rows in (None, 64):
-        monkeypatch.setattr(parquet_lists, "decode", counted)
-        ours = epoch(rows)
-        assert calls
-        assert all(calls)  # every row group was decoded here
-        monkeypatch.setattr(parquet_lists, "decode", lambda *args: None)
-        assert epoch(rows) == ours
-        calls.clear()
+    origin = Origin({p.name: p.read_bytes() for p in paths})  # (fetched row groups: decoded here)
+    try:
+        urls = [f"{origin.url}/{p.name}" for p in paths]
+        for rows in (None, 64):
+            monkeypatch.setattr(parquet_lists, "decode", counted)
+            ours = epoch(rows, urls)
+            assert calls
+            assert all(calls)  # every row group was decoded here
+            monkeypatch.setattr(parquet_lists, "decode", lambda *args: None)
+            assert epoch(rows, urls) == ours
+            calls.clear()
+            monkeypatch.setattr(parquet_lists, "decode", counted)
+            assert epoch(rows, [str(p) for p in paths]) == ours
+            assert not calls  # local files are pyarrow's to read (see the module's measurements)
+    finally:
+        origin.stop()
 
 
 def test_the_ids_are_in_the_decode_pool(tmp_path: Path) -> None:

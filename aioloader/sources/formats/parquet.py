@@ -286,8 +286,13 @@ class Parquet:
         """In a thread: the row group's value and its size. With `arrived`, samples of rows
         (RecordBatches) are decoded in parts, each handed to it as it is in: the first samples of
         a row group go on before its last rows are decoded; lists of token ids that
-        `parquet_lists` reads are decoded at once, and handed to it whole."""
-        whole = parquet_lists.decode(meta, rg, self.columns, pieces, path, decode_pool())
+        `parquet_lists` reads, in a row group fetched (`pieces`), are decoded at once, and handed
+        to it whole (a local file is pyarrow's to read: see `parquet_lists`' measurements)."""
+        whole = (
+            parquet_lists.decode(meta, rg, self.columns, pieces, path, decode_pool())
+            if pieces is not None
+            else None
+        )
         if self.rows_per_sample is None or arrived is None:
             table = whole if whole is not None else decode_row_group(meta, rg, self.columns,
                                                                      pieces, path)  # fmt: skip

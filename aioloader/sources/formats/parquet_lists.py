@@ -22,6 +22,14 @@ Few steps matter as much as cheap ones: each numpy or pyarrow call on a large ar
 go, and a decode thread that comes back for it waits behind the consumer's Python each time; a
 first version that read the levels in ~45 calls a page cost the consumer more than it saved.
 
+Where it pays, measured in the whole pipeline (`benchmarks/tokens.py --contenders aioloader
+--batches 1900`, 2026-12-07, 2 cores, the A/B in docs/benchmarks.md): row groups fetched from a
+store (`--store`, 20 ms a request) cost 11.3-11.9 CPU µs a document with it against 12.8-13.1
+without (12-14 % less CPU per token, tokens/s alike); from local files, pyarrow reading the file in
+parts went 10 % faster in tokens/s (103.0 and 102.5 M tokens/s against 93.9 and 92.7) for 3-5 %
+more CPU, with an earlier first batch. So `Parquet` decodes with it only the row groups it fetched
+(`pieces`), and lets pyarrow read local files.
+
 What does not fit (another encoding, a null, an empty document, a legacy list layout, a column
 that is not a list of int32 or int64 ids) is left to pyarrow: `decode` returns None and the caller
 reads the row group as before. Any error here also hands the row group to pyarrow, which says
