@@ -65,6 +65,9 @@ class MixedLoaders:
         # per loader, the indices of its later epochs an elastic load found consumed (its epoch
         # -> them), taken when the loader starts that epoch within this epoch of the mix
         self._later: dict[int, dict[int, Ranges]] = {}
+        # the weights a state was saved under, where a load found others given here: each
+        # {"epoch", "position", "was"}, from which on these weights draw (kept in later states)
+        self._changes: list[dict[str, Any]] = []
 
     def __repr__(self) -> str:
         return (
@@ -225,6 +228,7 @@ class MixedLoaders:
             "ran_out": sorted(progress.ran_out),
             **({} if place is None else {"rank": place[0], "world_size": place[1]}),
             "sources": sources,
+            **({"weights_changed": [dict(c) for c in self._changes]} if self._changes else {}),
         }  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -239,8 +243,10 @@ class MixedLoaders:
         states = [state] if isinstance(state, Mapping) else list(state)
         if not states:
             raise StateError("state: no state given", field="state")
+        config = self._config()
+        weights = config.pop("weights")  # (other weights than the saved ones: from there on)
         for s in states:
-            check_config(s, type(self).__name__, self._config())
+            check_config(s, type(self).__name__, config)
             saved = s.get("sources")
             if not isinstance(saved, list) or len(saved) != len(self.loaders):
                 raise StateError(f"sources: expected {len(self.loaders)} states", field="sources")
@@ -253,12 +259,12 @@ class MixedLoaders:
                     "from its own state only (not from a list of states)",
                     field="states",
                 )
-            self._load_own(states[0])
+            self._load_own(states[0], weights)
             return
         places = [_place_of(s) for s in states]
         own = [s for s, place in zip(states, places, strict=True) if place == here]
         if len(own) == 1:
-            self._load_own(own[0])
+            self._load_own(own[0], weights)
             return
         worlds = {place[1] for place in places if place is not None}
         if own or None in places or len(worlds) != 1 or here[1] in worlds:
@@ -267,10 +273,25 @@ class MixedLoaders:
                 "this rank's own state, or every rank's to resume on another world size",
                 field="states",
             )
+        was = [s.get("config", {}).get("weights") for s in states]
+        if any(w != weights for w in was):
+            raise StateError(
+                f"weights: the states were saved under weights {was[0]!r}, not {weights!r}: "
+                "other weights apply from a rank's own saved position, so change them on the "
+                "saved world size (a resume on another one shares out what every rank delivered)",
+                field="weights",
+            )
         self._load_elastic(states, worlds.pop())
 
-    def _load_own(self, state: Mapping[str, Any]) -> None:
-        """Continue from this rank's own state."""
+    def _load_own(self, state: Mapping[str, Any], weights: Any) -> None:
+        """Continue from this rank's own state; where it was saved under other weights than
+        `weights` (this mix's), these draw from its position on, and later states say so."""
+        self._changes = [dict(c) for c in state.get("weights_changed", [])]
+        was = state.get("config", {}).get("weights")
+        if was != weights:
+            self._changes.append(
+                {"epoch": int(state["epoch"]), "position": int(state["position"]), "was": was}
+            )
         saved = state["sources"]
         for loader, own in zip(self.loaders, saved, strict=True):
             loader.load_state_dict(own["state"])

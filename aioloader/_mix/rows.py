@@ -337,10 +337,10 @@ class MixedRows(MixedLoaders):
                 own["rows"] = used.rows
         return state
 
-    def _load_own(self, state: Mapping[str, Any]) -> None:
+    def _load_own(self, state: Mapping[str, Any], weights: Any) -> None:
         """`MixedLoaders._load_own`, the rows of each loader's next item already used skipped."""
         skip = [_used_of(own, self._label(i)) for i, own in enumerate(state["sources"])]
-        super()._load_own(state)
+        super()._load_own(state, weights)
         self._held = [_Held() for _ in self.loaders]
         self._skip = [_UNUSED if used is None else used for used in skip]
 

@@ -1,15 +1,17 @@
 """aioloader.mix over built loaders (`MixedLoaders`): items mixed whole in proportion, its stop modes,
-exact resume, `async for`."""
+exact resume (under weights changed at a load too), `async for`."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
+from typing import Any
 
 import pytest
 from support.mixes import Squares
 
-from aioloader import Loader, MixedLoaders, StateError, mix
+from aioloader import Loader, MixedLoaders, StateError, mix, schedule
 
 
 def two_loaders(stop: str = "all_exhausted") -> MixedLoaders:
@@ -48,14 +50,44 @@ def test_loaders_mixed_stop_when_the_first_runs_out() -> None:
     assert [0 if b[0][0] == "a" else 1 for b in got] == draws[:end]
 
 
-def test_a_state_of_other_loaders_weights_is_refused() -> None:
+def test_a_state_of_other_loaders_is_refused() -> None:
     with two_loaders() as both:
         state = both.state_dict()
     a, b = (Loader(Squares(n, 4), batch_size=2) for n in "ab")
-    with mix([a, b], [1, 1], seed=6, stop="all_exhausted") as other:
+    with mix([a, b], [1, 3], seed=6, stop="cycle") as other:
         with pytest.raises(StateError) as info:
             other.load_state_dict(state)
-        assert info.value.field == "weights"
+        assert info.value.field == "stop"
+
+
+def _weighted(weights: Any) -> MixedLoaders:
+    a = Loader(Squares("a", 24), batch_size=3, collate=None, shuffle=True, seed=1)
+    b = Loader(Squares("b", 60), batch_size=3, collate=None, shuffle=True, seed=2)
+    return mix([a, b], weights, seed=6, stop="cycle")
+
+
+def test_a_state_loaded_under_other_weights_draws_with_them_from_its_position_on() -> None:
+    """As a run whose schedule changed at the saved position: the same items, and later states
+    say where the weights changed and what they were."""
+    before, after = schedule([(0, [1.0, 3.0])]), schedule([(0, [3.0, 1.0])])
+    with _weighted(before) as both:
+        head = [batch for _, batch in zip(range(37), both, strict=False)]
+        state = json.loads(json.dumps(both.state_dict()))
+    with _weighted(after) as both:
+        both.load_state_dict(state)
+        rest = [batch for _, batch in zip(range(60), both, strict=False)]
+        again = both.state_dict()
+    spliced = schedule([(0, [1.0, 3.0]), (37, [3.0, 1.0])])
+    with _weighted(spliced) as both:
+        whole = [batch for _, batch in zip(range(97), both, strict=False)]
+    assert head + rest == whole
+    assert again["weights_changed"] == [
+        {"epoch": 0, "position": 37, "was": state["config"]["weights"]}
+    ]
+    assert again["config"]["weights"] != state["config"]["weights"]
+    with _weighted(after) as both:  # (a later state loads under the weights it was saved with)
+        both.load_state_dict(again)
+        assert both.state_dict()["weights_changed"] == again["weights_changed"]
 
 
 @pytest.mark.asyncio

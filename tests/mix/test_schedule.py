@@ -1,6 +1,7 @@
 """Mixture weights that follow a schedule (`aioloader.schedule`): the proportions measured over
 windows follow it, step by step or interpolated; a loader over such a mix resumes exactly, on its
-world size and on another; a saved state records the schedule and a load under another is refused;
+world size and on another; a saved state records the schedule and a Loader over a mix of sources
+refuses a load under another (loaders mixed take it: tests/mix/test_mixed_loaders.py);
 bad schedules are named. (A mix by rows, packed, resuming under a schedule: tests/pack.)"""
 
 from __future__ import annotations
