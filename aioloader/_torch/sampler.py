@@ -14,7 +14,7 @@ from .._exceptions import StateError
 from .._pipeline.order import Group, shard
 from .._protocol import HasSetEpoch
 from .._util.ranges import Ranges
-from .stateful import OwnStates, stateful
+from .stateful import OwnStates, batches, stateful
 
 __all__ = ["SamplerPlan", "draw_seed", "rng_restore", "rng_snapshot"]
 
@@ -77,20 +77,19 @@ class SamplerPlan:
         elif resume is None and stateful(target):
             own.record(-1, sampler={"sampler": target.state_dict()})  # (the epoch's start)
         it = iter(target)
-        first = 0
         if saved and saved.get("iter") is not None and stateful(it):
             it.load_state_dict(saved["iter"])
-        if saved and (stateful(it) or stateful(target)) and resume is not None:
-            first = int(resume.get("next", 0))  # goes on from its state: no batch drawn again
+        keep = stateful(it) or stateful(target)
+        after = int(resume.get("next", 0)) if resume is not None else 0  # the resume's first batch
+        first = after if saved and keep else 0  # from its state: no batch drawn again
         restores: dict[int, Any] = {}
         if resume is not None:
-            if resume.get("main") is not None and int(resume.get("next", 0)) > 0:
+            if resume.get("main") is not None and after > 0:
                 restores[0] = resume["main"]  # (at an epoch's start it was loaded with the state)
             for worker, state in resume.get("workers", {}).items():
                 restores[int(worker)] = state
-        after = int(resume.get("next", 0)) if resume is not None else 0
-        keep = stateful(it) or stateful(target)
-        draws = _cut(it, self.index_sampler) if cut else it
+        sampler: Any = self.index_sampler
+        draws = batches(it, sampler.batch_size, sampler.drop_last) if cut else it
         head = list(itertools.islice(draws, 1))  # the sampler's own seed, drawn on this thread
         for i, index in enumerate(itertools.chain(head, draws), first):
             if keep:
@@ -185,16 +184,6 @@ class SamplerPlan:
         size, drop = self.batch_len, bool(getattr(self.index_sampler, "drop_last", False))
         cut = [mine[i : i + size] for i in range(0, len(mine), size)]
         return [b for b in cut if len(b) == size or not drop]
-
-
-def _cut(indices: Iterator[Any], batch_sampler: Any) -> Iterator[list[Any]]:
-    """The batches torch's `BatchSampler` cuts of its sampler's `indices`."""
-    size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
-    while True:
-        batch = list(itertools.islice(indices, size))
-        if not batch or (drop_last and len(batch) < size):
-            return
-        yield batch
 
 
 def rng_snapshot(generator: torch.Generator | None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ __all__ = [
     "OwnStates",
     "ReadOwn",
     "Stamped",
+    "batches",
     "holds_states",
     "own_state",
     "restore_into",
@@ -135,6 +136,16 @@ def take(it: Iterator[Any], n: int) -> list[Any]:
         except StopIteration:
             break
     return items
+
+
+def batches(it: Iterator[Any], size: int, drop_last: bool) -> Iterator[list[Any]]:
+    """`it` cut into lists of `size` items (by `take`), the short last one dropped with
+    `drop_last`, as torch's `BatchSampler` and its IterableDataset fetcher cut them."""
+    while True:
+        items = take(it, size)
+        if not items or (drop_last and len(items) < size):
+            return
+        yield items
 
 
 def _dataset_only(state: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -303,12 +314,8 @@ class OwnItems:
     def __init__(
         self, dataset: Any, batch_size: int | None, drop_last: bool, own: OwnStates
     ) -> None:
-        self.dataset, self.batch_size, self.drop_last, self.own = (
-            dataset,
-            batch_size,
-            drop_last,
-            own,
-        )
+        self.dataset, self.own = dataset, own
+        self.batch_size, self.drop_last = batch_size, drop_last
         self.group_size = batch_size or 1
 
     def groups(self, epoch: int, consumed: Any) -> Iterator[Group]:
@@ -324,22 +331,14 @@ class OwnItems:
             self.own.record(-1, main=own_state(self.dataset, it) or None)
         if not (main and (main.get("dataset") is not None or main.get("iter") is not None)):
             # no state of its own to start from: run it from its start, dropping what was handed
-            for _ in itertools.islice(self._cut(it), first):
+            for _ in itertools.islice(batches(it, self.group_size, self.drop_last), first):
                 pass
         return self._groups(it, first)
-
-    def _cut(self, it: Iterator[Any]) -> Iterator[list[Any]]:
-        step = self.batch_size or 1
-        while True:
-            items = take(it, step)
-            if not items or (self.drop_last and len(items) < step):
-                return
-            yield items
 
     def _groups(self, it: Iterator[Any], first: int) -> Iterator[Group]:
         batched = self.batch_size is not None
         index = first
-        for index, items in enumerate(self._cut(it), first):
+        for index, items in enumerate(batches(it, self.group_size, self.drop_last), first):
             self.own.record(index, main=own_state(self.dataset, it))
             yield Group(index, [(index, item) for item in items], batched)
         self.own.record(index + 1, main=own_state(self.dataset, it))  # (its state at the end)
