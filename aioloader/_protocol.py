@@ -26,6 +26,7 @@ __all__ = [
     "HasSize",
     "HasStats",
     "ReadsAhead",
+    "Reweighs",
     "SaysHowItShuffles",
     "SharesItsKeys",
     "SharesItsStream",
@@ -186,6 +187,21 @@ class SharesItsKeys(Protocol):
         self, epoch: int, consumed: Ranges, drop_last: bool, rank: int, world_size: int,
         stop: int | None,
     ) -> list[int]: ...  # fmt: skip
+
+
+@runtime_checkable
+class Reweighs(Protocol):
+    """`SharesItsKeys` whose draws follow weights a resume may change (a mix): a loader's state
+    records `weights_state()` (JSON-ready), and a load hands it back through `load_weights(saved,
+    epoch, reached, consumed)` before the resumed epoch's keys are counted or streamed: `reached`
+    is how many keys the saved reader's stream had given of `epoch` (less `consumed`), None where
+    the state is another reader's (a resume on another world size)."""
+
+    def weights_state(self) -> dict[str, Any]: ...
+
+    def load_weights(
+        self, saved: Mapping[str, Any], epoch: int, reached: int | None, consumed: Ranges
+    ) -> None: ...
 
 
 @runtime_checkable

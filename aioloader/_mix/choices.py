@@ -15,7 +15,7 @@ import numpy as np
 
 __all__ = [
     "BLOCK", "STOPS", "Choices", "Schedule", "check_stop", "check_weights", "drawable", "own_weights",
-    "schedule", "weights_config",
+    "schedule", "weights_config", "weights_of",
 ]  # fmt: skip
 
 STOPS = ("first_exhausted", "all_exhausted", "cycle")
@@ -90,7 +90,8 @@ def schedule(
     Returns:
         A `Schedule`, checked against the sources when `mix` is called. Position `p` still draws
         from (seed, epoch, p), with the weights in force at `p`: every resume stays exact. A saved
-        state records the schedule, and a load under another one is refused (`StateError`).
+        state records the weights; a load under others (on the world size it was saved on) draws
+        with them from its position on, and later states list the change (`"weights_changed"`).
 
     Example:
         >>> weights = schedule([(0, {"web": 0.9, "code": 0.1}), (900_000, {"web": 0.7, "code": 0.3})])
@@ -134,10 +135,37 @@ def weights_config(weights: Sequence[float] | Schedule) -> Any:
     return list(weights)
 
 
-class Choices:
-    """Which source each position of one epoch draws: a pure function of (seed, epoch, position)."""
+def weights_of(config: Any) -> list[float] | Schedule:
+    """The weights a saved state records (`weights_config`), as a mix holds them: ValueError or
+    TypeError where they are not such a record."""
+    if isinstance(config, Mapping):
+        points = config.get("schedule")
+        if not isinstance(points, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 for pair in points
+        ):
+            raise ValueError(f"expected {{'schedule': [[position, weights], ...]}}, got {config!r}")
+        return schedule([(p, w) for p, w in points], interpolate=config.get("interpolate", ""))
+    if not isinstance(config, list):
+        raise TypeError(f"expected a list of weights or a schedule, got {config!r}")
+    return config
 
-    def __init__(self, weights: Sequence[float] | Schedule, seed: int, epoch: int) -> None:
+
+class Choices:
+    """Which source each position of one epoch draws: a pure function of (seed, epoch, position).
+
+    `earlier`: where the weights changed during the epoch (a state loaded under other weights):
+    (position, weights) pairs, positions increasing, each weights in force below its position (and
+    from the pair before's on); `weights` hold from the last one's position on. Each position
+    still draws from (seed, epoch, position), with the weights in force there.
+    """
+
+    def __init__(
+        self, weights: Sequence[float] | Schedule, seed: int, epoch: int,
+        earlier: Sequence[tuple[int, Sequence[float] | Schedule]] = (),
+    ) -> None:  # fmt: skip
+        self._earlier = [(int(until), Choices(w, seed, epoch)) for until, w in earlier]
+        self._until = max((until for until, _ in self._earlier), default=0)
+        self.live = set.union(drawable(weights), *(drawable(w) for _, w in earlier))
         self._schedule = weights if isinstance(weights, Schedule) else None
         n = len(weights)
         if not isinstance(weights, Schedule):
@@ -190,6 +218,20 @@ class Choices:
         return [int(c) for c in total]
 
     def _draw(self, block: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+        picks = self._drawn(block)
+        start = block * BLOCK
+        if start >= self._until:
+            return picks
+        lo = 0  # the positions of the block that each earlier weights were in force at
+        for until, earlier in self._earlier:
+            a, b = max(lo, start) - start, min(until, start + BLOCK) - start
+            if a < b:
+                picks[a:b] = earlier._draw(block)[a:b]
+            lo = max(lo, until)
+        return picks
+
+    def _drawn(self, block: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The block's picks under `weights` (the same draws as every earlier weights')."""
         rng = np.random.default_rng([self._seed, self._epoch, block, _CHOICE_SALT])
         if self._schedule is None:
             return np.searchsorted(self._cum, rng.random(BLOCK), side="right")

@@ -20,7 +20,7 @@ aside), whatever the world sizes. ("cycle" never ends: what was delivered is all
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from .._protocol import HasAclose, HasStats
 from .._util.ranges import Ranges, ranges_of
 from .._util.threads import LazyThreadPool
 from .._util.validate import check_int
-from .choices import Choices, Schedule, drawable, own_weights
+from .choices import Choices, Schedule, check_weights, own_weights, weights_config, weights_of
 from .parts import END, Indexed, Part, Pass, make_part
 
 __all__ = ["Mix", "MixEpochs", "MixKey", "label"]
@@ -114,6 +114,7 @@ class Mix:
         ]
         self._epoch = 0
         self.starts: dict[int, int] = {}  # epoch -> the position its next stream begins at
+        self.changes: list[dict[str, Any]] = []  # where loads changed the weights (`load_weights`)
         self.rank, self.world_size = 0, 1
 
     def __repr__(self) -> str:
@@ -223,8 +224,8 @@ class Mix:
     ) -> Iterator[tuple[int, int, int]]:
         """(source, pass, its position in that pass) of each key `rank` streams in `epoch`, in
         order, as `stream` gives them (`elastic`: under the elastic rule)."""
-        choices = Choices(self.weights, self.seed, epoch)
-        live = drawable(self.weights)
+        choices = self.choices(epoch)
+        live = choices.live
         at = dict.fromkeys(live, 0)  # each source: its pass, and its place in it
         k = dict.fromkeys(live, 0)
         shares: dict[tuple[int, int], Any] = {}
@@ -277,15 +278,82 @@ class Mix:
 
     def draws(self, epoch: int, n: int) -> list[int]:
         """The sources drawn by the first `n` positions of `epoch` (indices into the sources)."""
-        choices = Choices(self.weights, self.seed, epoch)
+        choices = self.choices(epoch)
         return [choices.at(p) for p in range(n)]
 
+    def choices(self, epoch: int, weights: Sequence[float] | Schedule | None = None) -> Choices:
+        """The draws of `epoch`: under the weights in force before each of its changes (`changes`),
+        then under `weights` (None: the mix's)."""
+        earlier = [
+            (c["position"], self._checked(c["was"])) for c in self.changes if c["epoch"] == epoch
+        ]
+        return Choices(self.weights if weights is None else weights, self.seed, epoch, earlier)
+
     def digest(self) -> str:
+        """The mix's configuration, less its weights (`weights_state`: a state saved under other
+        weights loads, and they draw from its position on)."""
         parts = ", ".join(part.digest() for part in self.parts)
-        return (
-            f"mix(weights={self.weights}, seed={self.seed}, stop={self.stop}, "
-            f"shuffle={self.shuffle}, sources=[{parts}])"
-        )
+        return f"mix(seed={self.seed}, stop={self.stop}, shuffle={self.shuffle}, sources=[{parts}])"
+
+    def weights_state(self) -> dict[str, Any]:
+        """What a loader's state records of the weights: those in force, and (`"weights_changed"`)
+        each change a load made: the epoch, the position from which the weights changed, and the
+        weights before it (`"was"`)."""
+        changed = {"weights_changed": [dict(c) for c in self.changes]} if self.changes else {}
+        return {"weights": weights_config(self.weights), **changed}
+
+    def load_weights(
+        self, saved: Mapping[str, Any], epoch: int, reached: int | None, consumed: Ranges
+    ) -> None:
+        """Take a loader state's record of the weights (`weights_state`) before it resumes
+        `epoch`. Where the state was saved under other weights than the mix's, these draw from
+        the position after the `reached` keys its reader's stream had given (less `consumed`: an
+        epoch resumed on another world size, whose stream passes spent sources over) on, as in a
+        run whose weights changed there; the change is recorded. `reached` None: the state is
+        another reader's (a resume on another world size), which must have these weights."""
+        changes = saved.get("weights_changed", [])
+        try:
+            self.changes = [
+                {"epoch": int(c["epoch"]), "position": int(c["position"]), "was": c["was"]}
+                for c in changes
+            ]
+            for c in self.changes:
+                self._checked(c["was"])
+        except (KeyError, TypeError, ValueError) as e:
+            self.changes = []
+            raise StateError(
+                "weights_changed: expected [{'epoch': int, 'position': int, 'was': weights}, ...] "
+                f"with weights for these {len(self.parts)} sources, got {changes!r} ({e})",
+                field="weights_changed",
+            ) from e
+        was = saved.get("weights")
+        if was == weights_config(self.weights):
+            return
+        if reached is None:
+            raise StateError(
+                f"weights: the states were saved under weights {was!r}, not "
+                f"{weights_config(self.weights)!r}: other weights apply from a reader's own saved "
+                "position, so change them on the saved world size (a resume on another one "
+                "shares out what every rank delivered)",
+                field="weights",
+            )
+        try:
+            old = self._checked(was)
+        except (TypeError, ValueError) as e:
+            raise StateError(
+                f"weights: not weights of these sources: {was!r} ({e})", field="weights"
+            ) from e
+        draw = reached
+        if consumed and self.stop != "cycle":  # the draw after its `reached` keys: passes over
+            layout = _Layout(self, consumed, self.world_size)
+            draw = self._elastic_start(epoch, reached, layout, self.choices(epoch, old))[0]
+        change = {"epoch": epoch, "position": draw, "was": was}
+        if not self.changes or self.changes[-1] != change:  # (a state loaded, saved, loaded)
+            self.changes.append(change)
+
+    def _checked(self, config: Any) -> list[float] | Schedule:
+        """Saved weights (`weights_config`) checked against the sources."""
+        return check_weights(weights_of(config), self.names)
 
     async def stream(self, epoch: int, consumed: Ranges | None = None) -> AsyncIterator[MixKey]:
         """The `MixKey`s of `epoch`, in the mix's order (see the module docstring for the rule),
@@ -298,14 +366,14 @@ class Mix:
                 return self.parts[i].open(part_epoch)
             return self.parts[i].open(part_epoch, layout.consumed(i, part_epoch - epoch))
 
-        choices = Choices(self.weights, self.seed, epoch)
-        live = drawable(self.weights)
+        choices = self.choices(epoch)
+        live = choices.live
         start = self.starts.pop(epoch, 0)
         self.starts.clear()  # a start left for another epoch is stale once this one streams
         spent: set[int] = set()  # (elastic) the sources whose share is spent
         if elastic:
             assert layout is not None
-            draw, drawn, spent = self._elastic_start(epoch, start, layout, live)
+            draw, drawn, spent = self._elastic_start(epoch, start, layout, choices)
         else:
             draw, drawn = start, choices.counts(start)
         passes: dict[int, Pass] = {}
@@ -345,10 +413,12 @@ class Mix:
                 await open_pass.aclose()
 
     def _elastic_start(
-        self, epoch: int, start: int, layout: _Layout, live: set[int]
+        self, epoch: int, start: int, layout: _Layout, choices: Choices
     ) -> tuple[int, list[int], set[int]]:
         """(the draw, the keys each source gave, the sources spent) where the elastic rule has
-        given `start` keys of this rank's epoch: a spent source's draws give none."""
+        given `start` keys of this rank's epoch, drawn by `choices`: a spent source's draws give
+        none."""
+        live = choices.live
         left = {}
         for i in live:  # this rank's keys of each source, over the passes that hold any
             k, n = 0, len(layout.share(i, 0, epoch, self.rank))
@@ -358,7 +428,7 @@ class Mix:
             left[i] = n
         drawn, given, draw = [0] * len(self.parts), 0, 0
         spent: set[int] = set()
-        draws = Choices(self.weights, self.seed, epoch).iter_from(0)
+        draws = choices.iter_from(0)
         while given < start and spent < live:
             i, draw = next(draws), draw + 1
             if i in spent:

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .._exceptions import StateError
-from .._protocol import EndsEarly, SharesItsKeys
+from .._protocol import EndsEarly, Reweighs, SharesItsKeys
 from .._util.aiters import closing
 from .._util.ranges import Ranges
 from .order import Group, KeyOrder, KeyPlan, achunk, dealt
@@ -142,10 +142,22 @@ class StreamPlan(KeyPlan):
     def rank_and_world(self) -> tuple[int, int]:
         return self.source.rank_and_world()
 
+    def snapshot(self) -> dict[str, Any]:
+        """A mix's weights, and where loads changed them (`Reweighs`)."""
+        return self.source.weights_state() if isinstance(self.source, Reweighs) else {}
+
     def restore(self, state: Mapping[str, Any]) -> None:
-        """Before the saved states' groups are counted (`group_indices`): their epoch."""
+        """Before the saved states' groups are counted (`group_indices`): their epoch, and a mix's
+        weights as the state records them (this reader's own state: changed weights draw from
+        the position after its furthest delivered group on)."""
         self._epoch = int(state["epoch"])
         self._streams.clear()
+        if isinstance(self.source, Reweighs) and "weights" in state:  # (not a bare {"epoch"})
+            own = (state.get("rank"), state.get("world_size")) == self.rank_and_world()
+            delivered = Ranges(state.get("delivered", []))
+            reached = delivered.pairs[-1][1] * self.group_size if delivered else 0
+            consumed = Ranges(state.get("consumed", []))
+            self.source.load_weights(state, self._epoch, reached if own else None, consumed)
 
     def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
         """The positions of group `group` of reader `rank` of `world_size`, in the restored epoch."""

@@ -1,8 +1,8 @@
 """Mixture weights that follow a schedule (`aioloader.schedule`): the proportions measured over
 windows follow it, step by step or interpolated; a loader over such a mix resumes exactly, on its
-world size and on another; a saved state records the schedule and a Loader over a mix of sources
-refuses a load under another (loaders mixed take it: tests/mix/test_mixed_loaders.py);
-bad schedules are named. (A mix by rows, packed, resuming under a schedule: tests/pack.)"""
+world size and on another; a saved state records the weights, and a load under others draws with
+them from its position on (loaders mixed: tests/mix/test_mixed_loaders.py); bad schedules are
+named. (A mix by rows, packed, resuming under a schedule: tests/pack.)"""
 
 from __future__ import annotations
 
@@ -72,41 +72,84 @@ def test_a_resume_goes_on_with_the_weights_in_force_there() -> None:
         head = [next(it) for _ in range(17)]
         state = json.loads(json.dumps(ld.state_dict()))
         it.close()  # type: ignore[attr-defined]
-    assert "weights=schedule([(0, [0.9, 0.1]), (1500" in state["config"]["keys"]  # recorded
+    recorded = {"schedule": [[0, [0.9, 0.1]], [1500, [0.1, 0.9]]], "interpolate": "linear"}
+    assert state["weights"] == recorded
+    assert "weights_changed" not in state
     with loader(WEIGHTS) as ld:
         ld.load_state_dict(state)
         it = iter(ld)
         rest = [next(it) for _ in range(23)]
         it.close()  # type: ignore[attr-defined]
     assert head + rest == whole
-    changed = schedule([(0, [0.9, 0.1]), (3_000, [0.1, 0.9])], interpolate="linear")
-    with loader(changed) as ld, pytest.raises(StateError):
+
+
+def batches(ld: Loader[Any], n: int, state: Any = None) -> tuple[list[Any], dict[str, Any]]:
+    """`n` batches of `ld` (after loading `state`), and the state after them (through JSON)."""
+    if state is not None:
         ld.load_state_dict(state)
+    it = iter(ld)
+    got = [next(it) for _ in range(n)]
+    saved = json.loads(json.dumps(ld.state_dict()))
+    it.close()  # type: ignore[attr-defined]
+    ld.close()
+    return got, saved
 
 
-def test_an_elastic_resume_under_a_schedule_gives_the_epoch_once() -> None:
-    def ranked(rank: int, world: int) -> Loader[Any]:
-        both = mix([list(range(300)), list(range(1000, 1200))], WEIGHTS, seed=3)
-        return Loader(both, batch_size=4, collate=list, rank=rank, world_size=world)
+def test_a_state_loaded_under_other_weights_draws_with_them_from_its_position_on() -> None:
+    """As a run whose weights changed at each saved position: the same batches; later states say
+    where the weights changed and what they were; a state loads again under its own weights."""
+    w0, w2 = [0.75, 0.25], [0.5, 0.5]
+    w1 = schedule([(0, [0.25, 0.75]), (5_000, [0.5, 0.5])])
+    spliced = schedule([(0, w0), (1_700, [0.25, 0.75]), (2_900, w2)])
+    whole, _ = batches(loader(spliced), 40)
+    head, s1 = batches(loader(w0), 17)
+    middle, s2 = batches(loader(w1), 12, s1)
+    rest, s3 = batches(loader(w2), 11, s2)
+    assert head + middle + rest == whole
+    assert s2["weights_changed"] == [{"epoch": 0, "position": 1_700, "was": w0}]
+    assert s3["weights_changed"] == [*s2["weights_changed"], {"epoch": 0, "position": 2_900,
+                                                               "was": s2["weights"]}]  # fmt: skip
+    again, _ = batches(loader(w1), 11, s2)  # (under the weights it was saved with: no change)
+    assert head + middle + again == batches(loader(schedule([(0, w0), (1_700, [0.25, 0.75])])),
+                                            40)[0]  # fmt: skip
+    broken = dict(s2, weights_changed=[{"epoch": 0, "position": 5, "was": [1.0]}])
+    with pytest.raises(StateError, match="weights_changed: expected") as caught:
+        loader(w1).load_state_dict(broken)
+    assert caught.value.field == "weights_changed"
 
-    want: set[int] = set()
-    for rank in range(4):
-        with ranked(rank, 4) as ld:
-            want |= {k for batch in ld for k in batch}
-    got: list[int] = []
-    states = []
-    for rank in range(4):
-        with ranked(rank, 4) as ld:
-            it = iter(ld)
-            got += [k for _ in range(5) for k in next(it)]
-            states.append(ld.state_dict())
-            it.close()  # type: ignore[attr-defined]
+
+def test_an_elastic_resume_refuses_other_weights_and_a_resumed_one_takes_them() -> None:
+    """Other weights apply from a reader's own position: a load on another world size refuses
+    them; an epoch resumed on another world size takes them on its own ranks, from the draw its
+    stream had reached (past the draws of sources it had spent): each source gives the keys it
+    would have, in its order, in another interleaving."""
+    before = schedule([(0, [1, 1, 1]), (400, [0.1, 1, 1])])
+    after = schedule([(0, [1, 1, 3]), (400, [0.1, 1, 3])])
+
+    def ranked(rank: int, world: int, weights: Any) -> Loader[Any]:
+        sources = [list(range(3_000)), list(range(10_000, 10_400)), list(range(20_000, 22_000))]
+        return Loader(mix(sources, weights, seed=3), batch_size=4, collate=list, rank=rank,
+                      world_size=world)  # fmt: skip
+
+    old = [batches(ranked(rank, 4, before), 10)[1] for rank in range(4)]
+    refused = "change them on the saved world size"
+    with ranked(0, 3, after) as ld, pytest.raises(StateError, match=refused) as caught:
+        ld.load_state_dict(old)
+    assert caught.value.field == "weights"
     for rank in range(3):
-        with ranked(rank, 3) as ld:
-            ld.load_state_dict(states)
-            got += [k for batch in ld for k in batch]
-    assert set(got) == want
-    assert len(got) - len(set(got)) <= (4 - 1 + 3 - 1) * 2  # the shares' padding
+        with ranked(rank, 3, before) as ld:
+            ld.load_state_dict(old)
+            unchanged = [k for batch in ld for k in batch]
+        head, state = batches(ranked(rank, 3, before), 93, old)  # (a source spent by then)
+        with ranked(rank, 3, after) as ld:
+            ld.load_state_dict(state)
+            got = [k for batch in head for k in batch] + [k for batch in ld for k in batch]
+            assert ld.state_dict()["weights_changed"][0]["was"] == state["weights"]
+        assert got != unchanged
+        for source in range(3):
+            assert [k for k in got if k // 10_000 == source] == [
+                k for k in unchanged if k // 10_000 == source
+            ]
 
 
 def test_bad_schedules_are_named() -> None:
