@@ -26,7 +26,7 @@ __all__ = [
     "HasSize",
     "HasStats",
     "ReadsAhead",
-    "Reweighs",
+    "RecordsDraws",
     "SaysHowItShuffles",
     "SharesItsKeys",
     "SharesItsStream",
@@ -190,18 +190,27 @@ class SharesItsKeys(Protocol):
 
 
 @runtime_checkable
-class Reweighs(Protocol):
-    """`SharesItsKeys` whose draws follow weights a resume may change (a mix): a loader's state
-    records `weights_state()` (JSON-ready), and a load hands it back through `load_weights(saved,
-    epoch, reached, consumed)` before the resumed epoch's keys are counted or streamed: `reached`
-    is how many keys the saved reader's stream had given of `epoch` (less `consumed`), None where
-    the state is another reader's (a resume on another world size)."""
+class RecordsDraws(Protocol):
+    """`SharesItsKeys` that draws its keys by weights a resume may change (a mix). A loader's state
+    records `draws_state()` (JSON-ready); a load hands it back, `load_draws(saved, epoch, reached,
+    consumed)`, before the resumed epoch's keys are counted or streamed: `reached` is how many keys
+    the saved reader's stream had given of `epoch` (less `consumed`), None where the state is
+    another reader's (a resume on another world size). Such a resume ends with `resume_draws(epoch,
+    draw)`: the new readers' draws begin at `draw`, the furthest any old reader had drawn
+    (`draw_reached(epoch, consumed, rank, world_size, keys)`: where reader `rank` stood after
+    `keys` keys)."""
 
-    def weights_state(self) -> dict[str, Any]: ...
+    def draws_state(self) -> dict[str, Any]: ...
 
-    def load_weights(
+    def load_draws(
         self, saved: Mapping[str, Any], epoch: int, reached: int | None, consumed: Ranges
     ) -> None: ...
+
+    def draw_reached(
+        self, epoch: int, consumed: Ranges, rank: int, world_size: int, keys: int
+    ) -> int: ...
+
+    def resume_draws(self, epoch: int, draw: int) -> None: ...
 
 
 @runtime_checkable

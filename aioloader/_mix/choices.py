@@ -209,11 +209,13 @@ class Choices:
             yield from self._draw(block).tolist()[offset:]
             block, offset = block + 1, 0
 
-    def counts(self, n: int) -> list[int]:
-        """How often each source is drawn by positions 0..n-1 (block by block, not one by one)."""
-        total = np.zeros(len(self._cum), dtype=np.int64)
-        for block in range(-(-n // BLOCK)):
-            picks = self._draw(block)[: n - block * BLOCK]
+    def counts(self, stop: int, start: int = 0) -> list[int]:
+        """How often each source is drawn by positions `start`..`stop - 1` (block by block, not
+        one by one)."""
+        total = np.zeros(self._n, dtype=np.int64)
+        for block in range(start // BLOCK, -(-stop // BLOCK)):
+            lo = block * BLOCK
+            picks = self._draw(block)[max(start - lo, 0) : stop - lo]
             total += np.bincount(picks, minlength=self._n)
         return [int(c) for c in total]
 

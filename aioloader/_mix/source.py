@@ -9,12 +9,17 @@ pass `k` of source `i` (its epoch `e + k`) holds positions `k * T + base_i + j` 
 N_i positions (T: all sources' N together, base_i: those before `i`); a saved state's delivered
 samples are counted there (`positions`), and so are the positions the uninterrupted epoch would never
 have reached (`left_out`: with stop "first_exhausted" the rest of every source but the first to run
-out; with "all_exhausted", beyond the passes it reached). The resumed epoch draws anew from position
-0, each source giving the new rank its share of what is left, under the elastic rule: a source whose
-share is spent is passed over when drawn (it goes on to its next pass only where that pass holds
-positions left), and the epoch ends once every source's is spent. So every sample of the
+out; with "all_exhausted", beyond the passes it reached). The resumed epoch draws on from the
+furthest draw an old rank had made (`based`, which its states record: a schedule goes on from
+there), each source giving the new rank its share of what is left, under the elastic rule: a source
+whose share is spent is passed over when drawn (it goes on to its next pass only where that pass
+holds positions left), and the epoch ends once every source's is spent. So every sample of the
 uninterrupted epoch comes once, before the save or after the restore (the new shares' padding
 aside), whatever the world sizes. ("cycle" never ends: what was delivered is all that is taken out.)
+
+Weights changed at a load (`load_draws`) draw from the saved reader's furthest draw on (on another
+world size, from where the new draws begin); the draws before are made again under the weights that
+made them (`changes`, which the states record), so the sources are placed where they stood.
 """
 
 from __future__ import annotations
@@ -114,7 +119,11 @@ class Mix:
         ]
         self._epoch = 0
         self.starts: dict[int, int] = {}  # epoch -> the position its next stream begins at
-        self.changes: list[dict[str, Any]] = []  # where loads changed the weights (`load_weights`)
+        self.changes: list[dict[str, Any]] = []  # where loads changed the weights (`load_draws`)
+        # (epoch, draw): where the draws of an epoch resumed on another world size begin
+        self.based: tuple[int, int] | None = None
+        self._walked: list[float] | Schedule | None = None  # (an elastic load) the old weights
+        self._pending: Any = None  # (an elastic load) the old weights' record, to change from
         self.rank, self.world_size = 0, 1
 
     def __repr__(self) -> str:
@@ -230,7 +239,7 @@ class Mix:
         k = dict.fromkeys(live, 0)
         shares: dict[tuple[int, int], Any] = {}
         ran_out: set[int] = set()  # (`elastic`: spent)
-        for i in choices.iter_from(0):
+        for i in choices.iter_from(self._base(epoch, layout.resumed)):
             if elastic and i in ran_out:
                 continue
             share = shares.get((i, k[i]))
@@ -283,11 +292,19 @@ class Mix:
 
     def choices(self, epoch: int, weights: Sequence[float] | Schedule | None = None) -> Choices:
         """The draws of `epoch`: under the weights in force before each of its changes (`changes`),
-        then under `weights` (None: the mix's)."""
+        then under `weights` (None: the mix's; while an elastic load counts what the old ranks
+        delivered, the weights they drew with)."""
         earlier = [
             (c["position"], self._checked(c["was"])) for c in self.changes if c["epoch"] == epoch
         ]
-        return Choices(self.weights if weights is None else weights, self.seed, epoch, earlier)
+        if weights is None:
+            weights = self.weights if self._walked is None else self._walked
+        return Choices(weights, self.seed, epoch, earlier)
+
+    def _base(self, epoch: int, resumed: bool) -> int:
+        """The draw the streams of `epoch` begin at: 0, or for an epoch `resumed` on another world
+        size (positions consumed), the furthest its old ranks had drawn (`resume_draws`)."""
+        return self.based[1] if resumed and self.based and self.based[0] == epoch else 0
 
     def digest(self) -> str:
         """The mix's configuration, less its weights (`weights_state`: a state saved under other
@@ -295,23 +312,28 @@ class Mix:
         parts = ", ".join(part.digest() for part in self.parts)
         return f"mix(seed={self.seed}, stop={self.stop}, shuffle={self.shuffle}, sources=[{parts}])"
 
-    def weights_state(self) -> dict[str, Any]:
-        """What a loader's state records of the weights: those in force, and (`"weights_changed"`)
-        each change a load made: the epoch, the position from which the weights changed, and the
-        weights before it (`"was"`)."""
+    def draws_state(self) -> dict[str, Any]:
+        """What a loader's state records of the draws: the weights in force; each change a load
+        made (`"weights_changed"`: the epoch, the position from which the weights changed, and
+        the weights before it, `"was"`); where an epoch resumed on another world size began its
+        draws (`"draws_from"`: [epoch, position])."""
         changed = {"weights_changed": [dict(c) for c in self.changes]} if self.changes else {}
-        return {"weights": weights_config(self.weights), **changed}
+        based = {"draws_from": list(self.based)} if self.based else {}
+        return {"weights": weights_config(self.weights), **changed, **based}
 
-    def load_weights(
+    def load_draws(
         self, saved: Mapping[str, Any], epoch: int, reached: int | None, consumed: Ranges
     ) -> None:
-        """Take a loader state's record of the weights (`weights_state`) before it resumes
-        `epoch`. Where the state was saved under other weights than the mix's, these draw from
-        the position after the `reached` keys its reader's stream had given (less `consumed`: an
-        epoch resumed on another world size, whose stream passes spent sources over) on, as in a
-        run whose weights changed there; the change is recorded. `reached` None: the state is
-        another reader's (a resume on another world size), which must have these weights."""
+        """Take a loader state's record of the draws (`draws_state`) before it resumes `epoch`.
+        Where the state was saved under other weights than the mix's, these draw from the
+        position after the `reached` keys its reader's stream had given (less `consumed`) on, as
+        in a run whose weights changed there; the change is recorded. `reached` None: the state is
+        another reader's (a resume on another world size): the old ranks' draws are counted under
+        the weights they drew with, and the new ones begin where they had drawn to
+        (`resume_draws`)."""
         changes = saved.get("weights_changed", [])
+        based = saved.get("draws_from")
+        self._walked = self._pending = None
         try:
             self.changes = [
                 {"epoch": int(c["epoch"]), "position": int(c["position"]), "was": c["was"]}
@@ -326,27 +348,50 @@ class Mix:
                 f"with weights for these {len(self.parts)} sources, got {changes!r} ({e})",
                 field="weights_changed",
             ) from e
+        try:
+            self.based = None if based is None else (int(based[0]), int(based[1]))
+        except (IndexError, TypeError, ValueError) as e:
+            raise StateError(
+                f"draws_from: expected [epoch, position], got {based!r}", field="draws_from"
+            ) from e
         was = saved.get("weights")
         if was == weights_config(self.weights):
             return
-        if reached is None:
-            raise StateError(
-                f"weights: the states were saved under weights {was!r}, not "
-                f"{weights_config(self.weights)!r}: other weights apply from a reader's own saved "
-                "position, so change them on the saved world size (a resume on another one "
-                "shares out what every rank delivered)",
-                field="weights",
-            )
         try:
             old = self._checked(was)
         except (TypeError, ValueError) as e:
             raise StateError(
                 f"weights: not weights of these sources: {was!r} ({e})", field="weights"
             ) from e
-        draw = reached
-        if consumed and self.stop != "cycle":  # the draw after its `reached` keys: passes over
-            layout = _Layout(self, consumed, self.world_size)
-            draw = self._elastic_start(epoch, reached, layout, self.choices(epoch, old))[0]
+        if reached is None:
+            self._walked, self._pending = old, was
+            return
+        rank, world_size = self.rank_and_world()
+        self._walked = old
+        draw = self.draw_reached(epoch, consumed, rank, world_size, reached)
+        self._walked = None
+        self._change(epoch, draw, was)
+
+    def draw_reached(
+        self, epoch: int, consumed: Ranges, rank: int, world_size: int, keys: int
+    ) -> int:  # fmt: skip
+        """The draw after the first `keys` keys of reader `rank` of `world_size` in `epoch`, less
+        `consumed` (where its stream passes spent sources over, further than `keys`)."""
+        base = self._base(epoch, bool(consumed))
+        if not consumed or self.stop == "cycle":
+            return base + keys
+        layout = _Layout(self, consumed, world_size)
+        return self._elastic_start(epoch, keys, layout, self.choices(epoch), rank)[0]
+
+    def resume_draws(self, epoch: int, draw: int) -> None:
+        """An elastic load's last step: the new ranks' draws of `epoch` begin at `draw` (the
+        furthest the old ranks had drawn), under the mix's weights from there on."""
+        self.based, self._walked = (epoch, draw), None
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._change(epoch, draw, pending)
+
+    def _change(self, epoch: int, draw: int, was: Any) -> None:
         change = {"epoch": epoch, "position": draw, "was": was}
         if not self.changes or self.changes[-1] != change:  # (a state loaded, saved, loaded)
             self.changes.append(change)
@@ -373,9 +418,10 @@ class Mix:
         spent: set[int] = set()  # (elastic) the sources whose share is spent
         if elastic:
             assert layout is not None
-            draw, drawn, spent = self._elastic_start(epoch, start, layout, choices)
+            draw, drawn, spent = self._elastic_start(epoch, start, layout, choices, self.rank)
         else:
-            draw, drawn = start, choices.counts(start)
+            base = self._base(epoch, layout is not None)
+            draw, drawn = base + start, choices.counts(base + start, base)
         passes: dict[int, Pass] = {}
         ran_out: set[int] = set()
         try:
@@ -413,22 +459,23 @@ class Mix:
                 await open_pass.aclose()
 
     def _elastic_start(
-        self, epoch: int, start: int, layout: _Layout, choices: Choices
+        self, epoch: int, start: int, layout: _Layout, choices: Choices, rank: int
     ) -> tuple[int, list[int], set[int]]:
         """(the draw, the keys each source gave, the sources spent) where the elastic rule has
-        given `start` keys of this rank's epoch, drawn by `choices`: a spent source's draws give
-        none."""
+        given `start` keys of reader `rank`'s epoch, drawn by `choices` from the epoch's base: a
+        spent source's draws give none."""
         live = choices.live
         left = {}
-        for i in live:  # this rank's keys of each source, over the passes that hold any
-            k, n = 0, len(layout.share(i, 0, epoch, self.rank))
+        for i in live:  # the reader's keys of each source, over the passes that hold any
+            k, n = 0, len(layout.share(i, 0, epoch, rank))
             while not layout.wholly(i, k + 1):
                 k += 1
-                n += len(layout.share(i, k, epoch, self.rank))
+                n += len(layout.share(i, k, epoch, rank))
             left[i] = n
-        drawn, given, draw = [0] * len(self.parts), 0, 0
+        draw = self._base(epoch, True)
+        drawn, given = [0] * len(self.parts), 0
         spent: set[int] = set()
-        draws = choices.iter_from(0)
+        draws = choices.iter_from(draw)
         while given < start and spent < live:
             i, draw = next(draws), draw + 1
             if i in spent:
@@ -505,6 +552,7 @@ class _Layout:
         self._total = self._base[-1]
         self._consumed = consumed or Ranges()
         self._world = old_world
+        self.resumed = bool(consumed)  # (an epoch resumed on another world size)
 
     def position(self, i: int, k: int, local: int) -> int:
         return int(k * self._total + self._base[i] + local)

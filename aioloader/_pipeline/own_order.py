@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .._exceptions import StateError
-from .._protocol import EndsEarly, Reweighs, SharesItsKeys
+from .._protocol import EndsEarly, RecordsDraws, SharesItsKeys
 from .._util.aiters import closing
 from .._util.ranges import Ranges
 from .order import Group, KeyOrder, KeyPlan, achunk, dealt
@@ -143,21 +143,34 @@ class StreamPlan(KeyPlan):
         return self.source.rank_and_world()
 
     def snapshot(self) -> dict[str, Any]:
-        """A mix's weights, and where loads changed them (`Reweighs`)."""
-        return self.source.weights_state() if isinstance(self.source, Reweighs) else {}
+        """A mix's draws: its weights, where loads changed them, where a resume on another world
+        size began them (`RecordsDraws`)."""
+        return self.source.draws_state() if isinstance(self.source, RecordsDraws) else {}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Before the saved states' groups are counted (`group_indices`): their epoch, and a mix's
-        weights as the state records them (this reader's own state: changed weights draw from
-        the position after its furthest delivered group on)."""
+        draws as the state records them (this reader's own state: changed weights draw from the
+        position after its furthest delivered group on)."""
         self._epoch = int(state["epoch"])
         self._streams.clear()
-        if isinstance(self.source, Reweighs) and "weights" in state:  # (not a bare {"epoch"})
+        if isinstance(self.source, RecordsDraws) and "weights" in state:  # (not a bare {"epoch"})
             own = (state.get("rank"), state.get("world_size")) == self.rank_and_world()
-            delivered = Ranges(state.get("delivered", []))
-            reached = delivered.pairs[-1][1] * self.group_size if delivered else 0
+            reached = _reached(state, self.group_size)
             consumed = Ranges(state.get("consumed", []))
-            self.source.load_weights(state, self._epoch, reached if own else None, consumed)
+            self.source.load_draws(state, self._epoch, reached if own else None, consumed)
+
+    def resumed_elsewhere(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """After a resume on another world size has counted what every old reader delivered: a
+        mix's new draws begin where the furthest of them had drawn to (not at the epoch's start:
+        a schedule goes on from there)."""
+        if isinstance(self.source, RecordsDraws):
+            self.source.resume_draws(self._epoch, max(
+                self.source.draw_reached(
+                    self._epoch, Ranges(s.get("consumed", [])), int(s.get("rank", 0)),
+                    int(s["world_size"]), _reached(s, self.group_size),
+                )
+                for s in states
+            ))  # fmt: skip
 
     def group_indices(self, rank: int, world_size: int, group: int, consumed: Ranges) -> list[int]:
         """The positions of group `group` of reader `rank` of `world_size`, in the restored epoch."""
@@ -192,6 +205,12 @@ class StreamPlan(KeyPlan):
             [i for g in groups for i in self.group_indices(rank, world_size, g, consumed)],
             dtype=np.int64,
         )
+
+
+def _reached(state: Mapping[str, Any], group_size: int) -> int:
+    """The keys a saved reader's stream had given: up to its furthest delivered group."""
+    delivered = Ranges(state.get("delivered", []))
+    return delivered.pairs[-1][1] * group_size if delivered else 0
 
 
 async def _numbered(keys: AsyncIterable[Any], start: int) -> AsyncIterator[tuple[int, Any]]:

@@ -133,6 +133,9 @@ class Ledger:
             epoch, consumed = elastic_consumed(
                 states, self._plan.group_indices, getattr(self._plan, "left_out", None)
             )
+            resumed_elsewhere = getattr(self._plan, "resumed_elsewhere", None)
+            if resumed_elsewhere is not None:  # (a mix: its draws go on from the old ones')
+                resumed_elsewhere(states)
             resume = Resume(epoch, consumed, set())
         with self._lock:
             self._resume, self._epoch = resume, resume.epoch
