@@ -10,12 +10,17 @@ position and every loader's own state, and `load_state_dict()` continues the exa
 On another world size (every old rank's state, a list), each loader resumes from what all the old
 ranks delivered of it (`elastic.py`): each of its documents comes once, before the save or after
 the restore, and the new ranks' draws go on from the furthest old rank's position.
+
+All of this but how items are handed over is `Mixing`: a `MixedLoaders` holds one, and so does a
+mix by rows (`rows.py`, `MixedRows`). Each starts its epochs, follows its draws and its loaders'
+epochs, and saves and loads its state through `Mixing`'s methods; what a mix by rows holds of its
+loaders' items beyond their states (the rows not used yet) it declares to it as `Holds`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -27,13 +32,13 @@ from .._util.validate import check_int
 from .choices import Choices, Schedule, drawable, own_weights, weights_config
 from .elastic import Resumed, Seen, resume_loader
 
-__all__ = ["MixedLoaders"]
+__all__ = ["Holds", "MixedLoaders", "Mixing", "Progress"]
 
 _END: Any = object()
 
 
 @dataclass
-class _Progress:
+class Progress:
     """Where an epoch of the mix stands: the next position, who ran out, each loader's own epoch."""
 
     epoch: int
@@ -42,26 +47,47 @@ class _Progress:
     ran_out: set[int] = field(default_factory=set)
 
 
-class MixedLoaders:
-    """Loaders' items interleaved in set proportions; iterate with `for` (one epoch per iteration).
+@dataclass(frozen=True)
+class Holds:
+    """What a mix holds of its loaders' current items beyond their states (a mix by rows: the
+    rows of each item not used yet), declared to its `Mixing`, which calls these as it starts an
+    epoch and loads a state. (The mix's own `state_dict()` adds what it holds to each loader's
+    entry of `Mixing.state_dict()`.)"""
 
-    Closing it (`close()`, or the end of a `with` block) closes the loaders.
+    # hold nothing: an epoch starts afresh, or a load on another world size (every loader then
+    # starts at a fresh item)
+    clear: Callable[[], None]
+    # this rank's own saved entries (`state["sources"]`), checked and taken before any loader
+    # loads its state: what each held then
+    load: Callable[[Sequence[Mapping[str, Any]]], None]
+    # loader `i`'s partly used item in an old rank's entry: (group, rows used, rows), or None
+    part: Callable[[int, Mapping[str, Any]], tuple[int, int, int] | None]
 
-    Example:
-        >>> both = mix([Loader(a, batch_size=8), Loader(b, batch_size=8)], [3, 1])  # doctest: +SKIP
-        >>> for batch in both: ...  # doctest: +SKIP
-    """
+
+# loaders mixed whole hold nothing of their items: each is handed over whole
+WHOLE = Holds(clear=lambda: None, load=lambda saved: None, part=lambda i, own: None)
+
+
+class Mixing:
+    """A mix of built loaders, however it hands their items over: its epochs, where each stands
+    (`Progress`), its loaders' own epochs, and its state, saved and loaded on the same ranks or on
+    another world size. `MixedLoaders` and `MixedRows` each hold one (see the module's docstring)
+    and hand its epochs' items over: `iterate(items)`, where `items` follows the draws and calls
+    `ends()` and `first()` as a loader runs out."""
 
     def __init__(
         self, loaders: Sequence[Loader[Any]], names: Sequence[str | None],
         weights: Sequence[float] | Schedule,
-        *, seed: int, stop: str,
+        *, seed: int, stop: str, kind: str, config: Mapping[str, Any] | None = None,
+        holds: Holds = WHOLE,
     ) -> None:  # fmt: skip
         self.loaders, self.names, self.weights = list(loaders), list(names), own_weights(weights)
-        self.seed, self.stop = seed, stop
+        self.seed, self.stop, self.holds = seed, stop, holds
+        self.kind = kind  # the state's "kind": the mix's class name
+        self.settings = dict(config or {})  # the mix's own, in its state's config after the rest
         self._epoch = 0
-        self._progress: _Progress | None = None  # the epoch being iterated
-        self._resume: _Progress | None = None  # where the next iteration starts, after a load
+        self._progress: Progress | None = None  # the epoch being iterated
+        self._resume: Progress | None = None  # where the next iteration starts, after a load
         # per loader, the indices of its later epochs an elastic load found consumed (its epoch
         # -> them), taken when the loader starts that epoch within this epoch of the mix
         self._later: dict[int, dict[int, Ranges]] = {}
@@ -79,36 +105,45 @@ class MixedLoaders:
         """Make the next iteration run `epoch`."""
         self._epoch = check_int("epoch", epoch, minimum=0)
 
-    def __iter__(self) -> Iterator[Any]:
-        return self._resumed(self._start())
+    # -- iteration -----------------------------------------------------------------------------------
 
-    def __aiter__(self) -> AsyncIterator[Any]:
-        """`async for item in mixed`: the same items, from the loaders' `async for`."""
-        return self._aresumed(self._start())
+    def iterate(self, items: Callable[[Progress], Iterator[Any]]) -> Iterator[Any]:
+        """Start the next epoch now (not at the first `next()`), and iterate `items(progress)`
+        over it: the epoch's items, which advance `progress` (with `ends()` and `first()`). A
+        resume saved after the last of them (found when the epoch ends before a first item) goes
+        on with the next epoch, as the run it was saved from would."""
+        return self._resumed(self._start(), items)
 
-    def _resumed(self, progress: _Progress, *how: Any) -> Iterator[Any]:
-        """The epoch's items; a resume saved after the last of them (found when the epoch ends
-        before a first item) goes on with the next epoch, as the run it was saved from would.
-        (`how`: passed on to `_items`, for a subclass that yields its items more than one way.)"""
+    def aiterate(
+        self, items: Callable[[Progress], AsyncGenerator[Any, None]]
+    ) -> AsyncIterator[Any]:
+        """`iterate()` for `async for`."""
+        return self._aresumed(self._start(), items)
+
+    def _resumed(
+        self, progress: Progress, items: Callable[[Progress], Iterator[Any]]
+    ) -> Iterator[Any]:
         resumed, out = progress.position > 0, 0
-        for item in self._items(progress, *how):
+        for item in items(progress):
             out += 1
             yield item
         if resumed and not out:
-            yield from self._items(self._start(), *how)
+            yield from items(self._start())
 
-    async def _aresumed(self, progress: _Progress, *how: Any) -> AsyncIterator[Any]:
+    async def _aresumed(
+        self, progress: Progress, items: Callable[[Progress], AsyncGenerator[Any, None]]
+    ) -> AsyncIterator[Any]:
         resumed, out = progress.position > 0, 0
-        async with contextlib.aclosing(self._aitems(progress, *how)) as items:
-            async for item in items:
+        async with contextlib.aclosing(items(progress)) as running:
+            async for item in running:
                 out += 1
                 yield item
         if resumed and not out:
-            async with contextlib.aclosing(self._aitems(self._start(), *how)) as items:
-                async for item in items:
+            async with contextlib.aclosing(items(self._start())) as running:
+                async for item in running:
                     yield item
 
-    def _start(self) -> _Progress:
+    def _start(self) -> Progress:
         """Take the next epoch: where a load left it, else from its start (every loader's too)."""
         epoch, self._epoch = self._epoch, self._epoch + 1
         progress, self._resume = self._resume, None
@@ -119,52 +154,15 @@ class MixedLoaders:
             or progress.epoch != epoch
             or not (progress.position or progress.ran_out)
         ):
-            progress = _Progress(epoch, 0, [epoch] * len(self.loaders))
+            progress = Progress(epoch, 0, [epoch] * len(self.loaders))
             self._later = {}
             for loader in self.loaders:
                 loader.start_epoch_afresh(epoch)
+            self.holds.clear()
         self._progress = progress
         return progress
 
-    def _items(self, progress: _Progress) -> Iterator[Any]:
-        choices = Choices(self.weights, self.seed, progress.epoch)
-        running: dict[int, Iterator[Any]] = {}
-        try:
-            while True:
-                i = choices.at(progress.position)
-                it = running.get(i) or running.setdefault(i, iter(self.loaders[i]))
-                box = [next(it, _END)]
-                if box[0] is _END:
-                    if self._ends(i, progress):
-                        return
-                    running[i] = it = iter(self.loaders[i])
-                    box = [self._first(i, progress, next(it, _END))]
-                progress.position += 1
-                yield box.pop()  # not held here while the consumer has it
-        finally:
-            for it in running.values():
-                it.close()  # type: ignore[attr-defined]
-
-    async def _aitems(self, progress: _Progress) -> AsyncGenerator[Any, None]:
-        choices = Choices(self.weights, self.seed, progress.epoch)
-        running: dict[int, AsyncIterator[Any]] = {}
-        try:
-            while True:
-                i = choices.at(progress.position)
-                it = running.get(i) or running.setdefault(i, aiter(self.loaders[i]))
-                box = [await anext(it, _END)]
-                if box[0] is _END:
-                    if self._ends(i, progress):
-                        return
-                    running[i] = it = aiter(self.loaders[i])
-                    box = [self._first(i, progress, await anext(it, _END))]
-                progress.position += 1
-                yield box.pop()  # not held here while the consumer has it
-        finally:
-            for it in running.values():
-                await it.aclose()  # type: ignore[attr-defined]
-
-    def _ends(self, i: int, progress: _Progress) -> bool:
+    def ends(self, i: int, progress: Progress) -> bool:
         """Loader `i` ran out: True if the mix's epoch ends there; else it starts its next epoch."""
         progress.ran_out.add(i)
         live = drawable(self.weights)
@@ -181,16 +179,17 @@ class MixedLoaders:
             self.loaders[i].resume_at(progress.epochs[i], consumed)
         return False
 
-    def _first(self, i: int, progress: _Progress, item: Any) -> Any:
+    def first(self, i: int, progress: Progress, item: Any) -> Any:
         """The first item of loader `i`'s next epoch (an epoch with none cannot start again)."""
         if item is _END:
             raise ValueError(
-                f"mix: loader {self._label(i)} gave nothing in its epoch {progress.epochs[i]}, so "
+                f"mix: loader {self.label(i)} gave nothing in its epoch {progress.epochs[i]}, so "
                 f"it cannot start again (stop={self.stop!r})"
             )
         return item
 
-    def _label(self, i: int) -> str:
+    def label(self, i: int) -> str:
+        """Loader `i` as messages name it: `sources[i]`, or `sources['name']`."""
         return f"sources[{i}]" if self.names[i] is None else f"sources[{self.names[i]!r}]"
 
     # -- state ---------------------------------------------------------------------------------------
@@ -199,6 +198,7 @@ class MixedLoaders:
         return {
             "weights": weights_config(self.weights), "seed": self.seed, "stop": self.stop,
             "names": [str(n) if n is not None else i for i, n in enumerate(self.names)],
+            **self.settings,
         }  # fmt: skip
 
     def _place(self) -> tuple[int, int] | None:
@@ -207,11 +207,8 @@ class MixedLoaders:
         return places.pop() if len(places) == 1 else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The mix's epoch and next position, which loaders ran out, the rank and world size of
-        the loaders (where they agree), and every loader's own epoch and `state_dict()` (and,
-        after a load on another world size, its later epochs' consumed indices: `"later"`).
-        JSON-ready. Safe between any two items."""
-        progress = self._progress or self._resume or _Progress(
+        """What `MixedLoaders.state_dict()` says (without what `holds` holds)."""
+        progress = self._progress or self._resume or Progress(
             self._epoch, 0, [self._epoch] * len(self.loaders)
         )  # fmt: skip
         place = self._place()
@@ -223,7 +220,7 @@ class MixedLoaders:
                 own["later"] = [[k, r.pairs] for k, r in sorted(later.items())]
             sources.append(own)
         return {
-            "version": STATE_VERSION, "kind": type(self).__name__, "config": self._config(),
+            "version": STATE_VERSION, "kind": self.kind, "config": self._config(),
             "epoch": progress.epoch, "position": progress.position,
             "ran_out": sorted(progress.ran_out),
             **({} if place is None else {"rank": place[0], "world_size": place[1]}),
@@ -232,21 +229,14 @@ class MixedLoaders:
         }  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from `state`: the next iteration goes on with the item after the saved one.
-
-        Given every rank's state (a list), this rank's own is used; on another world size, each
-        loader resumes from what every old rank delivered of it (`elastic.py`), and the draws go
-        on from the furthest old rank's position.
-
-        Raises StateError naming the field when a state does not fit this mix.
-        """
+        """What `MixedLoaders.load_state_dict()` says (`holds` told what a state held)."""
         states = [state] if isinstance(state, Mapping) else list(state)
         if not states:
             raise StateError("state: no state given", field="state")
         config = self._config()
         weights = config.pop("weights")  # (other weights than the saved ones: from there on)
         for s in states:
-            check_config(s, type(self).__name__, config)
+            check_config(s, self.kind, config)
             saved = s.get("sources")
             if not isinstance(saved, list) or len(saved) != len(self.loaders):
                 raise StateError(f"sources: expected {len(self.loaders)} states", field="sources")
@@ -286,22 +276,23 @@ class MixedLoaders:
     def _load_own(self, state: Mapping[str, Any], weights: Any) -> None:
         """Continue from this rank's own state; where it was saved under other weights than
         `weights` (this mix's), these draw from its position on, and later states say so."""
+        saved = state["sources"]
+        self.holds.load(saved)
         self._changes = [dict(c) for c in state.get("weights_changed", [])]
         was = state.get("config", {}).get("weights")
         if was != weights:
             self._changes.append(
                 {"epoch": int(state["epoch"]), "position": int(state["position"]), "was": was}
             )
-        saved = state["sources"]
         for loader, own in zip(self.loaders, saved, strict=True):
             loader.load_state_dict(own["state"])
         epoch = int(state["epoch"])
-        self._resume = _Progress(
+        self._resume = Progress(
             epoch, int(state["position"]), [int(s["epoch"]) for s in saved],
             set(int(i) for i in state.get("ran_out", [])),
         )  # fmt: skip
         self._epoch, self._progress = epoch, None
-        self._later = {i: _later_of(own, self._label(i)) for i, own in enumerate(saved)}
+        self._later = {i: _later_of(own, self.label(i)) for i, own in enumerate(saved)}
 
     def _load_elastic(self, states: list[Mapping[str, Any]], world_size: int) -> None:
         """Continue from every old rank's state, saved on `world_size` ranks (`elastic.py`)."""
@@ -344,11 +335,12 @@ class MixedLoaders:
                         Seen(rank, epoch, None) if skip else self._seen(i, rank, s, world_size)
                         for rank, (s, skip) in enumerate(zip(by_rank, fresh, strict=True))
                     ]
-                    resumed[i] = resume_loader(loader, self._label(i), seen, world_size)
+                    resumed[i] = resume_loader(loader, self.label(i), seen, world_size)
         self._epoch, self._progress, self._resume, self._later = epoch, None, None, {}
+        self.holds.clear()
         if not resumed:
             return
-        progress = _Progress(
+        progress = Progress(
             epoch, max(int(s["position"]) for s in by_rank), [epoch] * len(self.loaders),
             set.intersection(*(set(map(int, s.get("ran_out", []))) for s in by_rank)),
         )  # fmt: skip
@@ -361,7 +353,7 @@ class MixedLoaders:
 
     def _seen(self, i: int, rank: int, state: Mapping[str, Any], world_size: int) -> Seen:
         """What old rank `rank`'s state says of loader `i`."""
-        label, own = self._label(i), state["sources"][i]
+        label, own = self.label(i), state["sources"][i]
         saved = own.get("state") if isinstance(own, Mapping) else None
         if not isinstance(saved, Mapping):
             raise StateError(f"sources: {label}: expected the loader's state", field="sources")
@@ -379,19 +371,112 @@ class MixedLoaders:
                 f"{saved.get('epoch')}, the mix's says {epoch}",
                 field="epoch",
             )
-        return Seen(rank, epoch, saved, self._part(i, own), _later_of(own, label))
-
-    def _part(self, i: int, own: Mapping[str, Any]) -> tuple[int, int, int] | None:
-        """A partly used item of loader `i` in a saved entry: (group, rows used, rows); loaders
-        mixed whole use their items whole."""
-        return None
-
-    # -- lifecycle -----------------------------------------------------------------------------------
+        return Seen(rank, epoch, saved, self.holds.part(i, own), _later_of(own, label))
 
     def close(self) -> None:
         """Close every loader (idempotent)."""
         for loader in self.loaders:
             loader.close()
+
+
+class MixedLoaders:
+    """Loaders' items interleaved in set proportions; iterate with `for` (one epoch per iteration).
+
+    Closing it (`close()`, or the end of a `with` block) closes the loaders.
+
+    Example:
+        >>> both = mix([Loader(a, batch_size=8), Loader(b, batch_size=8)], [3, 1])  # doctest: +SKIP
+        >>> for batch in both: ...  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, loaders: Sequence[Loader[Any]], names: Sequence[str | None],
+        weights: Sequence[float] | Schedule,
+        *, seed: int, stop: str,
+    ) -> None:  # fmt: skip
+        self._mixing = mixing = Mixing(
+            loaders, names, weights, seed=seed, stop=stop, kind=type(self).__name__
+        )
+        self.loaders, self.names, self.weights = mixing.loaders, mixing.names, mixing.weights
+        self.seed, self.stop = seed, stop
+
+    def __repr__(self) -> str:
+        return repr(self._mixing)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration run `epoch`."""
+        self._mixing.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._mixing.iterate(self._items)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        """`async for item in mixed`: the same items, from the loaders' `async for`."""
+        return self._mixing.aiterate(self._aitems)
+
+    def _items(self, progress: Progress) -> Iterator[Any]:
+        mixing = self._mixing
+        choices = Choices(self.weights, self.seed, progress.epoch)
+        running: dict[int, Iterator[Any]] = {}
+        try:
+            while True:
+                i = choices.at(progress.position)
+                it = running.get(i) or running.setdefault(i, iter(self.loaders[i]))
+                box = [next(it, _END)]
+                if box[0] is _END:
+                    if mixing.ends(i, progress):
+                        return
+                    running[i] = it = iter(self.loaders[i])
+                    box = [mixing.first(i, progress, next(it, _END))]
+                progress.position += 1
+                yield box.pop()  # not held here while the consumer has it
+        finally:
+            for it in running.values():
+                it.close()  # type: ignore[attr-defined]
+
+    async def _aitems(self, progress: Progress) -> AsyncGenerator[Any, None]:
+        mixing = self._mixing
+        choices = Choices(self.weights, self.seed, progress.epoch)
+        running: dict[int, AsyncIterator[Any]] = {}
+        try:
+            while True:
+                i = choices.at(progress.position)
+                it = running.get(i) or running.setdefault(i, aiter(self.loaders[i]))
+                box = [await anext(it, _END)]
+                if box[0] is _END:
+                    if mixing.ends(i, progress):
+                        return
+                    running[i] = it = aiter(self.loaders[i])
+                    box = [mixing.first(i, progress, await anext(it, _END))]
+                progress.position += 1
+                yield box.pop()  # not held here while the consumer has it
+        finally:
+            for it in running.values():
+                await it.aclose()  # type: ignore[attr-defined]
+
+    # -- state and lifecycle -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mix's epoch and next position, which loaders ran out, the rank and world size of
+        the loaders (where they agree), and every loader's own epoch and `state_dict()` (and,
+        after a load on another world size, its later epochs' consumed indices: `"later"`).
+        JSON-ready. Safe between any two items."""
+        return self._mixing.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue from `state`: the next iteration goes on with the item after the saved one.
+
+        Given every rank's state (a list), this rank's own is used; on another world size, each
+        loader resumes from what every old rank delivered of it (`elastic.py`), and the draws go
+        on from the furthest old rank's position.
+
+        Raises StateError naming the field when a state does not fit this mix.
+        """
+        self._mixing.load_state_dict(state)
+
+    def close(self) -> None:
+        """Close every loader (idempotent)."""
+        self._mixing.close()
 
     def __enter__(self) -> Self:
         return self

@@ -25,10 +25,11 @@ and the rest are shared among the new ranks with whatever the old ranks were not
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from .._exceptions import StateError
 from .._loader import Loader
 from .._util.ranges import Ranges
 from .choices import Choices, Schedule, drawable
-from .loaders import MixedLoaders, _Progress
+from .loaders import Holds, Mixing, Progress
 
 __all__ = ["Interleaved", "MixedRows", "RowRun"]
 
@@ -119,11 +120,15 @@ def _joined(item: Interleaved) -> Any:
     return pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
 
 
-class MixedRows(MixedLoaders):
+class MixedRows:
     """Loaders of RecordBatches or Tables mixed row by row; made by `aioloader.mix(...,
     rows_per_item=N)`. Iterate with `for` or `async for` (one epoch per iteration): Tables of
     `N` rows. `state_dict()` / `load_state_dict()` resume exactly (same loaders; on the same
     ranks, or on another world size from every old rank's state).
+
+    Its epochs, draws and state are a `Mixing`'s (`loaders.py`), as a `MixedLoaders`'s are; it
+    holds the rest of each loader's current item (`_Held`), declared to that `Mixing` as `Holds`.
+    Closing it (`close()`, or the end of a `with` block) closes the loaders.
     """
 
     def __init__(
@@ -131,38 +136,46 @@ class MixedRows(MixedLoaders):
         weights: Sequence[float] | Schedule,
         *, seed: int, stop: str, rows_per_item: int,
     ) -> None:  # fmt: skip
-        super().__init__(loaders, names, weights, seed=seed, stop=stop)
-        self.rows_per_item = rows_per_item
+        holds = Holds(clear=self._clear, load=self._load, part=self._part)
+        self._mixing = mixing = Mixing(
+            loaders, names, weights, seed=seed, stop=stop, kind=type(self).__name__,
+            config={"rows_per_item": rows_per_item}, holds=holds,
+        )  # fmt: skip
+        self.loaders, self.names, self.weights = mixing.loaders, mixing.names, mixing.weights
+        self.seed, self.stop, self.rows_per_item = seed, stop, rows_per_item
         self._held = [_Held() for _ in self.loaders]
         self._skip = [_UNUSED] * len(self.loaders)  # of the next item, after a load: _Used
         self._schema: Any = None
         self._serials = 0  # items held so far: each one's `serial`
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", rows_per_item={self.rows_per_item})"
+        return repr(self._mixing)[:-1] + f", rows_per_item={self.rows_per_item})"
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration run `epoch`."""
+        self._mixing.set_epoch(epoch)
 
     # -- iteration -----------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._mixing.iterate(self._items)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        """`async for table in mixed`: the same Tables, from the loaders' `async for`."""
+        return self._mixing.aiterate(self._aitems)
 
     def row_runs(self) -> Iterator[Interleaved]:
         """`for` over the mix, each item as its pieces (`Interleaved`: its loaders' items' rows
         and the order they come in) rather than the Table they make: what `aioloader.pack`
         reads, which converts each loader's item once and joins nothing. The same items, epochs
         and state as `for item in mixed`."""
-        return self._resumed(self._start(), True)
+        return self._mixing.iterate(functools.partial(self._items, runs=True))
 
     def arow_runs(self) -> AsyncIterator[Interleaved]:
         """`async for` of `row_runs()`."""
-        return self._aresumed(self._start(), True)
+        return self._mixing.aiterate(functools.partial(self._aitems, runs=True))
 
-    def _start(self) -> _Progress:
-        resume = self._resume
-        progress = super()._start()
-        if progress is not resume:  # a fresh epoch: nothing held, nothing to skip
-            self._held = [_Held() for _ in self.loaders]
-            self._skip = [_UNUSED] * len(self.loaders)
-        return progress
-
-    def _items(self, progress: _Progress, runs: bool = False) -> Iterator[Any]:
+    def _items(self, progress: Progress, runs: bool = False) -> Iterator[Any]:
         core = self._core(progress)
         running: dict[int, Iterator[Any]] = {}
         try:
@@ -197,9 +210,7 @@ class MixedRows(MixedLoaders):
             for it in running.values():
                 it.close()  # type: ignore[attr-defined]
 
-    async def _aitems(  # type: ignore[override]
-        self, progress: _Progress, runs: bool = False
-    ) -> AsyncIterator[Any]:
+    async def _aitems(self, progress: Progress, runs: bool = False) -> AsyncGenerator[Any, None]:
         core = self._core(progress)
         running: dict[int, AsyncIterator[Any]] = {}
         try:
@@ -226,7 +237,7 @@ class MixedRows(MixedLoaders):
             for it in running.values():
                 await it.aclose()  # type: ignore[attr-defined]
 
-    def _core(self, progress: _Progress) -> Generator[Any, Any, None]:
+    def _core(self, progress: Progress) -> Generator[Any, Any, None]:
         """The epoch's items, as `Interleaved` pieces of the loaders' items, asking for the
         loaders' items (`_Need`) as it runs out of rows: the same steps for `for` and `async for`,
         which only differ in how they draw items. An item is worked out a stretch at a time, with
@@ -275,11 +286,11 @@ class MixedRows(MixedLoaders):
                     before = self.loaders[i].state_dict()
                     item = yield _Need(i)
                 if item is _END:
-                    if self._ends(i, progress):
+                    if self._mixing.ends(i, progress):
                         ended = True
                         break
                     before = self.loaders[i].state_dict()
-                    item = self._first(i, progress, (yield _Need(i, again=True)))
+                    item = self._mixing.first(i, progress, (yield _Need(i, again=True)))
                 self._hold(i, item, before)
             if pos:
                 progress.position += pos
@@ -295,15 +306,15 @@ class MixedRows(MixedLoaders):
             item = pa.Table.from_batches([item])
         elif not isinstance(item, pa.Table):
             raise TypeError(
-                f"rows_per_item: loader {self._label(i)} gave a {type(item).__name__}; a mix by "
-                "rows takes loaders of pyarrow RecordBatches or Tables (sources.parquet(..., "
-                "rows_per_sample=N), batch_size=None, collate=None)"
+                f"rows_per_item: loader {self._mixing.label(i)} gave a {type(item).__name__}; a "
+                "mix by rows takes loaders of pyarrow RecordBatches or Tables (sources.parquet("
+                "..., rows_per_sample=N), batch_size=None, collate=None)"
             )
         if self._schema is None:
             self._schema = item.schema
         elif not item.schema.equals(self._schema):
             raise TypeError(
-                f"rows_per_item: loader {self._label(i)} gave columns {item.schema.names} "
+                f"rows_per_item: loader {self._mixing.label(i)} gave columns {item.schema.names} "
                 f"({item.schema.types}), another {self._schema.names} ({self._schema.types}); "
                 "a mix by rows needs the same columns from every loader"
             )
@@ -313,17 +324,14 @@ class MixedRows(MixedLoaders):
         held.serial = self._serials
         held.used, self._skip[i] = self._skip[i].count, _UNUSED
 
-    # -- state ---------------------------------------------------------------------------------------
-
-    def _config(self) -> dict[str, Any]:
-        return {**super()._config(), "rows_per_item": self.rows_per_item}
+    # -- state and lifecycle -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """`MixedLoaders.state_dict()` with, per loader, its state from before its current item
         and the rows of that item used (`"used"`; where some were, the item's group in the
         loader's epoch, `"group"`, and its rows, `"rows"`). JSON-ready; safe between any two
         items."""
-        state = super().state_dict()
+        state = self._mixing.state_dict()
         for own, held, skip in zip(state["sources"], self._held, self._skip, strict=True):
             if held.table is not None and held.used < held.rows:
                 used = _Used(held.used, _group_of(held.before, own["state"]), held.rows)
@@ -337,27 +345,48 @@ class MixedRows(MixedLoaders):
                 own["rows"] = used.rows
         return state
 
-    def _load_own(self, state: Mapping[str, Any], weights: Any) -> None:
-        """`MixedLoaders._load_own`, the rows of each loader's next item already used skipped."""
-        skip = [_used_of(own, self._label(i)) for i, own in enumerate(state["sources"])]
-        super()._load_own(state, weights)
-        self._held = [_Held() for _ in self.loaders]
-        self._skip = [_UNUSED if used is None else used for used in skip]
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """As `MixedLoaders.load_state_dict()`: the rows of each loader's item that the state
+        says were used are skipped when it comes again (on another world size, counted
+        delivered: every new rank starts each loader at a fresh item).
 
-    def _load_elastic(self, states: list[Mapping[str, Any]], world_size: int) -> None:
-        """`MixedLoaders._load_elastic`: the rows used of partly used items counted delivered,
-        so every new rank starts each loader at a fresh item."""
-        super()._load_elastic(states, world_size)
+        Raises StateError naming the field when a state does not fit this mix.
+        """
+        self._mixing.load_state_dict(state)
+
+    def close(self) -> None:
+        """Close every loader (idempotent)."""
+        self._mixing.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # what the mix holds of its loaders' items, declared to its `Mixing` (`Holds`)
+
+    def _clear(self) -> None:
+        """Hold nothing and skip nothing: a fresh epoch, or a load on another world size."""
         self._held = [_Held() for _ in self.loaders]
         self._skip = [_UNUSED] * len(self.loaders)
 
+    def _load(self, saved: Sequence[Mapping[str, Any]]) -> None:
+        """This rank's own saved entries: hold nothing, and skip the rows of each loader's next
+        item that they say were used."""
+        skip = [_used_of(own, self._mixing.label(i)) for i, own in enumerate(saved)]
+        self._held = [_Held() for _ in self.loaders]
+        self._skip = [_UNUSED if used is None else used for used in skip]
+
     def _part(self, i: int, own: Mapping[str, Any]) -> tuple[int, int, int] | None:
-        used = _used_of(own, self._label(i))
+        """Loader `i`'s partly used item in an old rank's entry: (group, rows used, rows)."""
+        label = self._mixing.label(i)
+        used = _used_of(own, label)
         if used is None:
             return None
         if used.group is None or used.rows is None:
             raise StateError(
-                f"sources: {self._label(i)}: {used.count} rows of its item were used and the state "
+                f"sources: {label}: {used.count} rows of its item were used and the state "
                 "does not say the item's group (saved by an older aioloader?), so it cannot "
                 "resume on another world size; resume it on the saved one",
                 field="group",
