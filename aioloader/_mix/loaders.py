@@ -29,12 +29,14 @@ from .._loader import Loader
 from .._resume.state import STATE_VERSION, check_config
 from .._util.ranges import Ranges
 from .._util.validate import check_int
-from .choices import Choices, Schedule, drawable, own_weights, weights_config
+from .choices import (
+    Choices, Schedule, check_weights, drawable, own_weights, weights_config, weights_of,
+)  # fmt: skip
 from .elastic import Resumed, Seen, resume_loader
 
-__all__ = ["Holds", "MixedLoaders", "Mixing", "Progress"]
+__all__ = ["NO_ITEM", "Holds", "MixedLoaders", "Mixing", "Progress"]
 
-_END: Any = object()
+NO_ITEM: Any = object()  # what a mix's drivers take from a loader's iteration that has ended
 
 
 @dataclass
@@ -181,7 +183,7 @@ class Mixing:
 
     def first(self, i: int, progress: Progress, item: Any) -> Any:
         """The first item of loader `i`'s next epoch (an epoch with none cannot start again)."""
-        if item is _END:
+        if item is NO_ITEM:
             raise ValueError(
                 f"mix: loader {self.label(i)} gave nothing in its epoch {progress.epochs[i]}, so "
                 f"it cannot start again (stop={self.stop!r})"
@@ -264,14 +266,13 @@ class Mixing:
                 field="states",
             )
         was = [s.get("config", {}).get("weights") for s in states]
-        if any(w != weights for w in was):
+        if any(w != was[0] for w in was):
             raise StateError(
-                f"weights: the states were saved under weights {was[0]!r}, not {weights!r}: "
-                "other weights apply from a rank's own saved position, so change them on the "
-                "saved world size (a resume on another one shares out what every rank delivered)",
+                f"weights: the old ranks' states were saved under different weights ({was[0]!r}, "
+                f"{next(w for w in was if w != was[0])!r}): pass states of one run",
                 field="weights",
             )
-        self._load_elastic(states, worlds.pop())
+        self._load_elastic(states, worlds.pop(), was[0], weights)
 
     def _load_own(self, state: Mapping[str, Any], weights: Any) -> None:
         """Continue from this rank's own state; where it was saved under other weights than
@@ -294,8 +295,12 @@ class Mixing:
         self._epoch, self._progress = epoch, None
         self._later = {i: _later_of(own, self.label(i)) for i, own in enumerate(saved)}
 
-    def _load_elastic(self, states: list[Mapping[str, Any]], world_size: int) -> None:
-        """Continue from every old rank's state, saved on `world_size` ranks (`elastic.py`)."""
+    def _load_elastic(
+        self, states: list[Mapping[str, Any]], world_size: int, was: Any, weights: Any
+    ) -> None:
+        """Continue from every old rank's state, saved on `world_size` ranks (`elastic.py`) under
+        the weights `was`; where this mix's `weights` are others, they draw from the furthest old
+        rank's position on, and later states say so."""
         if self.stop == "first_exhausted":
             place = self._place()
             new = "?" if place is None else place[1]
@@ -327,10 +332,17 @@ class Mixing:
         # a rank that drew nothing of the epoch yet delivered nothing of it (whatever its
         # loaders' states say: they may be those of the epoch before)
         fresh = [not (int(s["position"]) or s.get("ran_out")) for s in by_rank]
+        try:
+            drawn = drawable(self.weights) | drawable(check_weights(weights_of(was), self.names))
+        except (TypeError, ValueError) as e:
+            raise StateError(
+                f"weights: not weights of these loaders: {was!r} ({e})", field="weights"
+            ) from e
         resumed: dict[int, Resumed] = {}
+        self._changes = [dict(c) for c in by_rank[0].get("weights_changed", [])]
         if not all(fresh):  # (else the epoch from its start, afresh)
             for i, loader in enumerate(self.loaders):
-                if i in drawable(self.weights):  # (one of weight 0 is never drawn)
+                if i in drawn:  # (one of weight 0 is never drawn)
                     seen = [
                         Seen(rank, epoch, None) if skip else self._seen(i, rank, s, world_size)
                         for rank, (s, skip) in enumerate(zip(by_rank, fresh, strict=True))
@@ -350,6 +362,8 @@ class Mixing:
             if where.later:
                 self._later[i] = where.later
         self._resume = progress
+        if was != weights:
+            self._changes.append({"epoch": epoch, "position": progress.position, "was": was})
 
     def _seen(self, i: int, rank: int, state: Mapping[str, Any], world_size: int) -> Seen:
         """What old rank `rank`'s state says of loader `i`."""
@@ -422,12 +436,12 @@ class MixedLoaders:
             while True:
                 i = choices.at(progress.position)
                 it = running.get(i) or running.setdefault(i, iter(self.loaders[i]))
-                box = [next(it, _END)]
-                if box[0] is _END:
+                box = [next(it, NO_ITEM)]
+                if box[0] is NO_ITEM:
                     if mixing.ends(i, progress):
                         return
                     running[i] = it = iter(self.loaders[i])
-                    box = [mixing.first(i, progress, next(it, _END))]
+                    box = [mixing.first(i, progress, next(it, NO_ITEM))]
                 progress.position += 1
                 yield box.pop()  # not held here while the consumer has it
         finally:
@@ -442,12 +456,12 @@ class MixedLoaders:
             while True:
                 i = choices.at(progress.position)
                 it = running.get(i) or running.setdefault(i, aiter(self.loaders[i]))
-                box = [await anext(it, _END)]
-                if box[0] is _END:
+                box = [await anext(it, NO_ITEM)]
+                if box[0] is NO_ITEM:
                     if mixing.ends(i, progress):
                         return
                     running[i] = it = aiter(self.loaders[i])
-                    box = [mixing.first(i, progress, await anext(it, _END))]
+                    box = [mixing.first(i, progress, await anext(it, NO_ITEM))]
                 progress.position += 1
                 yield box.pop()  # not held here while the consumer has it
         finally:

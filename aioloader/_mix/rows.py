@@ -37,11 +37,9 @@ from .._exceptions import StateError
 from .._loader import Loader
 from .._util.ranges import Ranges
 from .choices import Choices, Schedule, drawable
-from .loaders import Holds, Mixing, Progress
+from .loaders import NO_ITEM, Holds, Mixing, Progress
 
 __all__ = ["Interleaved", "MixedRows", "RowRun"]
-
-_END: Any = object()
 
 
 class _Need:
@@ -185,13 +183,13 @@ class MixedRows:
                     if ask.again:
                         running.pop(ask.i).close()  # type: ignore[attr-defined]
                     it = running.get(ask.i) or running.setdefault(ask.i, iter(self.loaders[ask.i]))
-                    ask = core.send(next(it, _END))
+                    ask = core.send(next(it, NO_ITEM))
                 elif type(ask) is _First:
                     for i in ask.ids:
                         running[i] = iter(self.loaders[i])
                     pool = ThreadPoolExecutor(len(ask.ids), "aioloader-mix-first")
                     try:
-                        firsts = list(pool.map(lambda i: next(running[i], _END), ask.ids))
+                        firsts = list(pool.map(lambda i: next(running[i], NO_ITEM), ask.ids))
                     except BaseException:
                         pool.shutdown(wait=True)  # no loader is still being drawn from
                         raise
@@ -220,11 +218,11 @@ class MixedRows:
                     if ask.again:
                         await running.pop(ask.i).aclose()  # type: ignore[attr-defined]
                     it = running.get(ask.i) or running.setdefault(ask.i, aiter(self.loaders[ask.i]))
-                    ask = core.send(await anext(it, _END))
+                    ask = core.send(await anext(it, NO_ITEM))
                 elif type(ask) is _First:
                     for i in ask.ids:
                         running[i] = aiter(self.loaders[i])
-                    firsts = await asyncio.gather(*(anext(running[i], _END) for i in ask.ids))
+                    firsts = await asyncio.gather(*(anext(running[i], NO_ITEM) for i in ask.ids))
                     ask = core.send(dict(zip(ask.ids, firsts, strict=True)))
                 else:
                     box, ask = [ask if runs else _joined(ask)], None
@@ -250,7 +248,7 @@ class MixedRows:
             befores = {i: self.loaders[i].state_dict() for i in ids}
             firsts = yield _First(ids)
             for i in ids:
-                if firsts[i] is _END:  # (the epoch ends where it is drawn, as below)
+                if firsts[i] is NO_ITEM:  # (the epoch ends where it is drawn, as below)
                     ready[i] = befores[i]
                 else:
                     self._hold(i, firsts[i], befores[i])
@@ -281,11 +279,11 @@ class MixedRows:
                     break
                 i = short  # loader `i` needs its next item at `pos`
                 if i in ready:
-                    before, item = ready.pop(i), _END
+                    before, item = ready.pop(i), NO_ITEM
                 else:
                     before = self.loaders[i].state_dict()
                     item = yield _Need(i)
-                if item is _END:
+                if item is NO_ITEM:
                     if self._mixing.ends(i, progress):
                         ended = True
                         break

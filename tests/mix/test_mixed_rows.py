@@ -205,6 +205,32 @@ def test_items_that_are_not_columnar_are_named() -> None:
         list(both)
 
 
+class Once:
+    """Keys the first time it is iterated, none after."""
+
+    def __init__(self) -> None:
+        self.times = 0
+
+    def __iter__(self) -> Any:
+        self.times += 1
+        return iter(range(3) if self.times == 1 else [])
+
+
+def two_rows(key: int) -> pa.Table:
+    return pa.table({"id": [key, key]})
+
+
+@pytest.mark.parametrize("rows_per_item", [None, 2])
+def test_a_loader_with_nothing_in_its_next_epoch_is_named(rows_per_item: int | None) -> None:
+    """Mixed whole or by rows: the mix's own error, not a row reader's on its end marker."""
+    again = Loader(Once(), two_rows, batch_size=None)
+    other = Loader(list(range(10, 18)), two_rows, batch_size=None)
+    by = {} if rows_per_item is None else {"rows_per_item": rows_per_item}
+    both = mix([again, other], [1, 1], stop="all_exhausted", **by)
+    with both, pytest.raises(ValueError, match=r"sources\[0\] gave nothing in its epoch 1"):
+        list(both)
+
+
 def test_loaders_of_other_columns_are_refused(corpus: dict[str, list[str]]) -> None:
     a = Loader(sources.parquet(corpus["a"], ["id"], rows_per_sample=16), batch_size=None,
                collate=None)  # fmt: skip

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from aioloader import Loader, MixedLoaders, StateError, mix, sources
+from aioloader._mix.choices import Choices
 
 SIZES = {"a": 701, "b": 198}  # rows (documents) of each source
 FIRST = {"a": 0, "b": 100_000}  # the first id of each source: ids tell the sources apart
@@ -47,16 +48,17 @@ def all_but_the_last_row(batch: Any) -> Any:
 
 def mixed(
     corpus: dict[str, list[str]], stop: str, rank: int, world_size: int, *,
-    rows_per_item: int | None = 16, decode: Any = None,
+    rows_per_item: int | None = 16, decode: Any = None, weights: Any = (0.7, 0.3),
 ) -> Any:  # fmt: skip
-    """A 0.7 / 0.3 mix of a loader per source of RecordBatches of 20 rows, on `rank`."""
+    """A 0.7 / 0.3 mix (or `weights`) of a loader per source of RecordBatches of 20 rows, on
+    `rank`."""
     loaders = [
         Loader(sources.parquet(corpus[name], ["id"], rows_per_sample=20, shuffle_buffer=30,
                                seed=i), batch_size=None, collate=None, decode=decode,
                rank=rank, world_size=world_size)
         for i, name in enumerate(SIZES)
     ]  # fmt: skip
-    return mix(loaders, [0.7, 0.3], seed=2, stop=stop, rows_per_item=rows_per_item)
+    return mix(loaders, list(weights), seed=2, stop=stop, rows_per_item=rows_per_item)
 
 
 def ids(items: list[Any]) -> list[int]:
@@ -200,6 +202,24 @@ def test_loaders_mixed_whole_resume_on_another_world_size(corpus: dict[str, list
     middle, states = run([3, 1, 4], states)
     after, _ = run([8, 8], states)
     assert_each_row_once([before, middle, after], {"b": 1})
+
+
+@pytest.mark.parametrize("rows_per_item", [16, None])
+def test_other_weights_draw_from_the_furthest_old_ranks_position(
+    corpus: dict[str, list[str]], rows_per_item: int | None
+) -> None:
+    """Loaders mixed by rows or whole, resumed on another world size under other weights: each
+    row once; the new weights draw from the furthest old rank's position on; states say so."""
+    before, states = run_world(corpus, "all_exhausted", [3, 7, 12, 14], None,
+                               rows_per_item=rows_per_item)  # fmt: skip
+    after, saved = run_world(corpus, "all_exhausted", [None] * 3, states,
+                             rows_per_item=rows_per_item, weights=[0.6, 0.4])  # fmt: skip
+    assert_each_row_once([before, after], {"a": 1, "b": 1})
+    furthest = max(s["position"] for s in states)
+    assert saved[0]["weights_changed"] == [{"epoch": 0, "position": furthest, "was": [0.7, 0.3]}]
+    if rows_per_item:  # (a row a position)
+        drawn = Choices([0.6, 0.4], 2, 0).span(furthest, 40).tolist()
+        assert [int(i >= FIRST["b"]) for i in after[1][:40]] == drawn
 
 
 def test_the_state_says_its_rank_and_world_size(corpus: dict[str, list[str]]) -> None:
