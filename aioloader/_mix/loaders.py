@@ -30,7 +30,13 @@ from .._resume.state import STATE_VERSION, check_config
 from .._util.ranges import Ranges
 from .._util.validate import check_int
 from .choices import (
-    Choices, Schedule, check_weights, drawable, own_weights, weights_config, weights_of,
+    Choices,
+    Schedule,
+    check_weights,
+    drawable,
+    own_weights,
+    weights_config,
+    weights_of,
 )  # fmt: skip
 from .elastic import Resumed, Seen, resume_loader
 
