@@ -37,7 +37,7 @@ from .choices import (
     own_weights,
     weights_config,
     weights_of,
-)  # fmt: skip
+)
 from .elastic import Resumed, Seen, resume_loader
 
 __all__ = ["NO_ITEM", "Holds", "MixedLoaders", "Mixing", "Progress"]
