@@ -196,6 +196,38 @@ def test_a_mix_of_parquet_sources_resumes_at_random_steps(
     assert len(whole) > 2 * 10
 
 
+def found(state: Any, key: str) -> Any:
+    """The first value under `key` anywhere in a nested state."""
+    if isinstance(state, dict):
+        if key in state:
+            return state[key]
+        state = list(state.values())
+    if isinstance(state, list):
+        for item in state:
+            if (value := found(item, key)) is not None:
+                return value
+    return None
+
+
+def test_a_mix_packed_takes_other_weights_from_its_saved_position() -> None:
+    """Packed, a mix of sources loaded under other weights goes on as the run whose schedule
+    changed at the loader's saved position: the same packed rows."""
+    a = [np.arange(n, dtype=np.int32) for n in range(5, 45)]
+    b = [np.arange(n, dtype=np.int32) + 10_000 for n in range(3, 30)]
+
+    def packer(weights: Any) -> Callable[[], Packed]:
+        return lambda: pack(Loader(mix([a, b], weights, seed=1, stop="cycle"), batch_size=None,
+                                   collate=None), 16, batch_size=2, eos=EOS)  # fmt: skip
+
+    head, state = run(packer([0.75, 0.25]), None, 12)
+    rest, later = run(packer([0.25, 0.75]), state, 20)
+    change = found(later, "weights_changed")
+    assert change[0]["was"] == [0.75, 0.25]
+    spliced = schedule([(0, [0.75, 0.25]), (change[0]["position"], [0.25, 0.75])])
+    whole, _ = run(packer(spliced), None, 32)
+    assert head + rest == whole
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_ranks_pack_their_own_share_and_resume(corpora: dict[str, list[str]], rank: int) -> None:
     mine = assert_resumes(
