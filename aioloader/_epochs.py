@@ -1,8 +1,11 @@
 """A loader's epochs: open one, iterate it (`for` and `async for`), close it; stop them all.
 
-`Epochs`, which a `Loader` owns, is the consumer's side of the pipeline. `for batch in loader` waits
-on the loop thread's futures; `async for` awaits them (or runs the epoch in the caller's loop with
-`use_caller_loop`). A batch that failed (`BatchFailed`) is raised from `next()` in its place.
+`Epochs`, which a `Loader` owns, is the consumer's side of the pipeline. What the consumer does with
+each batch that comes over (the clock on its wait, the epoch's progress, the hooks, the device
+stage's hand-over) is one step, `_Consumer`, with no waiting in it; two drivers wait for the batches
+and feed it: `for batch in loader` waits on the loop thread's futures, `async for` awaits them (or
+runs the epoch in the caller's loop with `use_caller_loop`). A batch that failed (`BatchFailed`) is
+raised from `next()` in its place.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import (
 from typing import Any, TypeVar
 
 from ._exceptions import LoaderClosedError, LoaderTimeout
+from ._observe.stats import Recorder
 from ._parts import Describer, EpochHooks
 from ._pipeline.epoch import Epoch, Unraised
 from ._pipeline.feed import BatchStage, Feed
@@ -96,30 +100,13 @@ class Epochs:
         self.live.add(run)
         return run
 
+    def _consumer(self, progress: Progress, gone: Callable[[int, int, bool], None]) -> _Consumer:
+        """The consumer's step for the epoch `progress` began (`gone`: see `_Consumer`)."""
+        recorder, ledger, hooks = self._stages.recorder, self._ledger, self._hooks
+        return _Consumer(recorder, ledger, hooks, self.device, progress, gone)
+
     def _timed_out(self, run: Epoch | Feed) -> LoaderTimeout:
         return timeout_error(self._describer.timeout_message(), run)
-
-    def _take(self, progress: Progress, t0: float, index: int, batch: Any) -> list[Any] | None:
-        """The consumer's step, for `for` and `async for` alike, once `(index, batch)` came after
-        waiting since `t0`: None at the epoch's end, else what to hand over (nothing for a batch
-        whose samples were all skipped)."""
-        self._stages.recorder.waited(t0, time.perf_counter())
-        if batch is END:
-            self._ledger.finished(progress)
-            self._hooks.finished()
-            return None
-        progress.delivered.add(index)
-        self._hooks.passed(index)
-        if batch is SKIPPED:
-            return []
-        self._hooks.handing_over()
-        return [self._hand_over(batch)]
-
-    def _hand_over(self, batch: Any) -> Any:
-        """In the consumer's thread: make its stream wait for the batch's copy (device stage only)."""
-        if self.device is None or type(batch) is BatchFailed:
-            return batch
-        return self.device.hand_over(batch)
 
     async def _close_epoch(self, run: Epoch | Feed) -> None:
         self.live.discard(run)
@@ -150,10 +137,11 @@ class Epochs:
         rec, batch_errors = self._stages.recorder, self._stages.batch_errors
         if not isinstance(groups, Iterable):
             raise TypeError("an inline epoch needs groups it can iterate without an event loop")
+        consumer = self._consumer(progress, _never)
         for group in groups:
             if self.closed:
                 raise LoaderClosedError("the loader was closed")
-            t0 = time.perf_counter()
+            consumer.turn()  # (the wait is the read)
             try:
                 batch = read(group)
             except Exception as exc:
@@ -163,11 +151,12 @@ class Epochs:
             else:
                 rec.batches += 1
                 rec.samples += len(group.items)
-            handed = self._take(progress, t0, group.index, batch)
+            handed = consumer.take(group.index, batch)
             del batch  # not held here while the consumer has it: its buffers can be reused
             if handed:
                 yield handed.pop()  # a BatchFailed is raised by `_Batches`
-        self._take(progress, time.perf_counter(), -1, END)
+        consumer.turn()
+        consumer.take(-1, END)
 
     def _iter(
         self, owner: object, begun: tuple[Progress, Any] | None
@@ -181,33 +170,18 @@ class Epochs:
         gone: Callable[[int, int, bool], None] = _never
         if isinstance(run, Epoch):  # (a device stage's batches come one at a time)
             ready, gone = functools.partial(run.ready_many, _TOGETHER), _handed_on(runner, run)
-        came: collections.deque[Any] = collections.deque()
+        consumer = self._consumer(progress, gone)
         try:
             while True:
-                t0 = time.perf_counter()
-                if not came:
-                    try:
-                        got: Any = runner.run(run.get(), self._timeout, ready)
-                    except LoaderTimeout:
-                        raise self._timed_out(run) from None
-                    except concurrent.futures.CancelledError:
-                        if self.closed:  # close() from elsewhere won the race with this wait
-                            raise LoaderClosedError("the loader was closed") from None
-                        raise
-                    if type(got) is list:
-                        came.extend(got)
-                    else:
-                        came.append(got)
-                    del got
-                index, batch = _next_of(came, gone)
-                handed = self._take(progress, t0, index, batch)
-                del batch  # not held here while the consumer has it: its buffers can be reused
+                if consumer.turn():
+                    consumer.came_over(self._wait(runner, run, ready))
+                handed = consumer.next()
                 if handed is None:
                     return
                 if handed:
                     yield handed.pop()  # a BatchFailed is raised by `_Batches`
         finally:
-            came.clear()  # come over, never handed: dropped with the epoch
+            consumer.drop()  # come over, never handed: dropped with the epoch
             if runner.alive and not runner.in_loop_thread():
                 with contextlib.suppress(TimeoutError, LoaderClosedError):  # closed meanwhile
                     runner.run(self._close_epoch(run), STOP_TIMEOUT_S)
@@ -215,78 +189,69 @@ class Epochs:
                 self.live.discard(run)
                 runner.call_soon(run.cancel)
 
+    def _wait(self, runner: LoopThread, run: Epoch | Feed, ready: Callable[[], Any]) -> Any:
+        """`for`'s wait: the next batch, or those waiting (see `_Consumer.came_over`), from the
+        loop thread; `LoaderTimeout` after the loader's timeout."""
+        try:
+            return runner.run(run.get(), self._timeout, ready)
+        except LoaderTimeout:
+            raise self._timed_out(run) from None
+        except concurrent.futures.CancelledError:
+            if self.closed:  # close() from elsewhere won the race with this wait
+                raise LoaderClosedError("the loader was closed") from None
+            raise
+
     def aiter(self, owner: object) -> AsyncIterator[Any]:
         """The next epoch's batches, for `async for`; its generator holds `owner` (see `iter`)."""
         return _AsyncBatches(self._aiter(owner))
 
     async def _aiter(self, owner: object) -> AsyncGenerator[Any, None]:  # `owner`: see `iter`
         progress, groups = self._start()
+        get: Callable[[], Awaitable[list[Any]]]
+        gone: Callable[[int, int, bool], None]
         if self._use_caller_loop:
             run = await self._open(groups, progress.epoch)
-            try:
-                async for batch in self._batches(lambda: _boxed(run.get), progress, run, _never):
-                    handed = [batch]
-                    del batch  # not held here while the consumer has it (nor after an error)
-                    yield handed.pop()
-            finally:
-                await self._close_epoch(run)
-            return
-        runner = self._runner()
-        run = await asyncio.wrap_future(runner.submit(self._open(groups, progress.epoch)))
+            get, gone = functools.partial(_boxed, run.get), _never
+            close = functools.partial(self._close_epoch, run)
+        else:
+            runner = self._runner()
+            run = await asyncio.wrap_future(runner.submit(self._open(groups, progress.epoch)))
+            get, gone = _from_thread(runner, run)
+            close = functools.partial(self._close_in_thread, runner, run)
+        consumer = self._consumer(progress, gone)
         try:
-            # as for `for`: the batches waiting come over together, each letting go of its
-            # places as it is handed over (see `Epoch.ready_many`)
-            if isinstance(run, Epoch):
-                epoch = run
-
-                def get() -> Awaitable[list[Any]]:
-                    return asyncio.wrap_future(runner.submit(_many(epoch)))
-
-                gone = _handed_on(runner, epoch)
-            else:
-                get = lambda: asyncio.wrap_future(runner.submit(_boxed(run.get)))  # noqa: E731
-                gone = _never
-            async for batch in self._batches(get, progress, run, gone):
-                handed = [batch]
-                del batch  # not held here while the consumer has it (nor after an error)
-                yield handed.pop()
+            while True:
+                if consumer.turn():
+                    consumer.came_over(await self._await(get, run))
+                handed = consumer.next()
+                if handed is None:
+                    return
+                if handed:
+                    yield handed.pop()  # a BatchFailed is raised by `_AsyncBatches`
         finally:
-            if runner.alive:
-                with contextlib.suppress(LoaderClosedError):  # the loader was closed meanwhile
-                    await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
+            consumer.drop()  # come over, never handed: dropped with the epoch
+            await close()
 
-    async def _batches(
-        self, get: Callable[[], Awaitable[list[Any]]], progress: Progress, run: Epoch | Feed,
-        gone: Callable[[int, int, bool], None],
-    ) -> AsyncIterator[Any]:  # fmt: skip
-        """The epoch's batches; `get()` gives the next ones in a list (see `_boxed`, `_many`):
-        `(index, batch)`, or `(index, batch, samples, held_bytes)` for one whose places go by
-        `gone(samples, held_bytes, made)` as it is handed over, or an `Unraised` error."""
-        came: collections.deque[Any] = collections.deque()
-        while True:
-            t0 = time.perf_counter()
-            if not came:
-                try:
-                    async with asyncio.timeout(self._timeout) as deadline:
-                        box = await get()
-                except TimeoutError:
-                    if not deadline.expired():
-                        raise  # the pipeline's own, from a user callable
-                    raise self._timed_out(run) from None
-                except asyncio.CancelledError:
-                    task = asyncio.current_task()
-                    if self.closed and task is not None and not task.cancelling():
-                        raise LoaderClosedError("the loader was closed") from None
-                    raise
-                came.extend(box)
-                box.clear()  # (the future that gave it may outlive the hand-over)
-            index, batch = _next_of(came, gone)
-            handed = self._take(progress, t0, index, batch)
-            del batch  # not held here while the consumer has it: its buffers can be reused
-            if handed is None:
-                return
-            if handed:
-                yield handed.pop()
+    async def _await(self, get: Callable[[], Awaitable[list[Any]]], run: Epoch | Feed) -> list[Any]:
+        """`async for`'s wait: `get()`, the next batches in a list (see `_boxed`, `_many`);
+        `LoaderTimeout` after the loader's timeout."""
+        try:
+            async with asyncio.timeout(self._timeout) as deadline:
+                return await get()
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the pipeline's own, from a user callable
+            raise self._timed_out(run) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.closed and task is not None and not task.cancelling():
+                raise LoaderClosedError("the loader was closed") from None
+            raise
+
+    async def _close_in_thread(self, runner: LoopThread, run: Epoch | Feed) -> None:
+        if runner.alive:
+            with contextlib.suppress(LoaderClosedError):  # the loader was closed meanwhile
+                await asyncio.wrap_future(runner.submit(self._close_epoch(run)))
 
     def close(self) -> None:
         """Stop every epoch and the loop thread; close the source (on that thread when it runs)."""
@@ -312,6 +277,77 @@ class Epochs:
         if self._use_caller_loop and self.source is not None and self._loop_thread is None:
             await self.source.aclose()
             self.source = None
+
+
+class _Consumer:
+    """The consumer's step of one epoch, for `for` and `async for` alike, with no waiting in it:
+    its driver starts a `turn()`, waits for batches when it says so and gives them here
+    (`came_over`), then hands over what `next()` returns (None: the epoch ended).
+
+    What comes over is `(index, batch)`, or `(index, batch, samples, held_bytes)` for a batch
+    whose places in the epoch go by `gone(samples, held_bytes, made)` as it is handed over, or an
+    `Unraised` error (raised by `next()`); several at once where the loop hands over those waiting.
+    """
+
+    __slots__ = ("_came", "_device", "_gone", "_hooks", "_ledger", "_progress", "_recorder", "_t0")
+
+    def __init__(
+        self, recorder: Recorder, ledger: Ledger, hooks: EpochHooks, device: BatchStage | None,
+        progress: Progress, gone: Callable[[int, int, bool], None],
+    ) -> None:  # fmt: skip
+        self._recorder, self._ledger, self._hooks, self._device = recorder, ledger, hooks, device
+        self._progress = progress
+        self._gone = gone
+        self._came: collections.deque[Any] = collections.deque()
+        self._t0 = 0.0
+
+    def turn(self) -> bool:
+        """A turn begins: the wait for the next batch is timed from now. True when none has come
+        over: the driver waits for more and gives them to `came_over`."""
+        self._t0 = time.perf_counter()
+        return not self._came
+
+    def came_over(self, got: Any) -> None:
+        """What the driver's wait gave: one entry, or a list of them (emptied here: the future that
+        gave it may outlive the hand-over)."""
+        if type(got) is list:
+            self._came.extend(got)
+            got.clear()
+        else:
+            self._came.append(got)
+
+    def next(self) -> list[Any] | None:
+        """The next of the batches that came over, as `take` hands it over."""
+        entry = self._came.popleft()
+        if type(entry) is Unraised:
+            raise entry.error
+        if len(entry) == 2:
+            return self.take(*entry)
+        index, batch, samples, held_bytes = entry
+        del entry
+        self._gone(samples, held_bytes, batch is not SKIPPED)
+        return self.take(index, batch)
+
+    def take(self, index: int, batch: Any) -> list[Any] | None:
+        """The step, once batch `index` came (`END`: the epoch's end): None at the end, else what
+        to hand over (nothing for a batch whose samples were all skipped)."""
+        self._recorder.waited(self._t0, time.perf_counter())
+        if batch is END:
+            self._ledger.finished(self._progress)
+            self._hooks.finished()
+            return None
+        self._progress.delivered.add(index)
+        self._hooks.passed(index)
+        if batch is SKIPPED:
+            return []
+        self._hooks.handing_over()
+        if self._device is None or type(batch) is BatchFailed:
+            return [batch]
+        return [self._device.hand_over(batch)]  # the consumer's stream waits for its copy
+
+    def drop(self) -> None:
+        """Let go of what came over and was never handed over (the epoch ends early)."""
+        self._came.clear()
 
 
 class _Batches(Iterator[T]):
@@ -387,6 +423,22 @@ async def _many(epoch: Epoch) -> list[Any]:
     return many if many is not None else [await epoch.get()]
 
 
+def _from_thread(
+    runner: LoopThread, run: Epoch | Feed
+) -> tuple[Callable[[], Awaitable[list[Any]]], Callable[[int, int, bool], None]]:
+    """`async for`'s `get` and `gone` for an epoch on the loop thread: as for `for`, the batches
+    waiting come over together, each letting go of its places as it is handed over (see
+    `Epoch.ready_many`); a device stage's come one at a time."""
+    if isinstance(run, Epoch):
+        epoch = run
+
+        def get() -> Awaitable[list[Any]]:
+            return asyncio.wrap_future(runner.submit(_many(epoch)))
+
+        return get, _handed_on(runner, epoch)
+    return (lambda: asyncio.wrap_future(runner.submit(_boxed(run.get)))), _never
+
+
 def _handed_on(runner: LoopThread, epoch: Epoch) -> Callable[[int, int, bool], None]:
     """`gone` for a consumer outside `epoch`'s loop thread: a batch's places go back on the loop
     (`Epoch.handed`) as it is handed over."""
@@ -399,21 +451,6 @@ def _handed_on(runner: LoopThread, epoch: Epoch) -> Callable[[int, int, bool], N
 
 def _never(samples: int, held_bytes: int, made: bool) -> None:
     """(no batch comes with places to let go of)"""
-
-
-def _next_of(
-    came: collections.deque[Any], gone: Callable[[int, int, bool], None]
-) -> tuple[int, Any]:
-    """The next of the batches that came over, `(index, batch)`: one that holds its places lets
-    them go as it is handed over (`gone`); an `Unraised` error is raised."""
-    entry = came.popleft()
-    if type(entry) is Unraised:
-        raise entry.error
-    if len(entry) == 2:
-        return entry  # type: ignore[no-any-return]
-    index, batch, samples, held_bytes = entry
-    gone(samples, held_bytes, batch is not SKIPPED)
-    return index, batch
 
 
 async def _boxed(get: Callable[[], Awaitable[Any]]) -> list[Any]:

@@ -16,7 +16,6 @@ import contextlib
 import functools
 import os
 import struct
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ..._exceptions import FetchError
 from ..._util.bytearrays import Bytearrays, landing
 from ..._util.deps import parquet_reader
+from ..._util.per_thread import PerThread
 from ..transport.redact import redact_url
 from .shards import SCHEMES, StoreOptions
 
@@ -368,35 +368,41 @@ def _decoding(
 
 
 _OPEN_PER_THREAD = 8
-_opened = threading.local()  # each thread's readers: a reader serves one thread at a time
+# each thread's readers (a reader serves one thread at a time), the longest open let go first:
+# descriptors stay few
+_opened: PerThread[str, tuple[FileMeta, pq.ParquetFile, _Pieces | None]] = PerThread(
+    limit=_OPEN_PER_THREAD
+)
 
 
 def _reader(meta: FileMeta, path: Path | None) -> tuple[pq.ParquetFile, _Pieces | None]:
     """This thread's reader of the file of `meta` (made once per thread: making one walks the
     schema in Python): over the local file `path`, or over fetched pieces (the `_Pieces` returned,
     whose pieces the caller sets)."""
+    key = meta.url if path is None else str(path)
+    held = _opened.get(key)
+    if held is None or held[0] is not meta:
+        held = _opened.make(key, functools.partial(_open_reader, meta, path))
+    return held[1], held[2]
+
+
+def _open_reader(
+    meta: FileMeta, path: Path | None
+) -> tuple[FileMeta, pq.ParquetFile, _Pieces | None]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    files: dict[str, tuple[FileMeta, pq.ParquetFile, _Pieces | None]]
-    files = _opened.__dict__.setdefault("files", {})
-    key = meta.url if path is None else str(path)
-    held = files.get(key)
-    if held is None or held[0] is not meta:
-        if len(files) >= _OPEN_PER_THREAD:
-            del files[next(iter(files))]  # the longest open: descriptors stay few
-        if path is None:
-            pieces = _Pieces([], meta.size)
-            f = pa.PythonFile(pieces, mode="r")
-            reader = _pooled(pq.ParquetFile(f, metadata=meta.metadata, pre_buffer=False), f,
-                             meta, memory_map=False)  # fmt: skip
-            held = files[key] = (meta, reader, pieces)
-        else:  # mapped: pages are decoded from the page cache, not first copied out of it
-            source = str(path)
-            reader = pq.ParquetFile(source, metadata=meta.metadata, pre_buffer=False,
-                                    memory_map=True)  # fmt: skip
-            held = files[key] = (meta, _pooled(reader, source, meta, memory_map=True), None)
-    return held[1], held[2]
+    if path is None:
+        pieces = _Pieces([], meta.size)
+        f = pa.PythonFile(pieces, mode="r")
+        reader = _pooled(pq.ParquetFile(f, metadata=meta.metadata, pre_buffer=False), f,
+                         meta, memory_map=False)  # fmt: skip
+        return meta, reader, pieces
+    # mapped: pages are decoded from the page cache, not first copied out of it
+    source = str(path)
+    reader = pq.ParquetFile(source, metadata=meta.metadata, pre_buffer=False,
+                            memory_map=True)  # fmt: skip
+    return meta, _pooled(reader, source, meta, memory_map=True), None
 
 
 @functools.cache

@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._util.deps import arrow_take
+from ..._util.per_thread import PerThread
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -196,7 +196,8 @@ def _codec(name: str) -> pa.Codec:
 
 # -- the bytes of a column chunk ----------------------------------------------------------------------
 
-_maps = threading.local()  # each thread's mapped files, the last few
+# each thread's mapped files, the last few
+_maps: PerThread[str, tuple[FileMeta, np.ndarray]] = PerThread(limit=8)
 
 
 def _bytes_of(
@@ -213,27 +214,27 @@ def _bytes_of(
         raise _Unfit("chunk not in one piece")
     if path is None:
         raise _Unfit("no bytes")
-    held: dict[str, tuple[FileMeta, np.ndarray]] = _maps.__dict__.setdefault("files", {})
     key = str(path)
-    kept = held.get(key)
-    if kept is not None and kept[0] is meta:
-        whole = kept[1]
-    else:
-        if len(held) >= 8 and key not in held:
-            del held[next(iter(held))]
-        fd = os.open(key, os.O_RDONLY)
-        try:
-            length = os.fstat(fd).st_size
-            if length == 0:
-                raise _Unfit("empty file")
-            mapped = mmap.mmap(fd, length, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        whole = np.frombuffer(mapped, dtype=np.uint8)
-        held[key] = (meta, whole)
+    kept = _maps.get(key)
+    if kept is None or kept[0] is not meta:
+        kept = _maps.make(key, functools.partial(_map, key, meta))
+    whole = kept[1]
     if start + size > len(whole):
         raise _Unfit("chunk past the file's end")
     return whole[start : start + size]
+
+
+def _map(path: str, meta: FileMeta) -> tuple[FileMeta, np.ndarray]:
+    """The local file `path` mapped whole, read-only."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        length = os.fstat(fd).st_size
+        if length == 0:
+            raise _Unfit("empty file")
+        mapped = mmap.mmap(fd, length, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return meta, np.frombuffer(mapped, dtype=np.uint8)
 
 
 # -- pages ---------------------------------------------------------------------------------------------
@@ -371,7 +372,7 @@ def _take(words: pa.Array, keys: pa.Array, pool: Any) -> pa.Array:
     return function.call([words, keys], options, memory_pool=pool)
 
 
-_scratches = threading.local()
+_scratches: PerThread[str, np.ndarray] = PerThread()
 
 
 def _scratch(name: str, size: int) -> np.ndarray:
@@ -380,13 +381,12 @@ def _scratch(name: str, size: int) -> np.ndarray:
     memory costs a page fault per 4 KiB). Aligned to 8 bytes. A buffer is kept up to
     `_SCRATCH_KEPT` bytes; a larger need (a row group of tens of millions of ids) is met fresh and
     let go, so that each decode thread does not hold its largest chunk's buffers for good."""
-    held: dict[str, np.ndarray] = _scratches.__dict__.setdefault("buffers", {})
-    kept = held.get(name)
+    kept = _scratches.get(name)
     if kept is not None and len(kept) >= size:
         return kept[:size]
     fresh = np.empty(max(size, 1 << 20) // 8 + 1, dtype=np.uint64).view(np.uint8)
     if size <= _SCRATCH_KEPT:
-        held[name] = fresh
+        _scratches.put(name, fresh)
     return fresh[:size]
 
 

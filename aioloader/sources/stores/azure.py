@@ -10,7 +10,7 @@ the whole source (AIMD, see `_tuning/aimd.py`); `stats()["concurrency_limit"]` s
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -21,6 +21,7 @@ from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
 from ..transport.remote import Remote, RemoteOptions
+from . import listing
 from .azureauth import (
     AzureSigner,
     Found,
@@ -149,36 +150,14 @@ class Azure(Remote):
         """A transport for listing on a thread of its own (`Pages`)."""
         return Transport(limit=4, **self._options)
 
-    # the listing (`listing.py`): the keys under the prefix, their sizes and ETags
-
-    @property
-    def stream_keys(self) -> bool:
-        """Whether `keys()` streams the listing."""
-        return self.listing.stream_keys
-
-    def keys(self) -> list[str] | AsyncIterable[str]:
-        """Every key under the prefix, sorted (or the keys given); see `Listing.keys`."""
-        return self.listing.keys()
-
-    def iter_keys(self) -> AsyncIterator[str]:
-        """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
-        return self.listing.iter_keys()
-
-    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
-        """(key, size) of each object under the prefix, in key order, one page at a time."""
-        return self.listing.iter_objects()
-
-    def manifest(self) -> Manifest:
-        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
-        return self.listing.manifest()
-
-    def size(self, key: str) -> int | None:
-        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
-        return self.listing.size(key)
-
-    def etag(self, key: str) -> str | None:
-        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
-        return self.listing.etag(key)
+    # the listing's (`listing.py`): the keys under the prefix, their sizes and ETags
+    stream_keys = listing.stream_keys
+    keys = listing.keys
+    iter_keys = listing.iter_keys
+    iter_objects = listing.iter_objects
+    manifest = listing.manifest
+    size = listing.size
+    etag = listing.etag
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""

@@ -4,7 +4,8 @@ Each store owns a `Listing` of its prefix and gives it the `Pages` protocol: `li
 its listing answer: the (key, size) pairs, their ETags and the next page's token, for a page of a
 listing that may start after a key and end at one: see `keyspace.PageAt`), `list_transport` (a
 small transport for listing off the loader's loop) and `list_width`. The keys, the streamed
-listing, `size(key)` and `etag(key)` are the listing's; the store's methods of those names ask it.
+listing, `size(key)` and `etag(key)` are the listing's; the store's methods of those names ask it,
+and are written once here, at the end (`keys = listing.keys` in the store's class).
 A whole listing (`keys()`, `manifest()`) runs in parts at once over the key space (`keyspace.py`),
 `list_width` pages in flight; a streamed one page after page.
 """
@@ -23,7 +24,21 @@ from ..transport.client import Transport
 from .keyspace import Objects, Page, PageAt, list_parts
 from .manifest import Manifest, share_listing
 
-__all__ = ["Listing", "Page", "PageAt", "Pages"]
+__all__ = [
+    "Listing",
+    "Owner",
+    "Page",
+    "PageAt",
+    "Pages",
+    "cache_name",
+    "etag",
+    "iter_keys",
+    "iter_objects",
+    "keys",
+    "manifest",
+    "size",
+    "stream_keys",
+]
 
 
 class Pages(Protocol):
@@ -194,3 +209,56 @@ class _Streamed:
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._source.iter_keys()
+
+
+# -- the store's methods that ask its listing --------------------------------------------------------
+# A store takes each of these as its own method (`keys = listing.keys` in its class body): written
+# once here, not a base class (see tests/test_structure.py: a store has one base, `Remote`).
+
+
+class Owner(Protocol):
+    """A store that owns a `Listing` of its prefix."""
+
+    listing: Listing
+
+
+def _stream_keys(store: Owner) -> bool:
+    return store.listing.stream_keys
+
+
+stream_keys = property(_stream_keys, doc="Whether `keys()` streams the listing.")
+
+
+def keys(store: Owner) -> list[str] | AsyncIterable[str]:
+    """Every key under the prefix, sorted (or the keys given); see `Listing.keys`."""
+    return store.listing.keys()
+
+
+def iter_keys(store: Owner) -> AsyncIterator[str]:
+    """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
+    return store.listing.iter_keys()
+
+
+def iter_objects(store: Owner) -> AsyncIterator[tuple[str, int]]:
+    """(key, size) of each object under the prefix, in key order, one page at a time."""
+    return store.listing.iter_objects()
+
+
+def manifest(store: Owner) -> Manifest:
+    """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
+    return store.listing.manifest()
+
+
+def size(store: Owner, key: str) -> int | None:
+    """The size of object `key` as last listed (None for keys given, or not listed yet)."""
+    return store.listing.size(key)
+
+
+def etag(store: Owner, key: str) -> str | None:
+    """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
+    return store.listing.etag(key)
+
+
+def cache_name(store: Owner, key: str) -> str:
+    """The store, its bucket and the key; see `Listing.cache_name`."""
+    return store.listing.cache_name(key)

@@ -8,7 +8,7 @@ than having every request retry at full concurrency; `stats()["concurrency_limit
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -21,6 +21,7 @@ from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
 from ..transport.remote import Remote, RemoteOptions
+from . import listing
 from .keyspace import PARTS
 from .listing import Listing, Page, PageAt
 from .listobjects import list_query, parse_listing
@@ -119,40 +120,15 @@ class S3(Remote):
         """A transport for listing on a thread of its own (`Pages`)."""
         return Transport(limit=PARTS, **self._options)
 
-    # the listing (`listing.py`): the keys under the prefix, their sizes and ETags
-
-    @property
-    def stream_keys(self) -> bool:
-        """Whether `keys()` streams the listing."""
-        return self.listing.stream_keys
-
-    def keys(self) -> list[str] | AsyncIterable[str]:
-        """Every key under the prefix, sorted (or the keys given); see `Listing.keys`."""
-        return self.listing.keys()
-
-    def iter_keys(self) -> AsyncIterator[str]:
-        """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
-        return self.listing.iter_keys()
-
-    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
-        """(key, size) of each object under the prefix, in key order, one page at a time."""
-        return self.listing.iter_objects()
-
-    def manifest(self) -> Manifest:
-        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
-        return self.listing.manifest()
-
-    def size(self, key: str) -> int | None:
-        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
-        return self.listing.size(key)
-
-    def etag(self, key: str) -> str | None:
-        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
-        return self.listing.etag(key)
-
-    def cache_name(self, key: str) -> str:
-        """The store, its bucket and the key; see `Listing.cache_name`."""
-        return self.listing.cache_name(key)
+    # the listing's (`listing.py`): the keys under the prefix, their sizes and ETags
+    stream_keys = listing.stream_keys
+    keys = listing.keys
+    iter_keys = listing.iter_keys
+    iter_objects = listing.iter_objects
+    manifest = listing.manifest
+    size = listing.size
+    etag = listing.etag
+    cache_name = listing.cache_name
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
