@@ -207,7 +207,7 @@ class Epoch:
         skipped): its places go, and it is counted as `ready()` counts it (on the loop)."""
         self._away -= 1
         self._let_go(size, held_bytes)
-        self._count(made, size)
+        self._rec.taken(made, size)
 
     def _got(self, item: Item) -> tuple[int, Any]:
         self._let_go(item.samples, item.held_bytes)
@@ -218,9 +218,7 @@ class Epoch:
         for _ in range(size):
             self._held.release()
         self._bytes.release(held_bytes)
-        rec = self._rec
-        rec.held_samples -= size
-        rec.held_bytes -= held_bytes
+        self._rec.let_go(size, held_bytes)
 
     def _out_of(self, item: Item, counted: bool = True) -> tuple[int, Any]:
         """What the consumer is handed for `item` (its error raised), counted (unless not
@@ -234,15 +232,8 @@ class Epoch:
                 return index, BatchFailed(error)
             raise error
         if counted and batch is not END:
-            self._count(batch is not SKIPPED, item.samples)
+            self._rec.taken(batch is not SKIPPED, item.samples)
         return index, batch
-
-    def _count(self, made: bool, size: int) -> None:
-        rec = self._rec
-        rec.ready -= 1
-        if made:
-            rec.batches += 1
-            rec.samples += size
 
     async def aclose(self) -> None:
         """Cancel the epoch, wait until every task of it has ended, and drop what it still holds
@@ -296,8 +287,7 @@ class Epoch:
                     await self._bytes.room(functools.partial(self._oldest, group.index), expected)
                     await self._in_flight.acquire()
                     self._bytes.launched(expected)
-                    self._rec.reserved_bytes = self._bytes.reserved
-                    self._rec.held_samples += 1
+                    self._rec.launched(self._bytes.reserved)
                     if not eager:
                         tasks.create_task(self._sample(state, slot, key, expected))
                         continue
@@ -473,10 +463,7 @@ class Epoch:
         """Count `size` more bytes as held by the group until it is handed over."""
         state.bytes += size
         self._bytes.add(size)
-        rec = self._rec
-        rec.held_bytes += size
-        rec.peak_held_bytes = max(rec.peak_held_bytes, rec.held_bytes)
-        rec.reserved_bytes = self._bytes.reserved
+        self._rec.held(size, self._bytes.reserved)
 
     async def _done(self, state: _GroupState) -> None:
         state.remaining -= 1
@@ -506,7 +493,7 @@ class Epoch:
         for stage, key, exc in item.faults:
             if not self._skip(exc, stage, [key]):
                 if item.error is None:
-                    self._rec.ready -= 1  # (counted as made; the consumer gets the error instead)
+                    self._rec.unmade()  # (counted as made; the consumer gets the error instead)
                 return item._replace(batch=None, error=note_error(exc, stage, [key]), faults=())
         return item
 
@@ -571,7 +558,7 @@ class Epoch:
         faults: list[tuple[int, str, Any, BaseException]] | None = None,
     ) -> None:  # fmt: skip
         if error is None:
-            self._rec.ready += 1
+            self._rec.made()
         ordered = tuple(f[1:] for f in sorted(faults, key=lambda f: f[0])) if faults else ()
         item = Item(group.index, batch, len(group.items), size, error, ordered)
         if self._order.deliver(item):
