@@ -76,8 +76,6 @@ class GroupState:
 
     def faults_in_order(self) -> tuple[tuple[str, Any, BaseException], ...]:
         """The samples dropped under `on_error="skip"`, in slot order, as (stage, key, error)."""
-        if not self.faults:
-            return ()
         return tuple(f[1:] for f in sorted(self.faults, key=lambda f: f[0]))
 
 
@@ -120,7 +118,7 @@ class Assembler:
         self._rec = stages.recorder
         self._tuner = stages.tuner
         self._seed, self._epoch = stages.seed, epoch
-        self._fetch_now = stages.fetch.now
+        self._fetch, self._fetch_now = stages.fetch, stages.fetch.now
         self._decode = stages.decode
         self._keyed = stages.keyed
         self._admission = admission
@@ -129,9 +127,9 @@ class Assembler:
         self._hold = admission.hold
         self._policy = policy
         self._outbox = outbox
-        self._decodes_on_loop = isinstance(stages.decoder, InlineExecutor) and not (
-            is_async_callable(stages.decode)
-        )
+        # a decode that runs on the loop and never waits: called in place (`_decode_on_loop`)
+        on_loop = isinstance(stages.decoder, InlineExecutor)
+        self._decodes_on_loop = on_loop and not is_async_callable(stages.decode)
         self.at_once = (
             self._fetch_now is not None
             and admission.decoding is None
@@ -187,7 +185,10 @@ class Assembler:
         active[where] = ("fetch", key, time.monotonic())
         try:
             t0 = rec.start("fetch")
-            raw, exc = await _attempt(rec, "fetch", t0, self._fetch(key), key)
+            try:
+                raw, exc = await _attempt(rec, "fetch", t0, self._fetch(key), key)
+            finally:
+                self._fetch_ended()  # its place goes to the next fetch, whatever the outcome
             if exc is not None:
                 if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
                     self._tuner.throttled()
@@ -206,12 +207,6 @@ class Assembler:
             await self._done(state)
         finally:
             active.pop(where, None)
-
-    async def _fetch(self, key: Any) -> Any:
-        try:
-            return await self._stages.fetch(key)
-        finally:
-            self._fetch_ended()
 
     def _fetched(
         self, state: GroupState, key: Any, raw: Any, expected: int | None, t0: float
@@ -365,4 +360,5 @@ class Assembler:
 
     def _deliver(self, state: GroupState, batch: Any, error: BaseException | None = None) -> None:
         """Hand `state`'s batch (or `error` in its place) to the outbox, with its dropped samples."""
-        self._outbox.deliver(state.group, batch, error, state.bytes, state.faults_in_order())
+        faults = state.faults_in_order() if state.faults else ()
+        self._outbox.deliver(state.group, batch, error, state.bytes, faults)

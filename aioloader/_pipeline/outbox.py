@@ -55,19 +55,20 @@ class Outbox:
     ) -> None:
         self._rec = stages.recorder
         self._batch_errors = stages.batch_errors
-        self._admission = admission
+        # the admission's methods a batch taken calls, bound: nothing in between on the hand-over
+        self._let_go = admission.let_go
+        self._over = admission.bytes.over
         self._out: asyncio.Queue[Item] = asyncio.Queue()
         self._away = 0  # batches `ready_many` gave that are not handed over yet
         self._order = reorder(
             stages.in_order, self._out, admission.bytes.poke, ends=not stages.batch_errors,
             settle=settle,
         )  # fmt: skip
+        # `launched(group)`: group `group` was launched, and its batch comes out in this place
+        # (`in_order`); the reorder's own method, bound: the launcher calls it for every group
+        self.launched: Callable[[int], None] = self._order.launch
 
     # -- the epoch's side: batches come in ---------------------------------------------------------
-
-    def launched(self, group: int) -> None:
-        """Group `group` was launched: its batch comes out in this place (`in_order`)."""
-        self._order.launch(group)
 
     @property
     def ended(self) -> bool:
@@ -144,18 +145,18 @@ class Outbox:
         """A batch of `ready_many` was handed over (`made`: not one whose samples were all
         skipped): its places go, and it is counted as `ready()` counts it (on the loop)."""
         self._away -= 1
-        self._admission.let_go(size, held_bytes)
+        self._let_go(size, held_bytes)
         self._rec.taken(made, size)
 
     def _got(self, item: Item) -> tuple[int, Any]:
-        self._admission.let_go(item.samples, item.held_bytes)
+        self._let_go(item.samples, item.held_bytes)
         return self._out_of(item)
 
     def _out_of(self, item: Item, counted: bool = True) -> tuple[int, Any]:
         """What the consumer is handed for `item` (its error raised), counted (unless not
         `counted`: `handed` counts it then)."""
         index, batch, _, held_bytes, error, _ = item
-        warning = self._admission.bytes.over(held_bytes)
+        warning = self._over(held_bytes)
         if warning is not None:  # to the consumer (a warning that is an error reaches it as one)
             warnings.warn(warning, ResourceWarning, stacklevel=4)
         if error is not None:
