@@ -297,6 +297,43 @@ class Recorder:
         if len(self.skipped) < _SKIPPED_LISTED:
             self.skipped.append((key, reason))
 
+    # What an epoch holds and has made, as it goes (`_pipeline/admission.py` and `outbox.py` say
+    # when): held samples and bytes against the bounds, batches made and not yet taken, batches and
+    # samples taken. The arithmetic is here once, so that each caller only says what happened.
+
+    def launched(self, reserved: int) -> None:
+        """A sample was admitted: it holds a place until its batch is taken; `reserved`: the byte
+        budget's reservation for the samples launched and not measured yet, now."""
+        self.held_samples += 1
+        self.reserved_bytes = reserved
+
+    def held(self, nbytes: int, reserved: int) -> None:
+        """A batch being made holds `nbytes` more (a sample fetched, or grown by decode)."""
+        self.held_bytes += nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        self.reserved_bytes = reserved
+
+    def let_go(self, samples: int, nbytes: int) -> None:
+        """A batch was handed over: the `samples` places and `nbytes` it held are free."""
+        self.held_samples -= samples
+        self.held_bytes -= nbytes
+
+    def made(self) -> None:
+        """A batch was made and waits to be taken (`ready_batches`)."""
+        self.ready += 1
+
+    def unmade(self) -> None:
+        """A batch counted as made goes out as an error instead (a skip past `max_skipped`)."""
+        self.ready -= 1
+
+    def taken(self, made: bool, samples: int) -> None:
+        """A made batch was taken by the consumer (`made`: not one whose every sample was
+        skipped, which counts as no batch and no samples)."""
+        self.ready -= 1
+        if made:
+            self.batches += 1
+            self.samples += samples
+
     def waited(self, t0: float, t1: float) -> None:
         """The consumer waited from t0 to t1 (perf_counter) for its next batch (on the consumer's
         thread: it alone writes `consumer_wait` and `first_wait`)."""
@@ -351,7 +388,7 @@ def _shard_reads(fetch: StageStats, extra: dict[str, Any], wall: float) -> Stage
 class NullRecorder(Recorder):
     """Keeps only what the pipeline needs to run (`Loader(stats=False)`): no timings, no trace.
 
-    The occupancy counters the pipeline updates itself (held samples and bytes, batches) stay exact;
+    The occupancy counters (held samples and bytes, batches: `launched`, `held`, ... `taken`) stay exact;
     stage rates, latencies and the consumer's waits read zero.
     """
 

@@ -2,7 +2,7 @@
 
 Coroutine functions run on the pipeline's event loop; plain functions run in a pool of up to
 `concurrency` threads named "aioloader-fetch", which grows only while its threads are blocked
-(`_util/threads.py`). The bound itself is kept by the pipeline (`_pipeline/epoch.py`), which
+(`_util/threads.py`). The bound itself is kept by the pipeline (`_pipeline/admission.py`), which
 acquires a slot before it calls the fetcher.
 """
 
@@ -26,7 +26,7 @@ class Fetcher:
         initializer: run once in each fetch thread as it starts (plain functions only).
         now: where the keys carry their samples (a source's `fetch_now`: `HandsOver`), `fn` for
             such a key done at once, without a wait: the pipeline then calls it in place of `fn`
-            (`epoch.py`, `Epoch._eager`).
+            (`assemble.py`, `Assembler.at_once`).
         threads: the pool's threads that start as soon as calls wait for one, whatever the calls
             do (the front door's `num_workers` in threads); the rest only while they are blocked.
     """

@@ -366,17 +366,17 @@ def test_an_early_break_closes_the_shard_streams_without_an_error(
 def test_a_loader_takes_streamed_samples_in_place_under_the_same_error_policy(
     shards: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aioloader._pipeline.epoch import Epoch
+    from aioloader._pipeline.assemble import Assembler
 
     tasks = 0
-    sample_task = Epoch._sample
+    sample_task = Assembler.sample
 
-    async def counted(self: Epoch, *args: Any) -> None:
+    async def counted(self: Assembler, *args: Any) -> None:
         nonlocal tasks
         tasks += 1
         await sample_task(self, *args)
 
-    monkeypatch.setattr(Epoch, "_sample", counted)
+    monkeypatch.setattr(Assembler, "sample", counted)
     keys = [s["__key__"] for s in reference(shards)]
     raising, empty = set(keys[3::7]), set(keys[5::11])
 
