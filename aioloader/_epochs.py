@@ -173,6 +173,8 @@ class Epochs:
         consumer = self._consumer(progress, gone)
         try:
             while True:
+                if self.closed:  # (also with batches that came over: none is handed after close)
+                    raise LoaderClosedError("the loader was closed")
                 if consumer.turn():
                     consumer.came_over(self._wait(runner, run, ready))
                 handed = consumer.next()
@@ -221,6 +223,8 @@ class Epochs:
         consumer = self._consumer(progress, gone)
         try:
             while True:
+                if self.closed:  # (also with batches that came over: none is handed after close)
+                    raise LoaderClosedError("the loader was closed")
                 if consumer.turn():
                     consumer.came_over(await self._await(get, run))
                 handed = consumer.next()

@@ -157,8 +157,16 @@ def test_close_from_another_thread_ends_a_waiting_consumer(mode: str) -> None:
     assert gate.idle(0)
 
 
-def test_close_inside_the_for_body_ends_the_iteration() -> None:
-    loader = Loader(range(5), plain)
+async def async_plain(key: int) -> int:
+    return key
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("fetch", [plain, async_plain], ids=["plain", "async"])
+def test_close_inside_the_for_body_ends_the_iteration(mode: str, fetch: Any) -> None:
+    """Also where the batches after it had already come over to the consumer's thread (an async
+    fetch makes all five at once): none is handed over after the close."""
+    loader = Loader(range(5), fetch)
     got: list[int] = []
 
     def step(batch: int) -> None:
@@ -166,7 +174,7 @@ def test_close_inside_the_for_body_ends_the_iteration() -> None:
         loader.close()
 
     with pytest.raises(LoaderClosedError):
-        consume(loader, "sync", step)
+        consume(loader, mode, step)
     assert got == [0]
 
 
