@@ -40,7 +40,7 @@ from .choices import (
 )
 from .elastic import Resumed, Seen, resume_loader
 
-__all__ = ["NO_ITEM", "Holds", "MixedLoaders", "Mixing", "Progress"]
+__all__ = ["NO_ITEM", "Holds", "MixFace", "MixedLoaders", "Mixing", "Progress"]
 
 NO_ITEM: Any = object()  # what a mix's drivers take from a loader's iteration that has ended
 
@@ -399,7 +399,41 @@ class Mixing:
             loader.close()
 
 
-class MixedLoaders:
+class MixFace:
+    """What both mixes of built loaders (whole, `MixedLoaders`; by rows, `MixedRows`) answer alike,
+    through the `Mixing` each holds: the epoch the next iteration runs, a load, closing."""
+
+    _mixing: Mixing
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration run `epoch`."""
+        self._mixing.set_epoch(epoch)
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue from `state`: the next iteration goes on with the item after the saved one (a
+        mix by rows skips the rows of each loader's item that the state says were used).
+
+        Given every rank's state (a list), this rank's own is used; on another world size, each
+        loader resumes from what every old rank delivered of it (`elastic.py`; a mix by rows
+        starts every loader at a fresh item), and the draws go on from the furthest old rank's
+        position.
+
+        Raises StateError naming the field when a state does not fit this mix.
+        """
+        self._mixing.load_state_dict(state)
+
+    def close(self) -> None:
+        """Close every loader (idempotent)."""
+        self._mixing.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class MixedLoaders(MixFace):
     """Loaders' items interleaved in set proportions; iterate with `for` (one epoch per iteration).
 
     Closing it (`close()`, or the end of a `with` block) closes the loaders.
@@ -422,10 +456,6 @@ class MixedLoaders:
 
     def __repr__(self) -> str:
         return repr(self._mixing)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration run `epoch`."""
-        self._mixing.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         return self._mixing.iterate(self._items)
@@ -482,27 +512,6 @@ class MixedLoaders:
         after a load on another world size, its later epochs' consumed indices: `"later"`).
         JSON-ready. Safe between any two items."""
         return self._mixing.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from `state`: the next iteration goes on with the item after the saved one.
-
-        Given every rank's state (a list), this rank's own is used; on another world size, each
-        loader resumes from what every old rank delivered of it (`elastic.py`), and the draws go
-        on from the furthest old rank's position.
-
-        Raises StateError naming the field when a state does not fit this mix.
-        """
-        self._mixing.load_state_dict(state)
-
-    def close(self) -> None:
-        """Close every loader (idempotent)."""
-        self._mixing.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _place_of(state: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -29,7 +29,7 @@ import functools
 import itertools
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from .._exceptions import StateError
 from .._loader import Loader
 from .._util.ranges import Ranges
 from .choices import Choices, Schedule, drawable
-from .loaders import NO_ITEM, Holds, Mixing, Progress
+from .loaders import NO_ITEM, Holds, MixFace, Mixing, Progress
 
 __all__ = ["Interleaved", "MixedRows", "RowRun"]
 
@@ -118,7 +118,7 @@ def _joined(item: Interleaved) -> Any:
     return pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
 
 
-class MixedRows:
+class MixedRows(MixFace):
     """Loaders of RecordBatches or Tables mixed row by row; made by `aioloader.mix(...,
     rows_per_item=N)`. Iterate with `for` or `async for` (one epoch per iteration): Tables of
     `N` rows. `state_dict()` / `load_state_dict()` resume exactly (same loaders; on the same
@@ -148,10 +148,6 @@ class MixedRows:
 
     def __repr__(self) -> str:
         return repr(self._mixing)[:-1] + f", rows_per_item={self.rows_per_item})"
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration run `epoch`."""
-        self._mixing.set_epoch(epoch)
 
     # -- iteration -----------------------------------------------------------------------------------
 
@@ -342,25 +338,6 @@ class MixedRows:
             if used.count and used.rows is not None:
                 own["rows"] = used.rows
         return state
-
-    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """As `MixedLoaders.load_state_dict()`: the rows of each loader's item that the state
-        says were used are skipped when it comes again (on another world size, counted
-        delivered: every new rank starts each loader at a fresh item).
-
-        Raises StateError naming the field when a state does not fit this mix.
-        """
-        self._mixing.load_state_dict(state)
-
-    def close(self) -> None:
-        """Close every loader (idempotent)."""
-        self._mixing.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     # what the mix holds of its loaders' items, declared to its `Mixing` (`Holds`)
 
