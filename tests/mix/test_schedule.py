@@ -113,8 +113,8 @@ def test_a_state_loaded_under_other_weights_draws_with_them_from_its_position_on
     assert head + middle + again == batches(loader(schedule([(0, w0), (1_700, [0.25, 0.75])])),
                                             40)[0]  # fmt: skip
     broken = dict(s2, weights_changed=[{"epoch": 0, "position": 5, "was": [1.0]}])
-    with pytest.raises(StateError, match="weights_changed: expected") as caught:
-        loader(w1).load_state_dict(broken)
+    with loader(w1) as ld, pytest.raises(StateError, match="weights_changed: expected") as caught:
+        ld.load_state_dict(broken)
     assert caught.value.field == "weights_changed"
 
 
