@@ -287,7 +287,7 @@ class Mix:
 
     def draws(self, epoch: int, n: int) -> list[int]:
         """The sources drawn by the first `n` positions of `epoch` (indices into the sources)."""
-        choices = self.choices(epoch)
+        choices = self.choices(epoch, self.weights)
         return [choices.at(p) for p in range(n)]
 
     def choices(self, epoch: int, weights: Sequence[float] | Schedule | None = None) -> Choices:
@@ -307,7 +307,7 @@ class Mix:
         return self.based[1] if resumed and self.based and self.based[0] == epoch else 0
 
     def digest(self) -> str:
-        """The mix's configuration, less its weights (`weights_state`: a state saved under other
+        """The mix's configuration, less its weights (`draws_state`: a state saved under other
         weights loads, and they draw from its position on)."""
         parts = ", ".join(part.digest() for part in self.parts)
         return f"mix(seed={self.seed}, stop={self.stop}, shuffle={self.shuffle}, sources=[{parts}])"
@@ -411,7 +411,7 @@ class Mix:
                 return self.parts[i].open(part_epoch)
             return self.parts[i].open(part_epoch, layout.consumed(i, part_epoch - epoch))
 
-        choices = self.choices(epoch)
+        choices = self.choices(epoch, self.weights)  # (never an elastic load's old weights)
         live = choices.live
         start = self.starts.pop(epoch, 0)
         self.starts.clear()  # a start left for another epoch is stale once this one streams

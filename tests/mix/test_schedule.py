@@ -164,6 +164,24 @@ def test_an_elastic_resume_takes_other_weights_from_where_the_old_ranks_stood() 
     assert len(got) - len(set(got)) <= (4 - 1 + 3 - 1) * 2  # the shares' padding
 
 
+def test_a_refused_load_leaves_the_draws_as_they_were() -> None:
+    """A load on another world size refused after the old ranks' weights were taken (a rank's
+    state missing): the loader draws its epoch afresh, under its own weights."""
+
+    def ranked(rank: int, world: int, weights: Any) -> Loader[Any]:
+        both = mix([list(range(300)), list(range(1000, 1200))], weights, seed=3)
+        return Loader(both, batch_size=4, collate=list, rank=rank, world_size=world)
+
+    old = [batches(ranked(rank, 4, [1.0, 1.0]), 5)[1] for rank in range(4)]
+    fresh, _ = batches(ranked(0, 3, [1.0, 3.0]), 10)
+    with ranked(0, 3, [1.0, 3.0]) as ld:
+        with pytest.raises(StateError, match="need ranks"):
+            ld.load_state_dict([old[0], old[1], old[3]])
+        it = iter(ld)
+        assert [next(it) for _ in range(10)] == fresh
+        it.close()  # type: ignore[attr-defined]
+
+
 def test_an_epoch_resumed_elsewhere_takes_other_weights_from_its_own_draw() -> None:
     """Reloaded on its world size under other weights, an epoch resumed on another world size
     changes them at the draw its stream had reached (past the draws of sources it had spent):
