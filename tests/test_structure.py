@@ -36,6 +36,11 @@ KNOWN_CHAINS: dict[str, list[str]] = {
     # torchdata's class name, for trainers that import or subclass it (a class, not a factory:
     # they subclass it); it adds an argument and sets two class-level choices, nothing more
     "aioloader.dataloader.StatefulDataLoader": ["DataLoader", "Loader"],
+    # the stores that list a bucket: `Bucket` holds no state, only the methods that ask the
+    # store's `listing` part, written once for the three
+    "aioloader.sources.stores.s3.S3": ["Bucket", "Remote"],
+    "aioloader.sources.stores.gcs.GCS": ["Bucket", "Remote"],
+    "aioloader.sources.stores.azure.Azure": ["Bucket", "Remote"],
 }
 
 

@@ -20,8 +20,7 @@ from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
-from ..transport.remote import Remote, RemoteOptions
-from . import listing
+from ..transport.remote import RemoteOptions
 from .azureauth import (
     AzureSigner,
     Found,
@@ -30,7 +29,7 @@ from .azureauth import (
     parse_az_url,
     parse_listing,
 )
-from .listing import Listing, Page, PageAt
+from .listing import Bucket, Listing, Page, PageAt
 from .manifest import Manifest
 
 __all__ = ["Azure", "azure"]
@@ -40,7 +39,7 @@ MAX_PAGE = 5000  # List Blobs answers at most this many names per page
 THROTTLE_CODES = frozenset({"ServerBusy", "OperationTimedOut"})
 
 
-class Azure(Remote):
+class Azure(Bucket):
     """The blobs under an Azure Blob Storage prefix, as a source. See `azure()` for the arguments.
 
     `keys()` lists every blob now (sorted, blocking); `iter_keys()` streams the listing page by page
@@ -149,15 +148,6 @@ class Azure(Remote):
     def list_transport(self) -> Transport:
         """A transport for listing on a thread of its own (`Pages`)."""
         return Transport(limit=4, **self._options)
-
-    # the listing's (`listing.py`): the keys under the prefix, their sizes and ETags
-    stream_keys = listing.stream_keys
-    keys = listing.keys
-    iter_keys = listing.iter_keys
-    iter_objects = listing.iter_objects
-    manifest = listing.manifest
-    size = listing.size
-    etag = listing.etag
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""

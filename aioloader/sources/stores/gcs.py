@@ -22,11 +22,11 @@ from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
-from ..transport.remote import Remote, RemoteOptions
-from . import listing, listobjects
+from ..transport.remote import RemoteOptions
+from . import listobjects
 from .gcsauth import Bearer, Found, Tokens, find_credentials, parse_gs_url
 from .keyspace import PARTS
-from .listing import Listing, Page, PageAt
+from .listing import Bucket, Listing, Page, PageAt
 from .listobjects import list_query, parse_listing
 from .manifest import Manifest
 
@@ -36,7 +36,7 @@ ENDPOINT = "https://storage.googleapis.com"
 _FIELDS = "items(name,size,etag),nextPageToken"
 
 
-class GCS(Remote):
+class GCS(Bucket):
     """The objects under a GCS prefix, as a source. See `gcs()` for the arguments.
 
     `keys()` lists every object now (sorted, blocking); `iter_keys()` streams the listing page by
@@ -147,16 +147,6 @@ class GCS(Remote):
     def list_transport(self) -> Transport:
         """A transport for listing on a thread of its own (`Pages`)."""
         return self._transport(PARTS)
-
-    # the listing's (`listing.py`): the keys under the prefix, their sizes and ETags
-    stream_keys = listing.stream_keys
-    keys = listing.keys
-    iter_keys = listing.iter_keys
-    iter_objects = listing.iter_objects
-    manifest = listing.manifest
-    size = listing.size
-    etag = listing.etag
-    cache_name = listing.cache_name
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters, the cache's (`cache_dir`) and the

@@ -5,7 +5,7 @@ its listing answer: the (key, size) pairs, their ETags and the next page's token
 listing that may start after a key and end at one: see `keyspace.PageAt`), `list_transport` (a
 small transport for listing off the loader's loop) and `list_width`. The keys, the streamed
 listing, `size(key)` and `etag(key)` are the listing's; the store's methods of those names ask it,
-and are written once here, at the end (`keys = listing.keys` in the store's class).
+and are written once here, in the stores' base `Bucket`.
 A whole listing (`keys()`, `manifest()`) runs in parts at once over the key space (`keyspace.py`),
 `list_width` pages in flight; a streamed one page after page.
 """
@@ -21,24 +21,11 @@ from typing import Protocol
 
 from ..._exceptions import FetchError
 from ..transport.client import Transport
+from ..transport.remote import Remote
 from .keyspace import Objects, Page, PageAt, list_parts
 from .manifest import Manifest, share_listing
 
-__all__ = [
-    "Listing",
-    "Owner",
-    "Page",
-    "PageAt",
-    "Pages",
-    "cache_name",
-    "etag",
-    "iter_keys",
-    "iter_objects",
-    "keys",
-    "manifest",
-    "size",
-    "stream_keys",
-]
+__all__ = ["Bucket", "Listing", "Page", "PageAt", "Pages"]
 
 
 class Pages(Protocol):
@@ -211,54 +198,43 @@ class _Streamed:
         return self._source.iter_keys()
 
 
-# -- the store's methods that ask its listing --------------------------------------------------------
-# A store takes each of these as its own method (`keys = listing.keys` in its class body): written
-# once here, not a base class (see tests/test_structure.py: a store has one base, `Remote`).
-
-
-class Owner(Protocol):
-    """A store that owns a `Listing` of its prefix."""
+class Bucket(Remote):
+    """A remote source of the objects under a prefix that it lists: the base of `S3`, `GCS` and
+    `Azure`. Each builds its `listing` (`Listing(self, ...)`) and gives it `Pages`; the methods
+    below ask that listing and hold nothing of their own, so a store is read in its own class and
+    `Remote` (see tests/test_structure.py, which names this chain)."""
 
     listing: Listing
 
+    @property
+    def stream_keys(self) -> bool:
+        """Whether `keys()` streams the listing."""
+        return self.listing.stream_keys
 
-def _stream_keys(store: Owner) -> bool:
-    return store.listing.stream_keys
+    def keys(self) -> list[str] | AsyncIterable[str]:
+        """Every key under the prefix, sorted (or the keys given); see `Listing.keys`."""
+        return self.listing.keys()
 
+    def iter_keys(self) -> AsyncIterator[str]:
+        """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
+        return self.listing.iter_keys()
 
-stream_keys = property(_stream_keys, doc="Whether `keys()` streams the listing.")
+    def iter_objects(self) -> AsyncIterator[tuple[str, int]]:
+        """(key, size) of each object under the prefix, in key order, one page at a time."""
+        return self.listing.iter_objects()
 
+    def manifest(self) -> Manifest:
+        """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
+        return self.listing.manifest()
 
-def keys(store: Owner) -> list[str] | AsyncIterable[str]:
-    """Every key under the prefix, sorted (or the keys given); see `Listing.keys`."""
-    return store.listing.keys()
+    def size(self, key: str) -> int | None:
+        """The size of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self.listing.size(key)
 
+    def etag(self, key: str) -> str | None:
+        """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
+        return self.listing.etag(key)
 
-def iter_keys(store: Owner) -> AsyncIterator[str]:
-    """The keys under the prefix, in key order, streamed page by page (on the running loop)."""
-    return store.listing.iter_keys()
-
-
-def iter_objects(store: Owner) -> AsyncIterator[tuple[str, int]]:
-    """(key, size) of each object under the prefix, in key order, one page at a time."""
-    return store.listing.iter_objects()
-
-
-def manifest(store: Owner) -> Manifest:
-    """List the prefix now, here, on a thread of its own (with its own loop and transport)."""
-    return store.listing.manifest()
-
-
-def size(store: Owner, key: str) -> int | None:
-    """The size of object `key` as last listed (None for keys given, or not listed yet)."""
-    return store.listing.size(key)
-
-
-def etag(store: Owner, key: str) -> str | None:
-    """The ETag of object `key` as last listed (None for keys given, or not listed yet)."""
-    return store.listing.etag(key)
-
-
-def cache_name(store: Owner, key: str) -> str:
-    """The store, its bucket and the key; see `Listing.cache_name`."""
-    return store.listing.cache_name(key)
+    def cache_name(self, key: str) -> str:
+        """The store, its bucket and the key; see `Listing.cache_name`."""
+        return self.listing.cache_name(key)

@@ -20,10 +20,9 @@ from ..._tuning.ramp import Ramp
 from ..._util.validate import check_int
 from ..transport.client import Transport
 from ..transport.redact import redact_url
-from ..transport.remote import Remote, RemoteOptions
-from . import listing
+from ..transport.remote import RemoteOptions
 from .keyspace import PARTS
-from .listing import Listing, Page, PageAt
+from .listing import Bucket, Listing, Page, PageAt
 from .listobjects import list_query, parse_listing
 from .manifest import Manifest
 from .s3auth import AwsConfig, Signer, bucket_base, parse_s3_url
@@ -31,7 +30,7 @@ from .s3auth import AwsConfig, Signer, bucket_base, parse_s3_url
 __all__ = ["S3", "s3"]
 
 
-class S3(Remote):
+class S3(Bucket):
     """The objects under an S3 prefix, as a source. See `s3()` for the arguments.
 
     `keys()` lists every object now (sorted, blocking); `iter_keys()` streams the listing page by page
@@ -119,16 +118,6 @@ class S3(Remote):
     def list_transport(self) -> Transport:
         """A transport for listing on a thread of its own (`Pages`)."""
         return Transport(limit=PARTS, **self._options)
-
-    # the listing's (`listing.py`): the keys under the prefix, their sizes and ETags
-    stream_keys = listing.stream_keys
-    keys = listing.keys
-    iter_keys = listing.iter_keys
-    iter_objects = listing.iter_objects
-    manifest = listing.manifest
-    size = listing.size
-    etag = listing.etag
-    cache_name = listing.cache_name
 
     def stats(self) -> dict[str, float]:
         """The adaptive concurrency limit, the request counters and the cache's (`cache_dir`)."""
