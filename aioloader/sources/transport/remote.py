@@ -72,7 +72,8 @@ class RemoteOptions:
 
 
 class Remote:
-    """A source whose objects are read by URL over one `Transport` (a base of `Http` and `S3`).
+    """A source whose objects are read by URL over one `Transport` (the base of `Http`, and of
+    `Bucket`, which S3, GCS and Azure build on).
 
     A new remote source (another object store) gives `url(key)` and its authentication (the
     transport's `headers` or `sign`); fetching, ranges, retries, counters and closing are these,
