@@ -83,7 +83,14 @@ def rank_main(args: argparse.Namespace) -> None:
     first = None
     steps = 0
     error = ""
-    named = {"decode": mix_label, "decode_with_key": True} if args.rank_run == "mix" else {}
+    # the mix names its samples in a decode: a few string operations, run in a thread. With the
+    # default (`executor="auto"`: a process pool of its own per rank on a GIL build), 64 ranks on
+    # one machine took 27 GiB, more than the project's 24 GiB VM has (docs/benchmarks.md, 2026-12-07)
+    named = (
+        {"decode": mix_label, "decode_with_key": True, "executor": "thread"}
+        if args.rank_run == "mix"
+        else {}
+    )
     try:
         with Loader(src, batch_size=BATCH, collate=None, **named) as loader:
             for batch in loader:
