@@ -287,7 +287,7 @@ class Mix:
 
     def draws(self, epoch: int, n: int) -> list[int]:
         """The sources drawn by the first `n` positions of `epoch` (indices into the sources)."""
-        choices = self.choices(epoch, self.weights)
+        choices = self.choices(epoch)
         return [choices.at(p) for p in range(n)]
 
     def choices(self, epoch: int, weights: Sequence[float] | Schedule | None = None) -> Choices:
@@ -411,7 +411,7 @@ class Mix:
                 return self.parts[i].open(part_epoch)
             return self.parts[i].open(part_epoch, layout.consumed(i, part_epoch - epoch))
 
-        choices = self.choices(epoch, self.weights)  # (never an elastic load's old weights)
+        choices = self.choices(epoch)
         live = choices.live
         start = self.starts.pop(epoch, 0)
         self.starts.clear()  # a start left for another epoch is stale once this one streams

@@ -123,6 +123,7 @@ class Ledger:
                 None if own is None else own.get("own_states"),
                 [] if own is not None else [s.get("own_states") or {} for s in states],
             )
+        before = {"epoch": self._epoch, **self._plan.snapshot()}  # (a refused load puts it back)
         self._plan.restore(own or states[0])  # before the plan recomputes the saved ranks' batches
         if own is not None:
             resume = Resume(
@@ -130,12 +131,16 @@ class Ledger:
                 set(Ranges(own.get("delivered", []))),
             )  # fmt: skip
         else:
-            epoch, consumed = elastic_consumed(
-                states, self._plan.group_indices, getattr(self._plan, "left_out", None)
-            )
-            resumed_elsewhere = getattr(self._plan, "resumed_elsewhere", None)
-            if resumed_elsewhere is not None:  # (a mix: its draws go on from the old ones')
-                resumed_elsewhere(states)
+            try:
+                epoch, consumed = elastic_consumed(
+                    states, self._plan.group_indices, getattr(self._plan, "left_out", None)
+                )
+                resumed_elsewhere = getattr(self._plan, "resumed_elsewhere", None)
+                if resumed_elsewhere is not None:  # (a mix: its draws go on from the old ones')
+                    resumed_elsewhere(states)
+            except BaseException:  # refused: the plan's random state and draws as they were
+                self._plan.restore(before)
+                raise
             resume = Resume(epoch, consumed, set())
         with self._lock:
             self._resume, self._epoch = resume, resume.epoch

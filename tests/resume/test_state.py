@@ -254,3 +254,26 @@ def test_dataloader_elastic_resume_with_distributed_sampler(old_world: int, new_
     after = [i for r in rest for i in r]
     assert set(after) == set(range(37)) - set(delivered)
     assert len(after) - len(set(after)) < new_world  # wrap-around padding only
+
+
+def test_a_refused_elastic_load_leaves_the_random_state_as_it_was() -> None:
+    """The plan takes the saved random state before the old ranks' batches are counted; where the
+    load is then refused (a rank's state missing), the loader's random state is put back."""
+    from torch.utils.data import DistributedSampler
+
+    def loader(rank: int, world: int) -> DataLoader:
+        sampler = DistributedSampler(Squares(), num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(Squares(), batch_size=3, sampler=sampler)  # the global random state
+
+    states = []
+    for rank in range(3):
+        with loader(rank, 3) as ours:
+            it = iter(ours)
+            next(it)
+            states.append(ours.state_dict())
+            it.close()
+    with loader(0, 2) as ours:
+        before = ours.state_dict()
+        with pytest.raises(StateError, match="need ranks"):
+            ours.load_state_dict([states[0], states[2]])
+        assert ours.state_dict() == before
