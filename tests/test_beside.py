@@ -30,6 +30,7 @@ from aioloader import Loader, LoaderTimeout, ProcessExecutor, WorkerDied
 from aioloader._loader import BesideLoader
 from aioloader._pipeline.beside import Beside
 from aioloader._pipeline.transfer import DeviceStage
+from aioloader._util.threads import LOADER_NICE
 
 N = 48
 BATCH = 4
@@ -76,6 +77,24 @@ def test_batches_are_the_in_process_loaders_made_in_another_process(fetch: Any) 
     pool = stats.extra["beside"]["pool"]
     assert pool["results_in_shm"] == 2 * N // BATCH  # every batch came back in shared memory
     assert stats.extra["beside"]["batches"] == 2 * N // BATCH == stats.batches
+
+
+def niceness(key: int) -> torch.Tensor:
+    """A sample that says how nice the thread that fetched it was: (key, nice)."""
+    return torch.tensor([key, os.nice(0)])
+
+
+async def aniceness(key: int) -> torch.Tensor:
+    await asyncio.sleep(0)
+    return niceness(key)
+
+
+@pytest.mark.parametrize("fetch", [niceness, aniceness])
+def test_the_pipeline_beside_yields_the_cpu_to_the_trainer(fetch: Any) -> None:
+    # every thread of its process, each with its own nice value on Linux
+    with Loader(range(N), fetch, batch_size=BATCH, beside=True) as loader:
+        seen = {int(n) for batch in loader for n in batch[:, 1]}
+    assert seen == {min(19, os.nice(0) + LOADER_NICE)}
 
 
 def test_callables_that_do_not_pickle_work_as_in_torchs_workers() -> None:

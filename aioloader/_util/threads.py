@@ -99,12 +99,17 @@ def cores_idle(ticks: int | None, ticks_now: int | None, seconds: float) -> floa
 
 # A loader's own processes (a DataLoader's workers, the pipeline beside the trainer) run this much
 # nicer than the training process: where the cores are all busy, the training step's thread gets
-# its core first, and the loader the time the step leaves (measured on `benchmarks/trainer_tax.py`'s
-# workload, 2 cores, the store at nice 0: a launch-bound step beside the loader's process ran 1.44x
-# its resident time with the loader at nice 0, 1.10x at nice 10; 53 and 46 steps/s, the loader
-# then short of a core more often). Where a core is idle it changes nothing. `AIOLOADER_NICE=0` in
-# the environment keeps them at the trainer's priority.
-LOADER_NICE = 10
+# its core first, and the loader the time the step leaves; where a core is idle it changes nothing.
+# Measured on `benchmarks/trainer_tax.py` (2 cores, 2026-12-07): the step beside the front door's
+# eight workers ran 1.48-1.58x its resident time at nice 10, waiting 2.7-3.1 ms a step in a run
+# queue, against 1.23-1.29x beside torch's workers (at the trainer's priority: theirs feed half
+# the steps, so take half the CPU a second); at nice 19, 1.14-1.25x against torch's 1.22-1.31x,
+# 0.7-0.9 ms queued, with the same steps/s. The cost is where other CPU-bound work at nice 0 shares
+# the job's scheduling group (its session, or its container's cgroup: across groups the kernel
+# shares by group first): the loader then gets little of a busy core (`tests/dataloader` beside two
+# spinning processes of the same session took 311 s at nice 19, 97 s at nice 10).
+# `AIOLOADER_NICE=0` in the environment keeps them at the trainer's priority.
+LOADER_NICE = 19
 NICE_ENV = "AIOLOADER_NICE"
 
 

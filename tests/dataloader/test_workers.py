@@ -394,3 +394,27 @@ def test_each_worker_keeps_one_batch_of_shared_memory_when_the_consumer_takes_ea
             slabs.append(pool["batch_slabs"])
     assert pool.get("results_pickled", 0) == 0
     assert max(slabs) == 2, slabs
+
+
+class SaysItsNice(Dataset[int]):
+    """Each sample is the nice value of the thread that read it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return os.nice(0)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_threads_that_read_in_a_worker_yield_the_cpu_to_the_trainer(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Linux sets a nice value per thread: each reading thread must have the worker's, not only the
+    # thread that started the worker.
+    mine = os.nice(0)
+    with DataLoader(SaysItsNice(), batch_size=4, num_workers=2, threads_per_worker=threads) as dl:
+        assert {int(v) for b in dl for v in b} == {min(19, mine + _threads.LOADER_NICE)}
+    monkeypatch.setenv(_threads.NICE_ENV, "0")
+    with DataLoader(SaysItsNice(), batch_size=4, num_workers=1, threads_per_worker=threads) as dl:
+        assert {int(v) for b in dl for v in b} == {mine}
