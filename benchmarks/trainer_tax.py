@@ -24,11 +24,20 @@ processes' work: the cores are all busy); "GIL", the rest beyond its time on a C
 another thread of the training process). "trainer thr": the CPU of the training process's threads
 other than the main one, per step (a loader's work in the trainer's process).
 
+`--step model` makes the step a real training step instead: `MODEL_LAYERS` small linear layers
+(forward, backward, an SGD step, then `loss.item()` as a loop that logs its loss does), many launches
+each. With `--device cuda` it runs on the GPU, which is the figure that counts where one is lent: torch
+and the front door pin their batches (`pin_memory=True`) and the step moves each one with
+`.to("cuda", non_blocking=True)`, as their users write it; the native loaders are given
+`device="cuda"` (pinned staging and a side-stream copy in the training process); the floor's batches
+are on the GPU already. Without CUDA, `--device cuda` says so and exits 0.
+
 Workaround, the same for every contender: the store runs on the trainer's cores, though it stands in
 for a remote machine; it runs at nice 10 (`STORE_NICE`), so that it takes the CPU the contenders
 leave rather than the trainer's.
 
 Usage: python benchmarks/trainer_tax.py [--quick] [--rounds R] [--contenders a,b,...]
+                                        [--step ops|model] [--device cpu|cuda]
 (--quick: one round of fewer steps, under 60 s.) The last line printed is a JSON summary.
 """
 
@@ -51,6 +60,7 @@ SIZE = 128 * 1024
 DELAY_MS = 5.0
 BATCH = 64
 STEP_OPS = 2_500
+MODEL_LAYERS, MODEL_WIDTH = 32, 256  # `--step model`: small layers, many launches
 OBJECTS = 4_096
 CONTENDERS = ("resident", "torch-8", "frontdoor-8", "native", "native-beside")
 STEPS = {"full": (8, 60), "quick": (4, 20)}  # (warm-up, measured)
@@ -70,6 +80,33 @@ def train_step(batch: Any, state: Any) -> tuple[Any, float]:
     for _ in range(STEP_OPS // 2):
         x = x * 1.0001 + 0.0001
     return x, time.perf_counter() - t0
+
+
+class ModelStep:
+    """`--step model`: a real training step on `device`, the batch moved there first (a no-op for a
+    batch on it already), ending in `loss.item()`, so that the GPU's work is in the step's time."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        if device == "cpu":  # one thread, as a GPU step's host side: the loaders' cores stay theirs
+            torch.set_num_threads(1)
+        layers: list[Any] = []
+        for _ in range(MODEL_LAYERS):
+            layers += [torch.nn.Linear(MODEL_WIDTH, MODEL_WIDTH), torch.nn.ReLU()]
+        self.device = device
+        self.model = torch.nn.Sequential(*layers).to(device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+
+    def __call__(self, batch: Any, state: Any) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        x = batch.to(self.device, non_blocking=True)[:, :MODEL_WIDTH].float() * (1 / 255)
+        loss = self.model(x).square().mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return state + loss.item(), time.perf_counter() - t0
 
 
 class HttpObjects:
@@ -94,26 +131,29 @@ def to_tensor(raw: Any) -> Any:
     return torch.frombuffer(raw, dtype=torch.uint8)
 
 
-def make_loader(name: str, base: str) -> Any:
+def make_loader(name: str, base: str, device: str = "cpu") -> Any:
+    pin = device != "cpu"  # the users of torch's loader pin where they copy to a GPU
     if name == "resident":
         import torch
 
-        return [torch.randint(0, 255, (BATCH, SIZE), dtype=torch.uint8) for _ in range(8)]
+        return [torch.randint(0, 255, (BATCH, SIZE), dtype=torch.uint8, device=device)
+                for _ in range(8)]  # fmt: skip
     if name == "torch-8":
         from torch.utils.data import DataLoader
 
         return DataLoader(HttpObjects(base, OBJECTS), batch_size=BATCH, shuffle=True,
-                          num_workers=8, persistent_workers=True)  # fmt: skip
+                          num_workers=8, persistent_workers=True, pin_memory=pin)  # fmt: skip
     if name == "frontdoor-8":
         from aioloader import DataLoader as FrontDoor
 
         return FrontDoor(HttpObjects(base, OBJECTS), batch_size=BATCH, shuffle=True,
-                         num_workers=8, persistent_workers=True)  # fmt: skip
+                         num_workers=8, persistent_workers=True, pin_memory=pin)  # fmt: skip
     from aioloader import Loader, sources
 
     source = sources.http(f"{base}/obj/", keys=[str(i) for i in range(OBJECTS)], concurrency=64)
     return Loader(source, decode=to_tensor, executor="inline", batch_size=BATCH, shuffle=True,
-                  concurrency=64, beside=name == "native-beside")  # fmt: skip
+                  concurrency=64, beside=name == "native-beside",
+                  device=None if device == "cpu" else device)  # fmt: skip
 
 
 # -- one contender, in its own interpreter --------------------------------------------------------
@@ -149,11 +189,14 @@ def other_threads_cpu() -> float:
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id != main)
 
 
-def run_one(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
+def run_one(
+    name: str, base: str, warmup: int, measured: int, step: str = "ops", device: str = "cpu"
+) -> dict[str, Any]:
     import torch
 
-    loader = make_loader(name, base)
-    state = torch.zeros(16)
+    loader = make_loader(name, base, device)
+    train = train_step if step == "ops" else ModelStep(device)
+    state = torch.zeros(16) if step == "ops" else 0.0
     computes: list[float] = []
     waits: list[float] = []
     ran = queued = 0.0
@@ -169,7 +212,7 @@ def run_one(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
                 break
             came = time.perf_counter()
             ran0, queued0 = schedstat()
-            state, compute = train_step(batch, state)
+            state, compute = train(batch, state)
             ran1, queued1 = schedstat()
             del batch
             steps += 1
@@ -203,8 +246,11 @@ def run_one(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
 # -- the orchestrator ---------------------------------------------------------------------------------
 
 
-def measure(name: str, base: str, warmup: int, measured: int) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--run", name, base, str(warmup), str(measured)]
+def measure(
+    name: str, base: str, warmup: int, measured: int, step: str, device: str
+) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--run", name, base, str(warmup), str(measured),
+           "--step", step, "--device", device]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
@@ -216,12 +262,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--step", choices=("ops", "model"), default="ops")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--run", nargs=4, metavar=("NAME", "BASE", "WARMUP", "MEASURED"))
     args = parser.parse_args()
     if args.run:
         name, base, warmup, measured = args.run
-        print(json.dumps(run_one(name, base, int(warmup), int(measured))), flush=True)
+        result = run_one(name, base, int(warmup), int(measured), args.step, args.device)
+        print(json.dumps(result), flush=True)
         return
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device here: nothing to measure with --device cuda")
+            print(json.dumps({"workload": "trainer_tax", "device": "cuda", "skipped": "no CUDA"}))
+            return
     import psutil
     from _objserver import start_server
 
@@ -234,7 +290,7 @@ def main() -> None:
     try:
         for _ in range(rounds):
             for name in names:
-                results[name].append(measure(name, base, warmup, measured))
+                results[name].append(measure(name, base, warmup, measured, args.step, args.device))
     finally:
         server.kill()
         server.wait()
@@ -242,6 +298,7 @@ def main() -> None:
     print(f"{'contender':<15}{'step compute ms':>17}{'x floor':>9}{'queued ms':>11}{'GIL ms':>8}"
           f"{'wait ms':>9}{'steps/s':>9}{'CPU s/step':>12}{'trainer thr ms':>16}")  # fmt: skip
     summary: dict[str, Any] = {"workload": "trainer_tax", "date": time.strftime("%Y-%m-%d"),
+                               "step": args.step, "device": args.device,
                                "step_ops": STEP_OPS, "rounds": rounds}  # fmt: skip
     for name, runs in results.items():
         for r in runs:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from scripts.leakcheck import gone
 from support.s3server import find_weed
 
@@ -67,6 +68,31 @@ def test_trainer_tax_times_the_step_beside_every_contender() -> None:
         assert summary[name]["step_compute_ms"][0] > 0
     assert summary["resident"]["inflation"] == [1.0]
     assert summary["native/torch-8 steps/s"] > 0
+
+
+def test_trainer_tax_takes_a_real_model_step_on_the_cpu_seam() -> None:
+    # The step a GPU machine times (`--device cuda`), on the CPU: its logic, not its figure.
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "trainer_tax.py"), "--quick", "--step", "model",
+         "--contenders", "resident,native-beside"], 120
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (summary["step"], summary["device"]) == ("model", "cpu")
+    assert summary["resident"]["inflation"] == [1.0]
+    assert summary["native-beside"]["best_steps_per_s"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trainer_tax_times_a_cuda_step_beside_every_contender() -> None:
+    out = run_benchmark(
+        [sys.executable, str(BENCHMARKS / "trainer_tax.py"), "--quick", "--step", "model",
+         "--device", "cuda"], 300
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["device"] == "cuda"
+    for name in ("resident", "torch-8", "frontdoor-8", "native", "native-beside"):
+        assert summary[name]["step_compute_ms"][0] > 0
 
 
 def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
