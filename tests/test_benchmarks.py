@@ -17,6 +17,7 @@ from scripts.leakcheck import gone
 from support.s3server import find_weed
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+CONTENDERS = ("resident", "torch-8", "frontdoor-8", "native", "native-beside")  # trainer_tax.py
 
 
 def run_benchmark(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -70,29 +71,29 @@ def test_trainer_tax_times_the_step_beside_every_contender() -> None:
     assert summary["native/torch-8 steps/s"] > 0
 
 
-def test_trainer_tax_takes_a_real_model_step_on_the_cpu_seam() -> None:
-    # The step a GPU machine times (`--device cuda`), on the CPU: its logic, not its figure.
+needs_cuda = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize(
+    ("device", "contenders"),
+    [
+        ("cpu", ("resident", "native-beside")),  # the CPU seam: the step's logic, not its figure
+        pytest.param("cuda", CONTENDERS, marks=needs_cuda),  # the figure that counts
+    ],
+)
+def test_trainer_tax_takes_a_real_model_step(device: str, contenders: tuple[str, ...]) -> None:
     out = run_benchmark(
         [sys.executable, str(BENCHMARKS / "trainer_tax.py"), "--quick", "--step", "model",
-         "--contenders", "resident,native-beside"], 120
+         "--device", device, "--contenders", ",".join(contenders)], 300
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (summary["step"], summary["device"]) == ("model", "cpu")
+    assert (summary["step"], summary["device"]) == ("model", device)
     assert summary["resident"]["inflation"] == [1.0]
-    assert summary["native-beside"]["best_steps_per_s"] > 0
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_trainer_tax_times_a_cuda_step_beside_every_contender() -> None:
-    out = run_benchmark(
-        [sys.executable, str(BENCHMARKS / "trainer_tax.py"), "--quick", "--step", "model",
-         "--device", "cuda"], 300
-    )  # fmt: skip
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["device"] == "cuda"
-    for name in ("resident", "torch-8", "frontdoor-8", "native", "native-beside"):
-        assert summary[name]["step_compute_ms"][0] > 0
+    for name in contenders:
+        assert summary[name]["best_steps_per_s"] > 0
 
 
 def test_dropin_runs_torch_and_aioloader_on_the_same_user_code() -> None:
