@@ -37,7 +37,7 @@ for a remote machine; it runs at nice 10 (`STORE_NICE`), so that it takes the CP
 leave rather than the trainer's.
 
 Usage: python benchmarks/trainer_tax.py [--quick] [--rounds R] [--contenders a,b,...]
-                                        [--step ops|model] [--device cpu|cuda]
+                                        [--step ops|model] [--device cpu|cuda (with --step model)]
 (--quick: one round of fewer steps, under 60 s.) The last line printed is a JSON summary.
 """
 
@@ -266,6 +266,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--run", nargs=4, metavar=("NAME", "BASE", "WARMUP", "MEASURED"))
     args = parser.parse_args()
+    if args.device == "cuda" and args.step != "model":  # the ops step's state lives on the CPU
+        parser.error("--device cuda times a real model step: give --step model with it")
     if args.run:
         name, base, warmup, measured = args.run
         result = run_one(name, base, int(warmup), int(measured), args.step, args.device)
