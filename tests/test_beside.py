@@ -91,7 +91,7 @@ async def aniceness(key: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fetch", [niceness, aniceness])
 def test_the_pipeline_beside_yields_the_cpu_to_the_trainer(fetch: Any) -> None:
-    # every thread of its process, each with its own nice value on Linux
+    # the threads that fetch (the loop's, and those a sync fetch runs in): Linux sets nice per thread
     with Loader(range(N), fetch, batch_size=BATCH, beside=True) as loader:
         seen = {int(n) for batch in loader for n in batch[:, 1]}
     assert seen == {min(19, os.nice(0) + LOADER_NICE)}

@@ -102,13 +102,13 @@ def cores_idle(ticks: int | None, ticks_now: int | None, seconds: float) -> floa
 # its core first, and the loader the time the step leaves; where a core is idle it changes nothing.
 # Measured on `benchmarks/trainer_tax.py` (2 cores, 2026-12-07): the step beside the front door's
 # eight workers ran 1.48-1.58x its resident time at nice 10, waiting 2.7-3.1 ms a step in a run
-# queue, against 1.23-1.29x beside torch's workers (at the trainer's priority: theirs feed half
-# the steps, so take half the CPU a second); at nice 19, 1.14-1.25x against torch's 1.22-1.31x,
-# 0.7-0.9 ms queued, with the same steps/s. The cost is where other CPU-bound work at nice 0 shares
-# the job's scheduling group (its session, or its container's cgroup: across groups the kernel
-# shares by group first): the loader then gets little of a busy core (`tests/dataloader` beside two
-# spinning processes of the same session took 311 s at nice 19, 97 s at nice 10).
-# `AIOLOADER_NICE=0` in the environment keeps them at the trainer's priority.
+# queue, against 1.23-1.29x beside torch's workers (at the trainer's priority: theirs feed half the
+# steps, so take half the CPU a second); at nice 19, in five full runs, 1.11-1.26x against torch's
+# 1.17-1.34x, 0.5-1.1 ms queued, and more steps/s than at nice 10. The cost is where other
+# CPU-bound work at nice 0 shares the job's scheduling group (its session, or its container's
+# cgroup: across groups the kernel shares by group first): the loader then gets little of a busy
+# core (`tests/dataloader` beside two spinning processes of the same session took 311 s at nice 19,
+# 97 s at nice 10). `AIOLOADER_NICE=0` in the environment keeps them at the trainer's priority.
 LOADER_NICE = 19
 NICE_ENV = "AIOLOADER_NICE"
 
